@@ -1,0 +1,498 @@
+"""The wire protocol: the one implementation of docs/PROTOCOL.md.
+
+Frames are ``[signature, command, header, *payload]``. This module owns the signatures, the command
+table, the limits, ``encode``/``decode`` and the validation of every header field that crosses the
+wire. It has no sockets: callers pass lists of frames in and out.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from gpud.errors import (
+    GpudError,
+    InvalidRequest,
+    ProtocolError,
+    TooLarge,
+    UnknownCommand,
+    VersionError,
+)
+from gpud.resources import GpuInfo, GpuState, Need
+
+PROTOCOL_VERSION = 1
+SIGNATURE_PREFIX = b"GPUD"
+
+MAX_HEADER_BYTES = 64 * 1024
+MAX_PAYLOAD_FRAMES = 4096
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+
+class Peer(bytes, enum.Enum):
+    """Signature frame of each peer kind: ``GPUD`` + kind letter + version digit."""
+
+    CLIENT = b"GPUDC1"
+    WORKER = b"GPUDW1"
+    ADMIN = b"GPUDA1"
+
+
+class Command(enum.IntEnum):
+    """One-byte commands (PROTOCOL.md §3). No command literal exists anywhere else."""
+
+    REQUEST = 0x01
+    REPLY = 0x02
+    CANCEL = 0x03
+    CALL = 0x04
+    PING = 0x05
+    PONG = 0x06
+    READY = 0x10
+    WELCOME = 0x11
+    HEARTBEAT = 0x12
+    DISPATCH = 0x13
+    RESULT = 0x14
+    DISCONNECT = 0x15
+    ADMIN = 0x20
+    ERROR = 0x7F
+
+
+# What each peer kind may send to the broker. Anything else is UNKNOWN_COMMAND.
+SENDABLE: dict[Peer, frozenset[Command]] = {
+    Peer.CLIENT: frozenset({Command.REQUEST, Command.CANCEL, Command.CALL, Command.PING}),
+    Peer.WORKER: frozenset(
+        {Command.READY, Command.HEARTBEAT, Command.RESULT, Command.DISCONNECT}
+    ),
+    Peer.ADMIN: frozenset({Command.ADMIN}),
+}
+
+_PEER_BY_SIG: dict[bytes, Peer] = {p.value: p for p in Peer}
+_CMD_BY_BYTE: dict[bytes, Command] = {bytes([c]): c for c in Command}
+CMD_BYTES: dict[Command, bytes] = {c: bytes([c]) for c in Command}
+
+ID_BYTES = 16
+KINDS = ("echo", "job", "session")
+SESSION_OPS = ("alloc", "free", "htod", "dtoh", "launch", "sync", "info", "close")
+ARG_TYPES = ("ptr", "i32", "u32", "i64", "u64", "f32", "f64")
+BUILTIN_MODULE = "builtin"
+
+_packb = msgpack.Packer(use_bin_type=True).pack
+
+
+def packb(obj: Any) -> bytes:
+    return _packb(obj)
+
+
+def unpackb(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+
+
+def new_id() -> bytes:
+    """A fresh client-chosen request id (a random UUID, 16 bytes)."""
+    return uuid.uuid4().bytes
+
+
+def id_text(rid: bytes) -> str:
+    """Short printable form of an id for logs."""
+    return rid.hex()[:12] if isinstance(rid, bytes) else repr(rid)
+
+
+@dataclass(slots=True)
+class Message:
+    """A decoded message: who sent it, the command, the header map, the raw payload frames."""
+
+    peer: Peer
+    command: Command
+    header: dict[str, Any]
+    frames: list[Any] = field(default_factory=list)
+
+
+def encode(peer: Peer, command: Command, header: dict[str, Any], frames: Sequence[Any] = ()) -> list[Any]:
+    """Frames for one message. ``frames`` are passed through untouched (no copies)."""
+    return [peer.value, CMD_BYTES[command], _packb(header), *frames]
+
+
+def decode(
+    frames: Sequence[Any],
+    expect: Peer | None = None,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> Message:
+    """Validate and unpack one message (frames after any ROUTER identity).
+
+    Raises ProtocolError (or a subclass) on anything malformed; never trusts the input.
+    ``frames`` may hold bytes or zmq.Frame objects (the payload is kept as given).
+    """
+    n = len(frames)
+    if n < 3:
+        raise ProtocolError(f"message has {n} frames; at least 3 are required")
+    if n - 3 > MAX_PAYLOAD_FRAMES:
+        raise TooLarge(f"message has {n - 3} payload frames; the limit is {MAX_PAYLOAD_FRAMES}")
+    sig = _as_bytes(frames[0])
+    peer = _PEER_BY_SIG.get(sig)
+    if peer is None:
+        if len(sig) == 6 and sig[:4] == SIGNATURE_PREFIX and sig[4:5] in b"CWA":
+            raise VersionError(
+                f"unsupported protocol version {sig[5:6]!r}; this peer speaks {PROTOCOL_VERSION}"
+            )
+        raise ProtocolError(f"bad signature frame {sig[:16]!r}")
+    if expect is not None and peer is not expect:
+        raise UnknownCommand(f"a {peer.name.lower()} peer may not talk to this socket")
+    command = _CMD_BY_BYTE.get(_as_bytes(frames[1]))
+    if command is None:
+        raise UnknownCommand(f"unknown command {_as_bytes(frames[1])[:4]!r}")
+    raw = _as_bytes(frames[2])
+    if len(raw) > MAX_HEADER_BYTES:
+        raise TooLarge(f"header is {len(raw)} bytes; the limit is {MAX_HEADER_BYTES}")
+    if n > 3:
+        total = len(raw) + sum(len(_as_bytes_view(f)) for f in frames[3:])
+        if total > max_bytes:
+            raise TooLarge(f"message is {total} bytes; the limit is {max_bytes}")
+    try:
+        header = unpackb(raw)
+    except Exception as exc:  # msgpack raises many types on garbage
+        raise ProtocolError(f"header is not valid msgpack: {exc.__class__.__name__}") from None
+    if type(header) is not dict:
+        raise ProtocolError("header is not a msgpack map")
+    return Message(peer, command, header, list(frames[3:]))
+
+
+def _as_bytes(frame: Any) -> bytes:
+    if type(frame) is bytes:
+        return frame
+    b = getattr(frame, "bytes", None)  # zmq.Frame
+    if b is not None:
+        return bytes(b)
+    if isinstance(frame, (bytearray, memoryview)):
+        return bytes(frame)
+    raise ProtocolError(f"frame of type {type(frame).__name__} is not bytes")
+
+
+def _as_bytes_view(frame: Any) -> Any:
+    buf = getattr(frame, "buffer", None)
+    return frame if buf is None else buf
+
+
+# --------------------------------------------------------------------------- field validation
+
+
+def get_id(header: dict[str, Any], key: str = "id") -> bytes:
+    """The 16-byte id under ``key``; ProtocolError when missing or malformed."""
+    rid = header.get(key)
+    if type(rid) is not bytes or len(rid) != ID_BYTES:
+        raise ProtocolError(f"header field {key!r} must be {ID_BYTES} bytes")
+    return rid
+
+
+def opt(header: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+    """An optional header field of a given type (bool is not an int here)."""
+    value = header.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and kind is not bool and not (isinstance(kind, tuple) and bool in kind):
+        raise InvalidRequest(f"field {key!r} must be {_type_name(kind)}, not a boolean")
+    if not isinstance(value, kind):
+        raise InvalidRequest(f"field {key!r} must be {_type_name(kind)}, not {type(value).__name__}")
+    return value
+
+
+def req(header: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    if key not in header:
+        raise InvalidRequest(f"field {key!r} is required")
+    return opt(header, key, kind)
+
+
+def _type_name(kind: type | tuple[type, ...]) -> str:
+    if isinstance(kind, tuple):
+        return " or ".join(k.__name__ for k in kind)
+    return kind.__name__
+
+
+def _int_in(value: int, key: str, lo: int, hi: int) -> int:
+    if not lo <= value <= hi:
+        raise InvalidRequest(f"field {key!r} must be in {lo}..{hi}, got {value}")
+    return value
+
+
+# Default needs per kind (PROTOCOL.md §5).
+DEFAULT_NEED = {
+    "echo": (1, 0),
+    "job": (1000, 0),
+    "session": (100, 256 << 20),
+}
+_TENANT_RE = re.compile(r"[A-Za-z0-9._@-]{1,64}\Z")
+MAX_MEM = 1 << 50
+
+
+def parse_need(kind: str, raw: Any) -> Need:
+    """Validate a REQUEST's ``need`` map for ``kind``; InvalidRequest on any bad field."""
+    if raw is None:
+        raw = {}
+    if type(raw) is not dict:
+        raise InvalidRequest("field 'need' must be a map")
+    milli_default, mem_default = DEFAULT_NEED[kind]
+    gpus = _int_in(opt(raw, "gpus", int, 0), "gpus", 0, 64)
+    milli = opt(raw, "gpu_milli", int, None)
+    if gpus:
+        if milli not in (None, 0, 1000):
+            raise InvalidRequest("with 'gpus' > 0, 'gpu_milli' must be 0 or 1000")
+        milli = 1000
+    else:
+        milli = _int_in(milli_default if milli is None else milli, "gpu_milli", 1, 1000)
+    if kind == "session" and gpus > 1:
+        raise InvalidRequest("a session is pinned to one GPU; 'gpus' must be 0 or 1")
+    mem = _int_in(opt(raw, "mem", int, mem_default), "mem", 0, MAX_MEM)
+    cpu = _int_in(opt(raw, "cpu_milli", int, 0), "cpu_milli", 0, 1 << 30)
+    host_mem = _int_in(opt(raw, "host_mem", int, 0), "host_mem", 0, MAX_MEM)
+    models_raw = opt(raw, "models", list, None)
+    models: frozenset[str] | None = None
+    if models_raw is not None:
+        if not models_raw or not all(type(m) is str and 0 < len(m) <= 64 for m in models_raw):
+            raise InvalidRequest("field 'models' must be a non-empty list of model names")
+        models = frozenset(models_raw)
+    cc_raw = opt(raw, "min_cc", list, None)
+    min_cc: tuple[int, int] | None = None
+    if cc_raw is not None:
+        if len(cc_raw) != 2 or not all(type(v) is int and 0 <= v < 100 for v in cc_raw):
+            raise InvalidRequest("field 'min_cc' must be [major, minor]")
+        min_cc = (cc_raw[0], cc_raw[1])
+    exclusive = opt(raw, "exclusive", bool, False)
+    priority = _int_in(opt(raw, "priority", int, 0), "priority", -100, 100)
+    tenant = opt(raw, "tenant", str, "default")
+    if not _TENANT_RE.match(tenant):
+        raise InvalidRequest("field 'tenant' must be 1-64 of [A-Za-z0-9._@-]")
+    return Need(
+        gpu_milli=milli,
+        gpus=gpus,
+        mem=mem,
+        cpu_milli=cpu,
+        host_mem=host_mem,
+        models=models,
+        min_cc=min_cc,
+        exclusive=exclusive,
+        priority=priority,
+        tenant=tenant,
+    )
+
+
+def need_to_wire(need: Need) -> dict[str, Any]:
+    """The ``need`` map for a REQUEST (inverse of parse_need for explicit fields)."""
+    out: dict[str, Any] = {"gpu_milli": need.gpu_milli, "gpus": need.gpus, "mem": need.mem}
+    if need.cpu_milli:
+        out["cpu_milli"] = need.cpu_milli
+    if need.host_mem:
+        out["host_mem"] = need.host_mem
+    if need.models is not None:
+        out["models"] = sorted(need.models)
+    if need.min_cc is not None:
+        out["min_cc"] = list(need.min_cc)
+    if need.exclusive:
+        out["exclusive"] = True
+    if need.priority:
+        out["priority"] = need.priority
+    out["tenant"] = need.tenant
+    return out
+
+
+_FILE_RE = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
+_ENV_RE = re.compile(r"[A-Z_][A-Z0-9_]*\Z")
+
+
+def check_file_name(name: Any) -> str:
+    if type(name) is not str or not _FILE_RE.match(name) or name in (".", ".."):
+        raise InvalidRequest(f"bad file name {name!r}: use 1-128 of [A-Za-z0-9._-]")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """A validated ``job`` request body (PROTOCOL.md §5.3)."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    files: tuple[str, ...]
+    outputs: tuple[str, ...]
+    time_limit: float = 60.0
+    output_cap: int = 1 << 20
+    idempotent: bool = False
+
+
+MAX_TIME_LIMIT = 7 * 24 * 3600.0
+MAX_OUTPUT_CAP = 256 << 20
+
+
+def parse_job(header: dict[str, Any], nframes: int) -> JobSpec:
+    argv = req(header, "argv", list)
+    if not argv or len(argv) > 4096 or not all(type(a) is str and "\0" not in a for a in argv):
+        raise InvalidRequest("field 'argv' must be a non-empty list of strings")
+    env_raw = opt(header, "env", dict, {})
+    env: dict[str, str] = {}
+    for k, v in env_raw.items():
+        if type(k) is not str or not _ENV_RE.match(k) or type(v) is not str or "\0" in v:
+            raise InvalidRequest(f"bad environment entry {k!r}")
+        env[k] = v
+    files = tuple(check_file_name(f) for f in opt(header, "files", list, []))
+    if len(set(files)) != len(files):
+        raise InvalidRequest("field 'files' names a file twice")
+    if len(files) != nframes:
+        raise InvalidRequest(f"'files' names {len(files)} files but {nframes} payload frames came")
+    outputs = tuple(check_file_name(f) for f in opt(header, "outputs", list, []))
+    limit = float(opt(header, "time_limit", (int, float), 60.0))
+    if not 0 < limit <= MAX_TIME_LIMIT:
+        raise InvalidRequest(f"field 'time_limit' must be in (0, {MAX_TIME_LIMIT:.0f}] seconds")
+    cap = _int_in(opt(header, "output_cap", int, 1 << 20), "output_cap", 0, MAX_OUTPUT_CAP)
+    return JobSpec(
+        argv=tuple(argv),
+        env=env,
+        files=files,
+        outputs=outputs,
+        time_limit=limit,
+        output_cap=cap,
+        idempotent=opt(header, "idempotent", bool, False),
+    )
+
+
+def job_to_wire(spec: JobSpec) -> dict[str, Any]:
+    return {
+        "argv": list(spec.argv),
+        "env": dict(spec.env),
+        "files": list(spec.files),
+        "outputs": list(spec.outputs),
+        "time_limit": spec.time_limit,
+        "output_cap": spec.output_cap,
+        "idempotent": spec.idempotent,
+    }
+
+
+def parse_dims(value: Any, key: str) -> tuple[int, int, int]:
+    if type(value) is not list or not 1 <= len(value) <= 3:
+        raise InvalidRequest(f"field {key!r} must be a list of 1 to 3 positive ints")
+    dims = []
+    for v in value:
+        if type(v) is not int or not 1 <= v <= (1 << 31) - 1:
+            raise InvalidRequest(f"field {key!r} must be a list of 1 to 3 positive ints")
+        dims.append(v)
+    while len(dims) < 3:
+        dims.append(1)
+    return (dims[0], dims[1], dims[2])
+
+
+_INT_RANGES = {
+    "i32": (-(1 << 31), (1 << 31) - 1),
+    "u32": (0, (1 << 32) - 1),
+    "i64": (-(1 << 63), (1 << 63) - 1),
+    "u64": (0, (1 << 64) - 1),
+    "ptr": (0, (1 << 63) - 1),
+}
+
+
+def parse_launch_args(value: Any) -> list[tuple[str, int | float]]:
+    """Validate launch ``args``: a list of ``[type, value]`` pairs (PROTOCOL.md §5.4)."""
+    if type(value) is not list or len(value) > 256:
+        raise InvalidRequest("field 'args' must be a list of at most 256 [type, value] pairs")
+    out: list[tuple[str, int | float]] = []
+    for i, item in enumerate(value):
+        if type(item) is not list or len(item) != 2 or item[0] not in ARG_TYPES:
+            raise InvalidRequest(f"argument {i} must be [type, value] with type in {ARG_TYPES}")
+        tag, v = item
+        if tag in ("f32", "f64"):
+            if type(v) not in (int, float):
+                raise InvalidRequest(f"argument {i} ({tag}) must be a number")
+            out.append((tag, float(v)))
+        else:
+            lo, hi = _INT_RANGES[tag]
+            if type(v) is not int or not lo <= v <= hi:
+                raise InvalidRequest(f"argument {i} ({tag}) must be an int in {lo}..{hi}")
+            out.append((tag, v))
+    return out
+
+
+def parse_gpu_info(raw: Any) -> GpuInfo:
+    if type(raw) is not dict:
+        raise ProtocolError("each GPU in READY must be a map")
+    cc = raw.get("cc", [0, 0])
+    if type(cc) is not list or len(cc) != 2 or not all(type(v) is int for v in cc):
+        raise ProtocolError("GPU field 'cc' must be [major, minor]")
+    try:
+        return GpuInfo(
+            uuid=_str_field(raw, "uuid", 128),
+            index=_int_field(raw, "index", 0, 1024),
+            model=_str_field(raw, "model", 64),
+            mem=_int_field(raw, "mem", 0, MAX_MEM),
+            cc=(cc[0], cc[1]),
+            simulated=bool(raw.get("simulated", False)),
+        )
+    except InvalidRequest as exc:
+        raise ProtocolError(str(exc)) from None
+
+
+def gpu_info_to_wire(g: GpuInfo) -> dict[str, Any]:
+    return {
+        "uuid": g.uuid,
+        "index": g.index,
+        "model": g.model,
+        "mem": g.mem,
+        "cc": list(g.cc),
+        "simulated": g.simulated,
+    }
+
+
+HEALTH_STATES = ("ok", "degraded", "failed")
+
+
+def parse_gpu_state(raw: Any) -> tuple[str, GpuState]:
+    """One entry of a HEARTBEAT's ``gpus`` list -> (uuid, state). Values are clamped, not trusted."""
+    if type(raw) is not dict:
+        raise ProtocolError("each GPU state in HEARTBEAT must be a map")
+    uuid_ = raw.get("uuid")
+    if type(uuid_) is not str:
+        raise ProtocolError("GPU state needs 'uuid'")
+    health = raw.get("health", "ok")
+    if health not in HEALTH_STATES:
+        health = "failed"
+    return uuid_, GpuState(
+        util=_num(raw.get("util"), 0.0, 100.0),
+        mem_used=int(_num(raw.get("mem_used"), 0, MAX_MEM)),
+        temp=_num(raw.get("temp"), -50.0, 200.0),
+        power=_num(raw.get("power"), 0.0, 10000.0),
+        health=health,
+    )
+
+
+def gpu_state_to_wire(uuid_: str, s: GpuState) -> dict[str, Any]:
+    return {
+        "uuid": uuid_,
+        "util": s.util,
+        "mem_used": s.mem_used,
+        "temp": s.temp,
+        "power": s.power,
+        "health": s.health,
+    }
+
+
+def _num(v: Any, lo: float, hi: float) -> float:
+    if type(v) not in (int, float):
+        return lo
+    return float(min(max(v, lo), hi))
+
+
+def _str_field(raw: dict[str, Any], key: str, maxlen: int) -> str:
+    v = raw.get(key)
+    if type(v) is not str or not 0 < len(v) <= maxlen:
+        raise InvalidRequest(f"field {key!r} must be a string of 1-{maxlen} characters")
+    return v
+
+
+def _int_field(raw: dict[str, Any], key: str, lo: int, hi: int) -> int:
+    v = raw.get(key)
+    if type(v) is not int or isinstance(v, bool):
+        raise InvalidRequest(f"field {key!r} must be an int")
+    return _int_in(v, key, lo, hi)
+
+
+def error_header(rid: bytes | None, exc: GpudError) -> dict[str, Any]:
+    """REPLY/RESULT header for a failure."""
+    return {"id": rid, "ok": False, "code": exc.code, "message": exc.message}

@@ -1,0 +1,79 @@
+"""The resource model: what a GPU is, what it is doing, what a request needs, what was granted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MILLI_PER_GPU = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    """A GPU as its worker announces it on READY. Static for the life of the connection."""
+
+    uuid: str
+    index: int
+    model: str
+    mem: int  # bytes
+    cc: tuple[int, int]  # CUDA compute capability
+    simulated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GpuState:
+    """A GPU's measured state, as the last heartbeat carried it."""
+
+    util: float = 0.0  # percent, 0..100
+    mem_used: int = 0  # bytes
+    temp: float = 0.0  # degrees C
+    power: float = 0.0  # watts
+    health: str = "ok"  # ok | degraded | failed
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """What one request asks for. ``gpus`` > 0 means whole GPUs; otherwise a share of one GPU."""
+
+    gpu_milli: int = 1000
+    gpus: int = 0
+    mem: int = 0  # device bytes, per GPU
+    cpu_milli: int = 0
+    host_mem: int = 0
+    models: frozenset[str] | None = None
+    min_cc: tuple[int, int] | None = None
+    exclusive: bool = False
+    priority: int = 0
+    tenant: str = "default"
+
+    @property
+    def gpu_count(self) -> int:
+        return self.gpus if self.gpus else 1
+
+    @property
+    def milli_per_gpu(self) -> int:
+        return MILLI_PER_GPU if self.gpus else self.gpu_milli
+
+    @property
+    def total_milli(self) -> int:
+        return self.gpu_count * self.milli_per_gpu
+
+    def fits_type(self, gpu: GpuInfo) -> bool:
+        """Model and compute-capability filter (static properties only)."""
+        if self.models is not None and gpu.model not in self.models:
+            return False
+        if self.min_cc is not None and gpu.cc < self.min_cc:
+            return False
+        return self.mem <= gpu.mem
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What the broker granted one request: GPUs on one worker and the share of each."""
+
+    worker: str
+    gpus: tuple[str, ...]  # uuids
+    gpu_milli: int  # per GPU
+    mem: int  # device bytes per GPU
+    cpu_milli: int = 0
+    host_mem: int = 0
+    exclusive: bool = False

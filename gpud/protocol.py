@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +80,7 @@ SESSION_OPS = ("alloc", "free", "htod", "dtoh", "launch", "sync", "info", "close
 ARG_TYPES = ("ptr", "i32", "u32", "i64", "u64", "f32", "f64")
 BUILTIN_MODULE = "builtin"
 
-_packb = msgpack.Packer(use_bin_type=True).pack
+_packb: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
 
 
 def packb(obj: Any) -> bytes:
@@ -147,16 +147,20 @@ def decode(
     raw = _as_bytes(frames[2])
     if len(raw) > MAX_HEADER_BYTES:
         raise TooLarge(f"header is {len(raw)} bytes; the limit is {MAX_HEADER_BYTES}")
+    total = len(raw)
     if n > 3:
-        total = len(raw) + sum(len(_as_bytes_view(f)) for f in frames[3:])
-        if total > max_bytes:
-            raise TooLarge(f"message is {total} bytes; the limit is {max_bytes}")
+        total += sum(_nbytes(f) for f in frames[3:])
+    if total > max_bytes:
+        raise TooLarge(f"message is {total} bytes; the limit is {max_bytes}")
     try:
         header = unpackb(raw)
     except Exception as exc:  # msgpack raises many types on garbage
         raise ProtocolError(f"header is not valid msgpack: {exc.__class__.__name__}") from None
     if type(header) is not dict:
         raise ProtocolError("header is not a msgpack map")
+    for key in header:
+        if type(key) is not str:
+            raise ProtocolError("header keys must be strings")
     return Message(peer, command, header, list(frames[3:]))
 
 
@@ -171,9 +175,14 @@ def _as_bytes(frame: Any) -> bytes:
     raise ProtocolError(f"frame of type {type(frame).__name__} is not bytes")
 
 
-def _as_bytes_view(frame: Any) -> Any:
-    buf = getattr(frame, "buffer", None)
-    return frame if buf is None else buf
+def _nbytes(frame: Any) -> int:
+    if type(frame) is bytes:
+        return len(frame)
+    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    try:
+        return memoryview(frame if buf is None else buf).nbytes
+    except TypeError:
+        raise ProtocolError(f"frame of type {type(frame).__name__} is not bytes") from None
 
 
 # --------------------------------------------------------------------------- field validation
@@ -456,7 +465,7 @@ def parse_gpu_state(raw: Any) -> tuple[str, GpuState]:
     return uuid_, GpuState(
         util=_num(raw.get("util"), 0.0, 100.0),
         mem_used=int(_num(raw.get("mem_used"), 0, MAX_MEM)),
-        temp=_num(raw.get("temp"), -50.0, 200.0),
+        temp=_num(raw.get("temp"), -50.0, 200.0, 0.0),
         power=_num(raw.get("power"), 0.0, 10000.0),
         health=health,
     )
@@ -473,9 +482,10 @@ def gpu_state_to_wire(uuid_: str, s: GpuState) -> dict[str, Any]:
     }
 
 
-def _num(v: Any, lo: float, hi: float) -> float:
-    if type(v) not in (int, float):
-        return lo
+def _num(v: Any, lo: float, hi: float, default: float | None = None) -> float:
+    """A measured number clamped to [lo, hi]; missing, non-numeric or NaN gives ``default`` (lo)."""
+    if type(v) not in (int, float) or v != v:
+        return lo if default is None else default
     return float(min(max(v, lo), hi))
 
 

@@ -1,1 +1,1 @@
-"""placeholder"""
+"""gpud_broker: the control-node daemon (client frontend, worker backend, scheduler, admin)."""

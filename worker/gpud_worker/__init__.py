@@ -1,1 +1,1 @@
-"""placeholder"""
+"""gpud_worker: the GPU-VM daemon (broker links, heartbeats with GPU state, executors)."""

@@ -1,0 +1,495 @@
+"""The broker's core: what happens on every client, worker and timer event. No sockets.
+
+The socket shell (``broker.py``) decodes frames and calls ``on_client``/``on_worker``/``tick``; the
+core answers through the two send functions it was given. Everything here is driven by the time the
+caller passes, so tests run it with a fake clock and plain lists as sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpud import protocol as P
+from gpud.errors import (
+    Busy,
+    Cancelled,
+    GpudError,
+    InvalidRequest,
+    NoCapacity,
+    ProtocolError,
+    SessionLost,
+    Timeout,
+    UnknownCommand,
+    WorkerLost,
+)
+from gpud.heartbeat import HeartbeatPolicy
+from gpud.protocol import Command, Message, Peer
+from gpud.resources import GpuInfo
+from gpud_broker import ledger
+from gpud_broker.policies import POLICIES, could_ever_fit
+from gpud_broker.queue import PendingQueue
+from gpud_broker.registry import WorkerRecord, WorkerRegistry
+from gpud_broker.tasks import Session, State, Task, TaskTable
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[bytes, list[Any]], object]
+
+MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
+MAX_SLOTS = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerConfig:
+    name: str = "broker"
+    heartbeat: HeartbeatPolicy = field(default_factory=HeartbeatPolicy)
+    policy: str = "balanced"
+    max_queue: int = 10_000
+    default_deadline_ms: int = 30_000
+    result_ttl: float = 60.0  # seconds a finished reply is kept for retries
+    result_bytes: int = 256 << 20  # bytes of finished replies kept at most
+    session_lease: float = 30.0  # seconds without hearing from a session's client
+    max_attempts: int = 3  # placements of one request across worker losses
+    max_message_bytes: int = P.DEFAULT_MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+
+
+_CLIENT_SIG = Peer.CLIENT.value
+_WORKER_SIG = Peer.WORKER.value
+_REPLY = P.CMD_BYTES[Command.REPLY]
+_DISPATCH = P.CMD_BYTES[Command.DISPATCH]
+_packb = P.packb
+
+
+class BrokerCore:
+    def __init__(self, config: BrokerConfig, now: float, send_client: Send, send_worker: Send) -> None:
+        self.config = config
+        self.started = now
+        self.now = now
+        self.send_client = send_client
+        self.send_worker = send_worker
+        self.registry = WorkerRegistry()
+        self.tasks = TaskTable(config.result_ttl, config.result_bytes)
+        self.queue: PendingQueue[Task] = PendingQueue(config.max_queue)
+        self.sessions: dict[bytes, Session] = {}
+        self.policy = POLICIES[config.policy]
+        self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0}
+
+    # ------------------------------------------------------------------ client dialog
+
+    def on_client(self, identity: bytes, msg: Message) -> None:
+        cmd = msg.command
+        if cmd is Command.REQUEST:
+            self._on_request(identity, msg)
+        elif cmd is Command.CALL:
+            self._on_call(identity, msg)
+        elif cmd is Command.PING:
+            self._on_ping(identity, msg.header)
+        elif cmd is Command.CANCEL:
+            self._on_cancel(msg.header)
+        else:
+            raise UnknownCommand(f"command {cmd.name} is not valid from a client")
+
+    def _on_request(self, identity: bytes, msg: Message) -> None:
+        h = msg.header
+        rid = P.get_id(h)
+        self.counters["requests"] += 1
+        known = self.tasks.tasks.get(rid)
+        if known is not None:
+            self._attach(identity, known)
+            return
+        try:
+            kind = h.get("kind")
+            if kind not in P.KINDS:
+                raise InvalidRequest(f"unknown request kind {kind!r}; known: {', '.join(P.KINDS)}")
+            need = P.parse_need(kind, h.get("need"))
+            body: dict[str, Any]
+            retryable = True
+            if kind == "job":
+                spec = P.parse_job(h, len(msg.frames))
+                body = P.job_to_wire(spec)
+                retryable = spec.idempotent
+            else:
+                body = {}
+            deadline_ms = P.opt(h, "deadline_ms", int, self.config.default_deadline_ms)
+            if not 0 <= deadline_ms <= MAX_DEADLINE_MS:
+                raise InvalidRequest(f"field 'deadline_ms' must be in 0..{MAX_DEADLINE_MS}")
+        except GpudError as exc:
+            self._refuse(identity, rid, exc)
+            return
+        now = self.now
+        task = Task(
+            id=rid,
+            kind=kind,
+            need=need,
+            body=body,
+            frames=msg.frames,
+            route=identity,
+            created=now,
+            deadline=now + deadline_ms / 1000.0,
+            priority=need.priority,
+            tenant=need.tenant,
+            retryable=retryable,
+        )
+        self.tasks.add(task)
+        if self._try_dispatch(task):
+            return
+        if len(self.registry) and not could_ever_fit(need, self.registry.by_identity.values()):
+            self.tasks.forget(task)
+            self._refuse(identity, rid, NoCapacity("no connected worker has GPUs that could satisfy this request"))
+        elif not self.queue.push(task):
+            self.tasks.forget(task)
+            self._refuse(identity, rid, Busy(f"the queue is full ({self.config.max_queue} requests); try later"))
+
+    def _attach(self, identity: bytes, task: Task) -> None:
+        """A retry of a known id: never run again; answer with the original's reply."""
+        self.counters["retries"] += 1
+        task.route = identity
+        if task.state is State.DONE and task.reply is not None:
+            self.send_client(identity, task.reply)
+
+    def _refuse(self, identity: bytes, rid: bytes, exc: GpudError) -> None:
+        """Answer a request that was not accepted (nothing is kept: a retry is judged afresh)."""
+        self.counters["errors"] += 1
+        log.info("refused %s: %s %s", P.id_text(rid), exc.code, exc.message)
+        self.send_client(identity, [_CLIENT_SIG, _REPLY, _packb(P.error_header(rid, exc))])
+
+    def _on_call(self, identity: bytes, msg: Message) -> None:
+        h = msg.header
+        rid = P.get_id(h)
+        known = self.tasks.tasks.get(rid)
+        if known is not None:
+            self._attach(identity, known)
+            return
+        try:
+            sid = P.get_id(h, "session")
+            op = h.get("op")
+            if op not in P.SESSION_OPS:
+                raise InvalidRequest(f"unknown session op {op!r}; known: {', '.join(P.SESSION_OPS)}")
+            args = P.opt(h, "args", dict, {})
+            session = self.sessions.get(sid)
+            if session is None or session.closing:
+                raise SessionLost(f"session {P.id_text(sid)} is unknown or has ended")
+            worker = self.registry.by_name.get(session.worker)
+            if worker is None:
+                raise SessionLost(f"the worker of session {P.id_text(sid)} is gone")
+        except ProtocolError as exc:
+            self._refuse(identity, rid, InvalidRequest(exc.message))
+            return
+        except GpudError as exc:
+            self._refuse(identity, rid, exc)
+            return
+        now = self.now
+        session.last_seen = now
+        session.route = identity
+        if op == "close":
+            session.closing = True
+        task = Task(
+            id=rid,
+            kind="call",
+            need=None,
+            body={"session": sid, "op": op, "args": args},
+            frames=msg.frames,
+            route=identity,
+            created=now,
+            deadline=now,
+            tenant=session.tenant,
+            session=sid,
+        )
+        self.tasks.add(task)
+        self._send_dispatch(worker, task)
+
+    def _on_ping(self, identity: bytes, h: dict[str, Any]) -> None:
+        sessions = h.get("sessions")
+        if type(sessions) is list:
+            now = self.now
+            for sid in sessions[:10_000]:
+                s = self.sessions.get(sid) if type(sid) is bytes else None
+                if s is not None:
+                    s.last_seen = now
+        self.send_client(identity, [_CLIENT_SIG, P.CMD_BYTES[Command.PONG], _packb({})])
+
+    def _on_cancel(self, h: dict[str, Any]) -> None:
+        rid = P.get_id(h)
+        task = self.tasks.tasks.get(rid)
+        if task is None or task.state is not State.QUEUED:
+            return
+        if self.queue.remove(task):
+            self._fail(task, Cancelled("cancelled by its client"))
+
+    # ------------------------------------------------------------------ placement
+
+    def _try_dispatch(self, task: Task) -> bool:
+        need = task.need
+        assert need is not None  # only placed kinds reach here
+        placement = self.policy(need, self.registry.by_identity.values(), task.avoid)
+        if placement is None:
+            return False
+        worker = placement.worker
+        task.grant = ledger.grant(worker, placement.gpus, need)
+        task.attempts += 1
+        self._send_dispatch(worker, task)
+        return True
+
+    def _send_dispatch(self, worker: WorkerRecord, task: Task) -> None:
+        task.state = State.RUNNING
+        task.worker = worker.name
+        task.dispatched_at = self.now
+        worker.assigned[task.id] = task
+        header: dict[str, Any] = {"id": task.id, "kind": task.kind, "tenant": task.tenant}
+        g = task.grant
+        if g is not None:
+            worker.inflight += 1
+            header["grant"] = {"gpus": list(g.gpus), "gpu_milli": g.gpu_milli, "mem": g.mem}
+        if task.body:
+            header.update(task.body)
+        self.send_worker(worker.identity, [_WORKER_SIG, _DISPATCH, _packb(header), *task.frames])
+
+    def place_queued(self) -> int:
+        if not len(self.queue):
+            return 0
+        return self.queue.place(self._try_dispatch)
+
+    # ------------------------------------------------------------------ finishing
+
+    def _finish(self, task: Task, reply: list[Any]) -> None:
+        self.tasks.finish(task, reply, self.now)
+        if task.route is not None:
+            self.send_client(task.route, reply)
+
+    def _fail(self, task: Task, exc: GpudError) -> None:
+        self.counters["errors"] += 1
+        if task.state is State.QUEUED and task.queued:
+            self.queue.remove(task)
+        self._finish(task, [_CLIENT_SIG, _REPLY, _packb(P.error_header(task.id, exc))])
+
+    # ------------------------------------------------------------------ worker dialog
+
+    def on_worker(self, identity: bytes, msg: Message, raw_header: bytes) -> None:
+        cmd = msg.command
+        worker = self.registry.by_identity.get(identity)
+        if cmd is Command.READY:
+            self._on_ready(identity, worker, msg.header)
+            return
+        if worker is None:
+            log.info("%s from an unknown worker connection; asking it to reconnect", cmd.name)
+            self.send_worker(identity, [_WORKER_SIG, P.CMD_BYTES[Command.DISCONNECT], _packb({"reason": "unknown worker"})])
+            return
+        worker.liveness.heard(self.now)
+        if cmd is Command.RESULT:
+            self._on_result(worker, msg, raw_header)
+        elif cmd is Command.HEARTBEAT:
+            self._on_heartbeat(worker, msg.header)
+        elif cmd is Command.DISCONNECT:
+            reason = msg.header.get("reason")
+            log.info("worker %s said goodbye (%s)", worker.name, reason if type(reason) is str else "")
+            self.worker_lost(worker, "disconnected")
+        else:
+            raise UnknownCommand(f"command {cmd.name} is not valid from a worker")
+
+    def _on_ready(self, identity: bytes, current: WorkerRecord | None, h: dict[str, Any]) -> None:
+        try:
+            name = h.get("name")
+            if type(name) is not str or not 0 < len(name) <= 128:
+                raise ProtocolError("READY needs 'name' (1-128 characters)")
+            raw_gpus = h.get("gpus")
+            if type(raw_gpus) is not list or len(raw_gpus) > 64:
+                raise ProtocolError("READY needs 'gpus', a list of at most 64 GPUs")
+            gpus: list[GpuInfo] = [P.parse_gpu_info(g) for g in raw_gpus]
+            if len({g.uuid for g in gpus}) != len(gpus):
+                raise ProtocolError("READY names a GPU uuid twice")
+            cpu = P.opt(h, "cpu_milli", int, 0)
+            host_mem = P.opt(h, "host_mem", int, 0)
+            slots = P.opt(h, "slots", int, 64)
+            hb_ms = P.opt(h, "heartbeat_ms", int, 0)
+            liveness = P.opt(h, "liveness", int, 0)
+            hostname = P.opt(h, "hostname", str, "")[:255]
+            if not (0 <= cpu and 0 <= host_mem and 1 <= slots <= MAX_SLOTS and 0 <= hb_ms <= 600_000 and 0 <= liveness <= 100):
+                raise ProtocolError("READY has a value out of range")
+        except GpudError as exc:
+            self.counters["bad_messages"] += 1
+            log.warning("bad READY: %s", exc.message)
+            self.send_worker(identity, [_WORKER_SIG, P.CMD_BYTES[Command.ERROR], _packb({"code": exc.code, "message": exc.message})])
+            return
+        if current is not None:
+            self.worker_lost(current, "sent READY again")
+        previous = self.registry.by_name.get(name)
+        if previous is not None:
+            self.worker_lost(previous, "replaced by a new connection of the same name")
+        for g in gpus:
+            holder = self.registry.gpus.get(g.uuid)
+            if holder is not None:
+                log.error("worker %s announces GPU %s, held by worker %s; refused", name, g.uuid, holder.worker.name)
+                self.send_worker(identity, [_WORKER_SIG, P.CMD_BYTES[Command.DISCONNECT], _packb({"reason": f"GPU {g.uuid} is already registered"})])
+                return
+        policy = self.config.heartbeat.negotiate(hb_ms / 1000.0, liveness)
+        worker = self.registry.add(
+            name=name,
+            identity=identity,
+            hostname=hostname,
+            gpus=gpus,
+            cpu_milli=cpu,
+            host_mem=host_mem,
+            slots=slots,
+            policy=policy,
+            now=self.now,
+            simulated=bool(h.get("simulated", False)),
+        )
+        log.info(
+            "worker %s ready: %d GPU(s)%s, %d slots, heartbeat %.3fs x %d",
+            name, len(gpus), " (simulated)" if worker.simulated else "", slots, policy.interval, policy.liveness,
+        )
+        self.send_worker(
+            identity,
+            [_WORKER_SIG, P.CMD_BYTES[Command.WELCOME], _packb({"heartbeat_ms": round(policy.interval * 1000), "liveness": policy.liveness, "broker": self.config.name})],
+        )
+        self.place_queued()
+
+    def _on_heartbeat(self, worker: WorkerRecord, h: dict[str, Any]) -> None:
+        seq = h.get("seq")
+        if type(seq) is int:
+            worker.liveness.seq_heard = max(worker.liveness.seq_heard, seq)
+        gpus = h.get("gpus")
+        if type(gpus) is list:
+            states = {}
+            for raw in gpus[:64]:
+                try:
+                    uuid, state = P.parse_gpu_state(raw)
+                except ProtocolError:
+                    continue
+                states[uuid] = state
+            self.registry.update_state(worker, states)
+        running = h.get("running")
+        if type(running) is list:
+            worker.running = [r for r in running[:1000] if type(r) is dict]
+        if h.get("draining") is True and not worker.draining:
+            log.info("worker %s is draining: no new work goes to it", worker.name)
+            worker.draining = True
+
+    def _on_result(self, worker: WorkerRecord, msg: Message, raw_header: bytes) -> None:
+        h = msg.header
+        rid = P.get_id(h)
+        task = worker.assigned.pop(rid, None)
+        if not isinstance(task, Task) or task.state is not State.RUNNING:
+            log.debug("stale RESULT %s from %s dropped", P.id_text(rid), worker.name)
+            return
+        ok = h.get("ok")
+        if ok is not True and (ok is not False or type(h.get("code")) is not str or type(h.get("message")) is not str):
+            log.warning("malformed RESULT %s from %s", P.id_text(rid), worker.name)
+            ok = False
+            raw_header = _packb(P.error_header(rid, ProtocolError(f"worker {worker.name} sent a malformed result")))
+        kind = task.kind
+        if task.grant is not None:
+            worker.inflight -= 1
+        if ok is False and h.get("code") == "SHUTTING_DOWN" and kind != "call":
+            # The worker is stopping and did not start it: place it elsewhere.
+            worker.draining = True
+            self._release(worker, task)
+            self._replace(task, worker.name, "the worker is shutting down")
+            return
+        reply = [_CLIENT_SIG, _REPLY, raw_header, *msg.frames] if ok else [_CLIENT_SIG, _REPLY, raw_header]
+        if kind == "session":
+            if ok:
+                assert task.grant is not None
+                self.sessions[rid] = Session(
+                    id=rid, worker=worker.name, gpu=task.grant.gpus[0], grant=task.grant,
+                    tenant=task.tenant, route=task.route or b"", last_seen=self.now,
+                )
+            else:
+                self._release(worker, task)
+        elif kind == "call":
+            sid = task.session
+            if sid is not None and (task.body.get("op") == "close" or h.get("code") == "SESSION_LOST"):
+                self._end_session(sid)
+        else:
+            self._release(worker, task)
+        self._finish(task, reply)
+        self.place_queued()
+
+    def _release(self, worker: WorkerRecord, task: Task) -> None:
+        g = task.grant
+        if g is not None:
+            ledger.release(worker, [self.registry.gpus[u] for u in g.gpus], g)
+
+    def _end_session(self, sid: bytes) -> None:
+        s = self.sessions.pop(sid, None)
+        if s is None:
+            return
+        worker = self.registry.by_name.get(s.worker)
+        if worker is not None:
+            ledger.release(worker, [self.registry.gpus[s.gpu]], s.grant)
+
+    def worker_lost(self, worker: WorkerRecord, why: str) -> None:
+        """Remove a worker; place its retryable work again, fail the rest (PROTOCOL.md §4.3)."""
+        log.warning("worker %s lost (%s): %d task(s) were on it", worker.name, why, len(worker.assigned))
+        self.registry.remove(worker)
+        for sid in [sid for sid, s in self.sessions.items() if s.worker == worker.name]:
+            del self.sessions[sid]
+        retry: list[Task] = []
+        for task in worker.assigned.values():
+            if not isinstance(task, Task) or task.state is not State.RUNNING:
+                continue
+            if task.kind == "call":
+                self._fail(task, SessionLost(f"the session's worker {worker.name} was lost ({why})"))
+            elif task.retryable:
+                retry.append(task)
+            else:
+                self._fail(task, WorkerLost(f"worker {worker.name} was lost ({why}) while running it"))
+        worker.assigned.clear()
+        for task in retry:
+            self._replace(task, worker.name, why)
+
+    def _replace(self, task: Task, worker_name: str, why: str) -> None:
+        """Place a task again, never on ``worker_name``; fail it when that is not possible."""
+        task.grant = None
+        task.state = State.QUEUED
+        task.avoid.add(worker_name)
+        if task.attempts >= self.config.max_attempts:
+            self._fail(task, WorkerLost(f"worker {worker_name} failed it ({why}) after {task.attempts} attempts"))
+        elif not self._try_dispatch(task) and not self.queue.push(task, front=True):
+            self._fail(task, WorkerLost(f"worker {worker_name} failed it ({why}) and the queue is full"))
+
+    # ------------------------------------------------------------------ timers
+
+    def tick(self, now: float) -> None:
+        """Heartbeats out, dead workers out, expired queue entries and leases, old replies."""
+        self.now = now
+        for worker in self.registry:
+            if worker.liveness.expired(now):
+                self.worker_lost(worker, f"silent for {worker.liveness.silence(now):.1f}s")
+            elif worker.liveness.beat_due(now):
+                seq = worker.liveness.sent(now)
+                self.send_worker(worker.identity, [_WORKER_SIG, P.CMD_BYTES[Command.HEARTBEAT], _packb({"seq": seq})])
+        for task in self.queue.expire(now):
+            self._fail(task, Timeout("no GPU could take the request before its deadline"))
+        lease = self.config.session_lease
+        for s in list(self.sessions.values()):
+            if not s.closing and now - s.last_seen > lease:
+                self._expire_session(s)
+        self.tasks.evict(now)
+
+    def _expire_session(self, s: Session) -> None:
+        worker = self.registry.by_name.get(s.worker)
+        log.info("session %s: client silent past the %.0fs lease; reclaiming", P.id_text(s.id), self.config.session_lease)
+        if worker is None:
+            self.sessions.pop(s.id, None)
+            return
+        s.closing = True
+        task = Task(
+            id=P.new_id(), kind="call", need=None,
+            body={"session": s.id, "op": "close", "args": {}}, frames=[], route=None,
+            created=self.now, deadline=self.now, tenant=s.tenant, session=s.id,
+        )
+        self.tasks.add(task)
+        self._send_dispatch(worker, task)
+
+    def shutdown(self) -> None:
+        """Tell every worker goodbye (the broker is stopping)."""
+        for worker in self.registry:
+            self.send_worker(worker.identity, [_WORKER_SIG, P.CMD_BYTES[Command.DISCONNECT], _packb({"reason": "broker stopping"})])

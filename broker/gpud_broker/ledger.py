@@ -1,0 +1,67 @@
+"""The grant ledger: what the broker has granted on each GPU and each worker, and its release.
+
+Every grant and every release goes through ``grant()`` and ``release()``, so the numbers on the
+registry's records always equal the sum of live grants. Pure.
+"""
+
+from __future__ import annotations
+
+from gpud.resources import Grant, Need
+from gpud_broker.registry import GpuRecord, WorkerRecord
+
+
+class LedgerError(Exception):
+    """A grant or release that would break the ledger's invariants (a bug, never user input)."""
+
+
+def grant(worker: WorkerRecord, gpus: list[GpuRecord], need: Need) -> Grant:
+    """Record a grant of ``need`` on ``gpus`` of ``worker`` and return it."""
+    milli = need.milli_per_gpu
+    for g in gpus:
+        if g.worker is not worker:
+            raise LedgerError(f"GPU {g.uuid} is not on worker {worker.name}")
+        if g.free_milli < milli or g.free_mem < need.mem or g.exclusive:
+            raise LedgerError(f"GPU {g.uuid} cannot take {milli} milli / {need.mem} bytes")
+        if need.exclusive and g.tasks:
+            raise LedgerError(f"GPU {g.uuid} is in use; no exclusive grant")
+    if worker.free_cpu < need.cpu_milli or worker.free_host_mem < need.host_mem:
+        raise LedgerError(f"worker {worker.name} lacks CPU or memory for the grant")
+    for g in gpus:
+        g.granted_milli += milli
+        g.granted_mem += need.mem
+        g.milli_since_beat += milli
+        g.mem_since_beat += need.mem
+        g.tasks += 1
+        if need.exclusive:
+            g.exclusive = True
+    worker.granted_cpu += need.cpu_milli
+    worker.granted_host_mem += need.host_mem
+    made = Grant(
+        worker=worker.name,
+        gpus=tuple(g.uuid for g in gpus),
+        gpu_milli=milli,
+        mem=need.mem,
+        cpu_milli=need.cpu_milli,
+        host_mem=need.host_mem,
+        exclusive=need.exclusive,
+    )
+    worker.grants[id(made)] = made
+    return made
+
+
+def release(worker: WorkerRecord, gpus: list[GpuRecord], g: Grant) -> None:
+    """Give back a grant made by ``grant()`` on the same records (exactly once)."""
+    if worker.grants.pop(id(g), None) is not g:
+        raise LedgerError(f"grant on {', '.join(g.gpus)} is not live on worker {worker.name}")
+    if [rec.uuid for rec in gpus] != list(g.gpus):
+        raise LedgerError(f"release names GPUs {[r.uuid for r in gpus]}, the grant {list(g.gpus)}")
+    for rec in gpus:
+        rec.granted_milli -= g.gpu_milli
+        rec.granted_mem -= g.mem
+        rec.tasks -= 1
+        if g.exclusive:
+            rec.exclusive = False
+        if rec.granted_milli < 0 or rec.granted_mem < 0 or rec.tasks < 0:
+            raise LedgerError(f"GPU {rec.uuid} released more than was granted")
+    worker.granted_cpu -= g.cpu_milli
+    worker.granted_host_mem -= g.host_mem

@@ -1,0 +1,155 @@
+"""The worker registry: the one authoritative record of every connected worker and its GPUs.
+
+Holds what each worker announced (GPUs, CPU, memory, slots), what its heartbeats last measured, what
+the broker has granted on each GPU (the ledger's numbers live on these records), and liveness. Pure:
+no sockets, the caller passes the time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpud.heartbeat import HeartbeatPolicy, Liveness
+from gpud.resources import GpuInfo, GpuState
+
+
+@dataclass(slots=True, eq=False)
+class GpuRecord:
+    """One GPU: static info, last measured state, the ledger's grants, and recent dispatches."""
+
+    info: GpuInfo
+    worker: WorkerRecord
+    state: GpuState = field(default_factory=GpuState)
+    granted_milli: int = 0
+    granted_mem: int = 0
+    tasks: int = 0  # grants currently held (work running, sessions open)
+    exclusive: bool = False  # an exclusive grant holds it
+    cordoned: bool = False
+    # Grants made since the last heartbeat: the measured state does not show them yet.
+    milli_since_beat: int = 0
+    mem_since_beat: int = 0
+
+    @property
+    def uuid(self) -> str:
+        return self.info.uuid
+
+    @property
+    def free_milli(self) -> int:
+        return 1000 - self.granted_milli
+
+    @property
+    def free_mem(self) -> int:
+        return self.info.mem - self.granted_mem
+
+    @property
+    def placeable(self) -> bool:
+        return not self.cordoned and not self.exclusive and self.state.health != "failed"
+
+
+@dataclass(slots=True, eq=False)
+class WorkerRecord:
+    """One connected worker (one GPU VM)."""
+
+    name: str
+    identity: bytes  # ROUTER routing id of its connection
+    hostname: str
+    gpus: list[GpuRecord]
+    cpu_milli: int
+    host_mem: int
+    slots: int
+    liveness: Liveness
+    simulated: bool = False
+    granted_cpu: int = 0
+    granted_host_mem: int = 0
+    inflight: int = 0  # dispatched requests not yet answered (counts against slots)
+    draining: bool = False
+    running: list[dict[str, Any]] = field(default_factory=list)  # as its last heartbeat said
+    assigned: dict[bytes, object] = field(default_factory=dict)  # task id -> task dispatched to it
+    grants: dict[int, object] = field(default_factory=dict)  # id(grant) -> live grant (the ledger's)
+    connected_at: float = 0.0
+
+    @property
+    def free_cpu(self) -> int:
+        return self.cpu_milli - self.granted_cpu
+
+    @property
+    def free_host_mem(self) -> int:
+        return self.host_mem - self.granted_host_mem
+
+    @property
+    def has_slot(self) -> bool:
+        return self.inflight < self.slots and not self.draining
+
+
+class WorkerRegistry:
+    """Workers by connection identity and by name; GPUs by uuid."""
+
+    def __init__(self) -> None:
+        self.by_identity: dict[bytes, WorkerRecord] = {}
+        self.by_name: dict[str, WorkerRecord] = {}
+        self.gpus: dict[str, GpuRecord] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_identity)
+
+    def __iter__(self) -> Iterator[WorkerRecord]:
+        return iter(list(self.by_identity.values()))
+
+    def get(self, identity: bytes) -> WorkerRecord | None:
+        return self.by_identity.get(identity)
+
+    def add(
+        self,
+        *,
+        name: str,
+        identity: bytes,
+        hostname: str,
+        gpus: list[GpuInfo],
+        cpu_milli: int,
+        host_mem: int,
+        slots: int,
+        policy: HeartbeatPolicy,
+        now: float,
+        simulated: bool = False,
+    ) -> WorkerRecord:
+        """Register a worker. The caller removes any earlier worker of the same name first."""
+        worker = WorkerRecord(
+            name=name,
+            identity=identity,
+            hostname=hostname,
+            gpus=[],
+            cpu_milli=cpu_milli,
+            host_mem=host_mem,
+            slots=slots,
+            liveness=Liveness(policy, now),
+            simulated=simulated,
+            connected_at=now,
+        )
+        worker.gpus = [GpuRecord(info=g, worker=worker) for g in gpus]
+        self.by_identity[identity] = worker
+        self.by_name[name] = worker
+        for g in worker.gpus:
+            self.gpus[g.uuid] = g
+        return worker
+
+    def remove(self, worker: WorkerRecord) -> None:
+        self.by_identity.pop(worker.identity, None)
+        if self.by_name.get(worker.name) is worker:
+            del self.by_name[worker.name]
+        for g in worker.gpus:
+            if self.gpus.get(g.uuid) is g:
+                del self.gpus[g.uuid]
+
+    def update_state(self, worker: WorkerRecord, states: dict[str, GpuState]) -> None:
+        """Apply a heartbeat's measurements; grants since the previous beat are now visible."""
+        for g in worker.gpus:
+            s = states.get(g.uuid)
+            if s is not None:
+                g.state = s
+            g.milli_since_beat = 0
+            g.mem_since_beat = 0
+
+    def expired(self, now: float) -> list[WorkerRecord]:
+        return [w for w in self.by_identity.values() if w.liveness.expired(now)]

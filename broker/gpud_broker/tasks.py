@@ -1,0 +1,110 @@
+"""Tasks and sessions: every accepted request by id (for de-duplication), and open device sessions.
+
+A task is QUEUED, RUNNING (dispatched to a worker) or DONE (its reply kept for ``result_ttl`` so a
+retry with the same id gets the same answer instead of running again). Pure.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpud.resources import Grant, Need
+
+
+class State(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+
+
+@dataclass(slots=True, eq=False)
+class Task:
+    id: bytes
+    kind: str  # echo | job | session | call
+    need: Need | None  # None for calls (not placed)
+    body: dict[str, Any]  # kind-specific header fields forwarded in DISPATCH
+    frames: list[Any]  # payload frames forwarded in DISPATCH
+    route: bytes | None  # client identity that gets the REPLY; None for the broker's own tasks
+    created: float
+    deadline: float
+    state: State = State.QUEUED
+    priority: int = 0
+    tenant: str = "default"
+    queued: bool = False
+    grant: Grant | None = None
+    worker: str | None = None  # name of the worker running it
+    attempts: int = 0
+    avoid: set[str] = field(default_factory=set)  # workers that failed it
+    retryable: bool = False
+    session: bytes | None = None  # for calls: the session they act on
+    reply: list[Any] | None = None  # [header, *payload] once DONE
+    dispatched_at: float = 0.0
+
+    @property
+    def reply_bytes(self) -> int:
+        if not self.reply:
+            return 0
+        return sum(len(f) if isinstance(f, bytes) else len(getattr(f, "buffer", b"")) for f in self.reply)
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    id: bytes
+    worker: str
+    gpu: str  # uuid
+    grant: Grant
+    tenant: str
+    route: bytes
+    last_seen: float
+    closing: bool = False
+
+
+class TaskTable:
+    """Tasks by id, with finished replies evicted after ``result_ttl`` or past ``max_bytes``."""
+
+    def __init__(self, result_ttl: float = 60.0, max_bytes: int = 256 << 20) -> None:
+        self.result_ttl = result_ttl
+        self.max_bytes = max_bytes
+        self.tasks: dict[bytes, Task] = {}
+        self._done: deque[tuple[float, Task]] = deque()
+        self._done_bytes = 0
+        self.finished_total = 0
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def get(self, rid: bytes) -> Task | None:
+        return self.tasks.get(rid)
+
+    def add(self, task: Task) -> None:
+        self.tasks[task.id] = task
+
+    def finish(self, task: Task, reply: list[Any], now: float) -> None:
+        """Mark done and keep the reply for retries."""
+        task.state = State.DONE
+        task.reply = reply
+        task.frames = []
+        task.body = {}
+        self.finished_total += 1
+        self._done.append((now + self.result_ttl, task))
+        self._done_bytes += task.reply_bytes
+
+    def forget(self, task: Task) -> None:
+        """Drop a task that never ran (e.g. refused at the door)."""
+        if self.tasks.get(task.id) is task:
+            del self.tasks[task.id]
+
+    def evict(self, now: float) -> int:
+        """Forget finished tasks past their TTL, and the oldest while over the byte budget."""
+        n = 0
+        done = self._done
+        while done and (done[0][0] <= now or self._done_bytes > self.max_bytes):
+            _, task = done.popleft()
+            self._done_bytes -= task.reply_bytes
+            if self.tasks.get(task.id) is task:
+                del self.tasks[task.id]
+            n += 1
+        return n

@@ -1,0 +1,211 @@
+"""A local cluster: one broker and N workers as child processes on loopback (``gpud up``, tests).
+
+Endpoints are bound by the broker itself (``tcp://127.0.0.1:*``) and read back from its ready file;
+readiness has a deadline and fails fast, with the child's log, when a child exits early.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from gpud import protocol as P
+from gpud.errors import GpudError, Timeout, error_for
+from gpud.protocol import Command, Peer
+
+
+def admin_call(endpoint: str, cmd: str, args: dict[str, Any] | None = None, timeout: float = 5.0,
+               ctx: zmq.Context[Any] | None = None) -> Any:
+    """One admin request: send ADMIN, wait for its REPLY, return ``result`` or raise its error."""
+    ctx = ctx or zmq.Context.instance()
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        rid = P.new_id()
+        sock.send_multipart(P.encode(Peer.ADMIN, Command.ADMIN, {"id": rid, "cmd": cmd, "args": args or {}}))
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                raise Timeout(f"the broker's admin socket {endpoint} did not answer within {timeout:g}s")
+            msg = P.decode(sock.recv_multipart(), Peer.ADMIN)
+            h = msg.header
+            if msg.command is Command.ERROR:
+                raise error_for(str(h.get("code")), str(h.get("message")))
+            if msg.command is not Command.REPLY or h.get("id") != rid:
+                continue
+            if h.get("ok") is not True:
+                raise error_for(str(h.get("code")), str(h.get("message")))
+            return h.get("result")
+    finally:
+        sock.close(0)
+
+
+@dataclass
+class LocalCluster:
+    """Broker + workers as subprocesses. Use as a context manager or call start()/stop()."""
+
+    workers: int = 1
+    gpus_per_worker: int = 1
+    simulate: bool = True
+    heartbeat_ms: int = 1000
+    liveness: int = 3
+    broker_args: list[str] = field(default_factory=list)
+    worker_args: list[str] = field(default_factory=list)
+    rundir: Path | None = None
+    log_level: str = "INFO"
+    env: dict[str, str] | None = None
+    # Pool users of worker NAME are those named ``{job_user_prefix}{NAME}-*``: workers on one host
+    # must not share pool users (a worker kills every process of a user after each job).
+    job_user_prefix: str | None = None
+    # Otherwise, as root, worker i runs jobs under 16 dynamic uids of its own (no accounts needed).
+    dynamic_uid_base: int = 61184
+
+    def __post_init__(self) -> None:
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.broker: subprocess.Popen[bytes] | None = None
+        self.worker_procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.endpoints: dict[str, Any] = {}
+
+    @property
+    def frontend(self) -> str:
+        return str(self.endpoints["frontend"])
+
+    @property
+    def backend(self) -> str:
+        return str(self.endpoints["backend"])
+
+    @property
+    def admin(self) -> str:
+        return str(self.endpoints["admin"])
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        assert self.rundir is not None
+        env = dict(os.environ, GPUD_LOG_LEVEL=self.log_level, PYTHONUNBUFFERED="1")
+        if self.env:
+            env.update(self.env)
+        fd = os.open(self.rundir / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            return subprocess.Popen([sys.executable, "-m", "gpud.cli", *args], stdout=fd,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        finally:
+            os.close(fd)
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        assert self.rundir is not None
+        path = self.rundir / f"{name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def start(self, timeout: float = 30.0) -> None:
+        if self.rundir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="gpud-up-")
+            self.rundir = Path(self._tmp.name)
+        # Pool users must reach their job directories below it; nobody may list it.
+        os.chmod(self.rundir, 0o711)
+        ready = self.rundir / "broker.json"
+        self.broker = self._spawn("broker", [
+            "broker", "--frontend", "tcp://127.0.0.1:*", "--backend", "tcp://127.0.0.1:*",
+            "--admin", f"ipc://{self.rundir}/admin.sock", "--ready-file", str(ready),
+            "--heartbeat-ms", str(self.heartbeat_ms), "--liveness", str(self.liveness), *self.broker_args,
+        ])
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            self._check_alive("broker", self.broker)
+            if time.monotonic() > deadline:
+                raise RuntimeError("the broker did not become ready in time:\n" + self.log_tail("broker"))
+            time.sleep(0.02)
+        self.endpoints = json.loads(ready.read_text())
+        for i in range(self.workers):
+            self.add_worker(f"w{i}")
+        self.wait_workers(self.workers, timeout=max(1.0, deadline - time.monotonic()))
+
+    def add_worker(self, name: str, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
+        assert self.rundir is not None
+        args = ["worker", "--broker", self.backend, "--name", name, "--workdir", str(self.rundir / f"jobs-{name}"),
+                "--heartbeat-ms", str(self.heartbeat_ms), "--liveness", str(self.liveness)]
+        if self.job_user_prefix:
+            args += ["--job-user-prefix", f"{self.job_user_prefix}{name}-"]
+        elif os.geteuid() == 0:
+            first = self.dynamic_uid_base + 16 * len(self.worker_procs)
+            args += ["--job-uids", f"{first}-{first + 15}"]
+        if self.simulate:
+            args += ["--simulate", str(self.gpus_per_worker)]
+        proc = self._spawn(name, [*args, *self.worker_args, *(extra or [])])
+        self.worker_procs[name] = proc
+        return proc
+
+    def _check_alive(self, name: str, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n" + self.log_tail(name))
+
+    def status(self, timeout: float = 5.0) -> dict[str, Any]:
+        result = admin_call(self.admin, "status", timeout=timeout)
+        assert isinstance(result, dict)
+        return result
+
+    def wait_workers(self, n: int, timeout: float = 30.0) -> dict[str, Any]:
+        """Wait until the broker counts exactly ``n`` workers; returns that status."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for name, proc in self.worker_procs.items():
+                self._check_alive(name, proc)
+            assert self.broker is not None
+            self._check_alive("broker", self.broker)
+            try:
+                st = self.status(timeout=2.0)
+                if st["counts"]["workers"] == n:
+                    return st
+            except GpudError:
+                pass
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"--- {w}\n{self.log_tail(w, 10)}" for w in self.worker_procs)
+                raise RuntimeError(f"the broker did not count {n} workers in time:\n{tails}")
+            time.sleep(0.05)
+
+    def kill_worker(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.worker_procs[name]
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+
+    def stop(self, timeout: float = 15.0) -> dict[str, int | None]:
+        """SIGTERM every child (workers first), wait, SIGKILL stragglers; returns exit codes."""
+        codes: dict[str, int | None] = {}
+        procs = list(self.worker_procs.items()) + ([("broker", self.broker)] if self.broker else [])
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name, proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            codes[name] = proc.returncode
+        self.worker_procs.clear()
+        self.broker = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+            self.rundir = None
+        return codes

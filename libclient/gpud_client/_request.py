@@ -1,0 +1,444 @@
+"""Request building and reply parsing for the client dialog, shared by every client flavour.
+
+This module owns what a client puts on the wire (REQUEST, CALL, CANCEL, PING and ADMIN frames, the
+``need`` map, launch-argument tags) and how it reads what comes back: a REPLY or ERROR becomes a
+result value or the matching exception from :mod:`gpud.errors`. It has no sockets, so the sync client
+and any later asyncio client build requests the same way (STYLE.md point 10).
+
+Replies are never trusted: a field of the wrong type raises :class:`~gpud.errors.ProtocolError`.
+numpy is never imported here; numpy scalars are recognised by duck typing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gpud import protocol
+from gpud.errors import GpudError, InvalidRequest, ProtocolError, error_for
+from gpud.protocol import Command, Message, Peer
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from typing_extensions import Buffer
+
+    # Anything with the buffer protocol. numpy's stubs declare ndarray.__buffer__ only for
+    # Python >= 3.12, so Any lets arrays through when type-checking for 3.11.
+    BytesLike: TypeAlias = Buffer | Any
+
+__all__ = [
+    "BUILTIN",
+    "DevicePtr",
+    "JobResult",
+    "admin_frames",
+    "as_bytes",
+    "as_view",
+    "build_need",
+    "call_frames",
+    "cancel_frames",
+    "check_reply",
+    "encode_launch_arg",
+    "error_from",
+    "job_body",
+    "parse_echo",
+    "parse_job_result",
+    "parse_session_open",
+    "ping_frames",
+    "request_frames",
+]
+
+BUILTIN = protocol.BUILTIN_MODULE
+"""Module name of the worker's built-in kernel library (PROTOCOL.md §5.4)."""
+
+# numpy dtype name -> launch argument tag (PROTOCOL.md §5.4).
+_SCALAR_TAGS: dict[str, str] = {
+    "float32": "f32",
+    "float64": "f64",
+    "int32": "i32",
+    "uint32": "u32",
+    "int64": "i64",
+    "uint64": "u64",
+}
+
+
+# --------------------------------------------------------------------------- value types
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePtr:
+    """A device allocation of one session, as returned by :meth:`Session.mem_alloc`.
+
+    Attributes
+    ----------
+    handle:
+        The allocation handle the worker chose (scoped to its session).
+    nbytes:
+        Size of the allocation in bytes.
+    session:
+        Id of the session that owns it.
+    """
+
+    handle: int
+    nbytes: int
+    session: bytes = field(repr=False)
+
+    def __int__(self) -> int:
+        return self.handle
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """The outcome of a job (PROTOCOL.md §5.3).
+
+    Attributes
+    ----------
+    exit_code:
+        The program's exit status; negative when it was killed by that signal.
+    stdout, stderr:
+        What the program wrote, at most ``output_cap`` bytes each.
+    stdout_truncated, stderr_truncated:
+        Whether the output was cut at ``output_cap``.
+    timed_out:
+        Whether the job was killed at its ``time_limit``.
+    files:
+        Requested output files that existed after exit, by name.
+    worker:
+        Name of the worker that ran it.
+    gpus:
+        UUIDs of the GPUs it was granted.
+    user:
+        The Unix user it ran as.
+    """
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    timed_out: bool = False
+    files: dict[str, bytes] = field(default_factory=dict)
+    worker: str = ""
+    gpus: list[str] = field(default_factory=list)
+    user: str = ""
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+def as_view(obj: BytesLike, what: str = "buffer") -> memoryview:
+    """A flat byte view of any C-contiguous buffer (bytes, bytearray, numpy array...); no copy."""
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise InvalidRequest(
+            f"{what} must support the buffer protocol, not {type(obj).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise InvalidRequest(f"{what} must be C-contiguous (numpy: use numpy.ascontiguousarray)")
+    if view.format == "B" and view.ndim == 1:
+        return view
+    return view.cast("B")
+
+
+def as_bytes(frame: Any) -> bytes:
+    """The bytes of a received frame (``bytes`` or ``zmq.Frame``)."""
+    if type(frame) is bytes:
+        return frame
+    data = getattr(frame, "bytes", None)
+    if type(data) is bytes:
+        return data
+    return bytes(frame)
+
+
+def _frame_view(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", None)
+    if isinstance(buf, memoryview):
+        return buf
+    return memoryview(as_bytes(frame))
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def build_need(
+    *,
+    tenant: str,
+    gpu_milli: int | None = None,
+    gpus: int = 0,
+    mem: int | None = None,
+    model: str | None = None,
+    models: Sequence[str] | None = None,
+    min_cc: tuple[int, int] | Sequence[int] | None = None,
+    exclusive: bool = False,
+    priority: int = 0,
+) -> dict[str, Any]:
+    """The ``need`` map of a REQUEST (PROTOCOL.md §5.1). Fields left ``None`` are omitted, so
+    the broker's per-kind defaults apply."""
+    need: dict[str, Any] = {"tenant": tenant}
+    if gpu_milli is not None:
+        need["gpu_milli"] = gpu_milli
+    if gpus:
+        need["gpus"] = gpus
+    if mem is not None:
+        need["mem"] = mem
+    names: list[str] = []
+    if model is not None:
+        names.append(model)
+    if models is not None:
+        if isinstance(models, str):
+            raise InvalidRequest("'models' must be a list of model names, not one string")
+        names.extend(models)
+    if model is not None or models is not None:
+        need["models"] = sorted(set(names))
+    if min_cc is not None:
+        need["min_cc"] = list(min_cc)
+    if exclusive:
+        need["exclusive"] = True
+    if priority:
+        need["priority"] = priority
+    return need
+
+
+def check_need(kind: str, need: dict[str, Any]) -> None:
+    """Validate ``need`` with the broker's own parser, so a bad field fails before sending."""
+    protocol.parse_need(kind, need)
+
+
+def job_body(
+    argv: Sequence[str],
+    files: Mapping[str, BytesLike] | None,
+    outputs: Sequence[str],
+    env: Mapping[str, str] | None,
+    time_limit: float,
+    output_cap: int,
+    idempotent: bool,
+) -> tuple[dict[str, Any], list[memoryview]]:
+    """The kind-specific REQUEST fields of a job and its payload frames (one per input file).
+
+    Raises InvalidRequest when the job would be refused by the broker.
+    """
+    if isinstance(argv, (str, bytes)):
+        raise InvalidRequest("'argv' must be a list of strings, e.g. ['python3', 'prog.py']")
+    if isinstance(outputs, (str, bytes)):
+        raise InvalidRequest("'outputs' must be a list of file names, not one string")
+    names = list(files or {})
+    frames = [as_view(files[n], f"file {n!r}") for n in names] if files else []
+    body: dict[str, Any] = {
+        "argv": list(argv),
+        "env": dict(env or {}),
+        "files": names,
+        "outputs": list(outputs),
+        "time_limit": float(time_limit),
+        "output_cap": output_cap,
+        "idempotent": bool(idempotent),
+    }
+    protocol.parse_job(body, len(frames))  # the broker's own validation, run here first
+    return body, frames
+
+
+def request_frames(
+    rid: bytes,
+    kind: str,
+    need: dict[str, Any],
+    deadline_ms: int,
+    body: Mapping[str, Any] | None = None,
+    payload: Sequence[Any] = (),
+) -> list[Any]:
+    """A REQUEST (PROTOCOL.md §3, §5)."""
+    header: dict[str, Any] = {"id": rid, "kind": kind, "need": need, "deadline_ms": deadline_ms}
+    if body:
+        header.update(body)
+    return protocol.encode(Peer.CLIENT, Command.REQUEST, header, payload)
+
+
+def call_frames(
+    rid: bytes, session: bytes, op: str, args: Mapping[str, Any], payload: Sequence[Any] = ()
+) -> list[Any]:
+    """A CALL on an open session (PROTOCOL.md §5.4); ``args`` holds the op's named arguments."""
+    header = {"id": rid, "session": session, "op": op, "args": dict(args)}
+    return protocol.encode(Peer.CLIENT, Command.CALL, header, payload)
+
+
+def cancel_frames(rid: bytes) -> list[Any]:
+    """A CANCEL of a queued REQUEST."""
+    return protocol.encode(Peer.CLIENT, Command.CANCEL, {"id": rid})
+
+
+def ping_frames(sessions: Sequence[bytes] = ()) -> list[Any]:
+    """A PING naming the open sessions, so that their lease is renewed."""
+    return protocol.encode(Peer.CLIENT, Command.PING, {"sessions": list(sessions)})
+
+
+def admin_frames(rid: bytes, cmd: str, args: Mapping[str, Any] | None = None) -> list[Any]:
+    """An ADMIN command (signed as the admin peer)."""
+    header = {"id": rid, "cmd": cmd, "args": dict(args or {})}
+    return protocol.encode(Peer.ADMIN, Command.ADMIN, header)
+
+
+def encode_launch_arg(index: int, value: Any, session: bytes) -> list[Any]:
+    """One launch argument as its ``[type, value]`` wire pair.
+
+    Device pointers become ``["ptr", handle]``; numpy scalars are tagged by their dtype. Plain
+    Python numbers are refused: a kernel parameter has an exact C type that Python cannot guess.
+    """
+    if isinstance(value, DevicePtr):
+        if value.session != session:
+            raise InvalidRequest(f"argument {index}: the pointer belongs to another session")
+        return ["ptr", value.handle]
+    if type(value).__module__ == "numpy" and hasattr(value, "dtype"):
+        if getattr(value, "ndim", 0) != 0:
+            raise InvalidRequest(
+                f"argument {index}: arrays cannot be passed by value; copy them to device "
+                "memory (mem_alloc + memcpy_htod) and pass the pointer"
+            )
+        tag = _SCALAR_TAGS.get(str(value.dtype))
+        if tag is None:
+            raise InvalidRequest(
+                f"argument {index}: numpy {value.dtype} is not a kernel argument type; use one "
+                f"of {', '.join('numpy.' + name for name in _SCALAR_TAGS)}"
+            )
+        item = value.item()
+        return [tag, float(item) if tag in ("f32", "f64") else int(item)]
+    if isinstance(value, (bool, int, float)):
+        raise InvalidRequest(
+            f"argument {index}: pass a numpy scalar with its exact C type, e.g. numpy.int32(5)"
+        )
+    raise InvalidRequest(
+        f"argument {index}: cannot pass {type(value).__name__} to a kernel; use a device "
+        "pointer or a numpy scalar"
+    )
+
+
+# --------------------------------------------------------------------------- replies
+
+
+def check_reply(msg: Message) -> dict[str, Any]:
+    """The header of a successful REPLY; raises the matching GpudError for a failure.
+
+    ERROR messages and REPLYs with ``ok: false`` become ``error_for(code, message)``; a header whose
+    fields have the wrong types raises ProtocolError.
+    """
+    header = msg.header
+    if msg.command is Command.ERROR:
+        raise error_from(header)
+    if msg.command is not Command.REPLY:
+        raise ProtocolError(f"expected a REPLY, got {msg.command.name}")
+    ok = header.get("ok")
+    if type(ok) is not bool:
+        raise ProtocolError("reply field 'ok' must be a boolean")
+    if not ok:
+        raise error_from(header)
+    return header
+
+
+def error_from(header: dict[str, Any]) -> GpudError:
+    """The exception an error header (ERROR, or REPLY with ``ok: false``) stands for."""
+    code = header.get("code")
+    message = header.get("message")
+    if type(code) is not str or type(message) is not str:
+        return ProtocolError("error reply without a string 'code' and 'message'")
+    return error_for(code, message)
+
+
+def _field(header: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+    """An optional reply field of an exact type; ProtocolError when present with another type."""
+    value = header.get(key)
+    if value is None:
+        return default
+    if type(value) is not kind:
+        raise ProtocolError(f"reply field {key!r} must be {kind.__name__}")
+    return value
+
+
+def _str_list(header: dict[str, Any], key: str) -> list[str]:
+    value = _field(header, key, list, [])
+    if not all(type(v) is str for v in value):
+        raise ProtocolError(f"reply field {key!r} must be a list of strings")
+    return list(value)
+
+
+def parse_echo(msg: Message) -> bytes:
+    """The payload an echo request got back."""
+    header = check_reply(msg)
+    _field(header, "worker", str, "")
+    _str_list(header, "gpus")
+    return b"".join(as_bytes(f) for f in msg.frames)
+
+
+def parse_job_result(msg: Message) -> JobResult:
+    """A job's REPLY as a JobResult."""
+    header = check_reply(msg)
+    code = header.get("exit_code")
+    if type(code) is not int:
+        raise ProtocolError("job reply field 'exit_code' must be an int")
+    names = _str_list(header, "files")
+    if len(msg.frames) != 2 + len(names):
+        raise ProtocolError(
+            f"job reply has {len(msg.frames)} payload frames; expected stdout, stderr and "
+            f"{len(names)} files"
+        )
+    data = [as_bytes(f) for f in msg.frames]
+    return JobResult(
+        exit_code=code,
+        stdout=data[0],
+        stderr=data[1],
+        stdout_truncated=_field(header, "stdout_truncated", bool, False),
+        stderr_truncated=_field(header, "stderr_truncated", bool, False),
+        timed_out=_field(header, "timed_out", bool, False),
+        files=dict(zip(names, data[2:], strict=True)),
+        worker=_field(header, "worker", str, ""),
+        gpus=_str_list(header, "gpus"),
+        user=_field(header, "user", str, ""),
+    )
+
+
+def parse_session_open(msg: Message, rid: bytes) -> tuple[bytes, str, dict[str, Any]]:
+    """``(session id, worker, gpu)`` from the REPLY to a session REQUEST."""
+    header = check_reply(msg)
+    sid = header.get("session", rid)
+    if type(sid) is not bytes or len(sid) != protocol.ID_BYTES:
+        raise ProtocolError("session reply field 'session' must be 16 bytes")
+    worker = _field(header, "worker", str, "")
+    gpu = _field(header, "gpu", dict, {})
+    return sid, worker, dict(gpu)
+
+
+def parse_handle(msg: Message) -> int:
+    """The allocation handle from an ``alloc`` CALL's REPLY."""
+    header = check_reply(msg)
+    handle = header.get("handle")
+    if type(handle) is not int or handle < 0:
+        raise ProtocolError("alloc reply field 'handle' must be a non-negative int")
+    return handle
+
+
+def parse_dtoh(msg: Message, nbytes: int) -> memoryview:
+    """The one payload frame of a ``dtoh`` CALL's REPLY, checked against the size asked for."""
+    check_reply(msg)
+    if len(msg.frames) != 1:
+        raise ProtocolError(f"dtoh reply has {len(msg.frames)} payload frames; expected 1")
+    view = _frame_view(msg.frames[0])
+    if view.nbytes != nbytes:
+        raise ProtocolError(f"dtoh reply holds {view.nbytes} bytes; {nbytes} were asked for")
+    return view
+
+
+def parse_info(msg: Message) -> dict[str, Any]:
+    """The result fields of an ``info`` CALL."""
+    header = check_reply(msg)
+    out: dict[str, Any] = {
+        "gpu": _field(header, "gpu", dict, {}),
+        "mem_granted": _field(header, "mem_granted", int, 0),
+        "mem_used": _field(header, "mem_used", int, 0),
+        "simulated": _field(header, "simulated", bool, False),
+    }
+    if "worker" in header:
+        out["worker"] = _field(header, "worker", str, "")
+    return out
+
+
+def parse_empty(msg: Message) -> None:
+    """A REPLY that carries nothing but success."""
+    check_reply(msg)

@@ -1,0 +1,1034 @@
+"""The synchronous client: one DEALER socket to the broker, one deadline per call, failover.
+
+This module owns the client's conversation with a broker pair: sending requests, matching replies to
+them by id, the liveness check while waiting (lazy pirate: PING after ``ping_interval`` of silence,
+then give the broker up after another one), the failover across the endpoint list with every
+outstanding request re-sent under its original id (the client half of Binary Star), and the
+background keepalive that renews the lease of open sessions.
+
+A :class:`Client` is not thread-safe: use one Client per thread. The only thread it starts is the
+session keepalive, which has a socket of its own and never touches the Client's socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from time import monotonic
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import zmq
+
+from gpud.errors import (
+    Busy,
+    ConfigError,
+    GpudError,
+    InternalError,
+    InvalidRequest,
+    SessionLost,
+    Timeout,
+)
+from gpud.protocol import (
+    Command,
+    Message,
+    Peer,
+    decode,
+    id_text,
+    new_id,
+    parse_dims,
+    parse_need,
+)
+from gpud_client import _request as rq
+from gpud_client._request import DevicePtr, JobResult
+
+if TYPE_CHECKING:
+    from gpud_client._request import BytesLike
+
+__all__ = [
+    "DEFAULT_KEEPALIVE_S",
+    "DEFAULT_PING_INTERVAL_S",
+    "DEFAULT_TIMEOUT_S",
+    "Client",
+    "Job",
+    "Pending",
+    "Session",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 30.0
+"""Seconds a call may take, overall, unless a timeout is given."""
+DEFAULT_PING_INTERVAL_S = 2.0
+"""Seconds of broker silence, while waiting, before a PING; as long again and the broker is gone."""
+DEFAULT_KEEPALIVE_S = 5.0
+"""Seconds between the keepalive PINGs that renew open sessions' lease (the broker's is 30 s)."""
+KEEPALIVE_MISSES = 3
+"""Keepalive intervals without any answer before the keepalive turns to the next endpoint."""
+
+T = TypeVar("T")
+_Converter = Callable[[Message], T]
+
+
+@dataclass(slots=True)
+class _Outstanding:
+    """A request sent and not yet collected: its frames (for re-sending) and, once here, its reply."""
+
+    frames: list[Any]
+    what: str
+    reply: Message | None = None
+
+
+class Pending(Generic[T]):
+    """A request that has been sent and whose result has not been collected yet.
+
+    Returned by :meth:`Client.submit_echo` (``Pending[bytes]``); :class:`Job` is the one for jobs.
+    Replies to other requests that arrive while one Pending waits are kept for their own Pending.
+    Dropping a Pending without waiting forgets its request (a late reply is then discarded).
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        rid: bytes,
+        convert: _Converter[T],
+        default_timeout: float,
+        what: str,
+        cancellable: bool,
+    ) -> None:
+        self._client = client
+        self._id = rid
+        self._convert = convert
+        self._default_timeout = default_timeout
+        self._what = what
+        self._cancellable = cancellable
+        self._result: tuple[T] | None = None
+        self._error: GpudError | None = None
+        weakref.finalize(self, client._forget, rid)
+
+    @property
+    def id(self) -> bytes:
+        """The request id (16 bytes), as sent to the broker."""
+        return self._id
+
+    def _settled(self) -> bool:
+        return self._result is not None or self._error is not None
+
+    def done(self) -> bool:
+        """Whether the reply is here. Reads what has arrived, never blocks."""
+        if self._settled():
+            return True
+        self._client._poll_replies()
+        return self._client._has_reply(self._id)
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Wait for the reply and return its result.
+
+        Parameters
+        ----------
+        timeout:
+            Seconds to wait from now; by default the timeout chosen when the request was made.
+
+        Returns
+        -------
+        The result (the echoed bytes, a :class:`JobResult`...).
+
+        Raises
+        ------
+        gpud.errors.Timeout
+            No reply within ``timeout``; the request stays outstanding and may be waited for again.
+        gpud.errors.GpudError
+            The broker or worker answered with an error (the subclass matching its code).
+        """
+        if not self._settled():
+            limit = self._default_timeout if timeout is None else timeout
+            msg = self._client._await(self._id, limit, self._what)
+            try:
+                self._result = (self._convert(msg),)
+            except GpudError as exc:
+                self._error = exc
+        if self._error is not None:
+            raise self._error
+        if self._result is None:  # unreachable: settled above
+            raise InternalError(f"{self._what}: no result recorded")
+        return self._result[0]
+
+    def cancel(self) -> None:
+        """Ask the broker to drop the request if it is still queued.
+
+        A queued request then ends with :class:`gpud.errors.Cancelled`; one already running runs on
+        and :meth:`wait` returns its result.
+        """
+        if self._cancellable and not self._settled():
+            self._client._send_cancel(self._id)
+
+    def _abandon(self) -> None:
+        """Forget the request after a timeout of a synchronous call (and cancel it if queued)."""
+        if not self._settled():
+            self.cancel()
+            self._client._forget(self._id)
+
+
+class Job(Pending[JobResult]):
+    """A submitted job; :meth:`wait` returns its :class:`JobResult`.
+
+    Its default wait is ``max(timeout, time_limit + timeout)`` with the client's timeout, so a job
+    that uses its whole time limit is still waited for.
+    """
+
+
+class Client:
+    """A connection to a gpud broker (or a Binary Star pair of them).
+
+    Parameters
+    ----------
+    endpoints:
+        Broker frontend endpoint(s), e.g. ``["tcp://primary:5555", "tcp://backup:5555"]`` or one
+        string, comma-separated. The client fails over to the next one when the current one falls
+        silent.
+    timeout:
+        Default overall deadline of each call, in seconds.
+    tenant:
+        Tenant named in every request's ``need``.
+    keepalive:
+        Seconds between PINGs that keep open sessions' lease alive while the program is idle.
+    ping_interval:
+        Seconds of silence, while waiting for a reply, after which the client PINGs the broker;
+        after as long again without an answer it fails over and re-sends what is outstanding.
+    context:
+        A zmq context to use; by default the client makes its own and terminates it on close.
+
+    Notes
+    -----
+    Not thread-safe: use one Client per thread.
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        timeout: float = DEFAULT_TIMEOUT_S,
+        tenant: str = "default",
+        keepalive: float = DEFAULT_KEEPALIVE_S,
+        *,
+        ping_interval: float = DEFAULT_PING_INTERVAL_S,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self._endpoints = _endpoint_list(endpoints)
+        for name, value in (
+            ("timeout", timeout),
+            ("keepalive", keepalive),
+            ("ping_interval", ping_interval),
+        ):
+            if not value > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        self.timeout = float(timeout)
+        try:
+            parse_need("echo", {"tenant": tenant})
+        except GpudError as exc:
+            raise ConfigError(f"bad tenant {tenant!r}: {exc.message}") from None
+        self.tenant = tenant
+        self._keepalive = float(keepalive)
+        self._ping_interval = float(ping_interval)
+        self._own_context = context is None
+        self._ctx: zmq.Context[Any] = zmq.Context() if context is None else context
+        self._index = 0
+        self._table: dict[bytes, _Outstanding] = {}
+        self._awaiting = 0  # entries of _table still without a reply
+        self._quiet_since = monotonic()  # last time the broker was heard, or we began to expect it
+        self._ping_at: float | None = None  # when the unanswered PING went out
+        self._last_dropped = ""  # why the last unusable message from the broker was dropped
+        self._closed = False
+        self._lock = threading.Lock()  # guards _sessions and _ka_thread against the keepalive
+        self._sessions: weakref.WeakValueDictionary[bytes, Session] = weakref.WeakValueDictionary()
+        self._ka_thread: threading.Thread | None = None
+        self._ka_stop = threading.Event()
+        try:
+            self._sock = self._connect(self._endpoints[0])
+        except ConfigError:
+            if self._own_context:
+                self._ctx.term()
+            raise
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def endpoint(self) -> str:
+        """The broker endpoint currently in use."""
+        return self._endpoints[self._index]
+
+    @property
+    def endpoints(self) -> list[str]:
+        """All broker endpoints, in failover order."""
+        return list(self._endpoints)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else self.endpoint
+        return f"<gpud_client.Client {state} tenant={self.tenant!r}>"
+
+    def close(self) -> None:
+        """Close the client: stop the keepalive, close open sessions (without waiting), close the
+        socket, and terminate the context when the client made it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._ka_stop.set()
+        with self._lock:
+            thread = self._ka_thread
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+        linger = 0
+        for session in sessions:
+            if not session._closed:
+                session._closed = True
+                try:
+                    frames = rq.call_frames(new_id(), session.id, "close", {})
+                    self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                    linger = 200  # ms: give those close CALLs a moment to leave
+                except zmq.ZMQError as exc:
+                    log.debug("could not send close for session %s: %s", id_text(session.id), exc)
+        if thread is not None:
+            thread.join(timeout=5.0)
+        self._sock.close(linger=linger)
+        self._table.clear()
+        self._awaiting = 0
+        if self._own_context:
+            if thread is not None and thread.is_alive():
+                log.error("session keepalive thread did not stop; leaving the zmq context open")
+            else:
+                self._ctx.term()
+
+    # ------------------------------------------------------------------ public API
+
+    def echo(self, payload: BytesLike = b"", timeout: float | None = None) -> bytes:
+        """Send ``payload`` through the broker to a worker and back.
+
+        Parameters
+        ----------
+        payload:
+            Any bytes-like object (bytes, bytearray, memoryview, a C-contiguous numpy array).
+        timeout:
+            Overall deadline in seconds; the client's timeout by default.
+
+        Returns
+        -------
+        bytes
+            The payload as the worker returned it.
+        """
+        return self._sync(self.submit_echo(payload, timeout=timeout), None)
+
+    def submit_echo(
+        self, payload: BytesLike = b"", *, timeout: float | None = None
+    ) -> Pending[bytes]:
+        """Send an echo request without waiting; ``Pending.wait()`` returns the payload."""
+        limit = self.timeout if timeout is None else timeout
+        need = rq.build_need(tenant=self.tenant)
+        rid = new_id()
+        frames = rq.request_frames(
+            rid, "echo", need, _ms(limit), payload=[rq.as_view(payload, "payload")]
+        )
+        what = f"echo {id_text(rid)}"
+        self._submit(rid, frames, what)
+        return Pending(self, rid, rq.parse_echo, limit, what, cancellable=True)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        files: Mapping[str, BytesLike] | None = None,
+        outputs: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        gpu_milli: int | None = None,
+        gpus: int = 0,
+        mem: int | None = None,
+        models: Sequence[str] | None = None,
+        min_cc: tuple[int, int] | None = None,
+        exclusive: bool = False,
+        priority: int = 0,
+        time_limit: float = 60.0,
+        output_cap: int = 1 << 20,
+        idempotent: bool = False,
+        timeout: float | None = None,
+    ) -> JobResult:
+        """Run a program on a GPU worker and wait for it. Arguments as for :meth:`submit`.
+
+        Returns
+        -------
+        JobResult
+            Exit code, output and returned files. A non-zero exit is a result, not an error.
+
+        Raises
+        ------
+        gpud.errors.Timeout
+            No result within the overall deadline (the request is then cancelled if still queued).
+        gpud.errors.GpudError
+            The subclass for the broker's or worker's error code (NoCapacity, Busy, RemoteError...).
+        """
+        job = self.submit(
+            argv,
+            files=files,
+            outputs=outputs,
+            env=env,
+            gpu_milli=gpu_milli,
+            gpus=gpus,
+            mem=mem,
+            models=models,
+            min_cc=min_cc,
+            exclusive=exclusive,
+            priority=priority,
+            time_limit=time_limit,
+            output_cap=output_cap,
+            idempotent=idempotent,
+            timeout=timeout,
+        )
+        return self._sync(job, None)
+
+    def submit(
+        self,
+        argv: Sequence[str],
+        files: Mapping[str, BytesLike] | None = None,
+        outputs: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        gpu_milli: int | None = None,
+        gpus: int = 0,
+        mem: int | None = None,
+        models: Sequence[str] | None = None,
+        min_cc: tuple[int, int] | None = None,
+        exclusive: bool = False,
+        priority: int = 0,
+        time_limit: float = 60.0,
+        output_cap: int = 1 << 20,
+        idempotent: bool = False,
+        timeout: float | None = None,
+    ) -> Job:
+        """Submit a job without waiting for it.
+
+        Parameters
+        ----------
+        argv:
+            Program and arguments, run in the job's private working directory.
+        files:
+            Input files to place in that directory, name -> bytes-like content. The buffers are
+            sent without copying: do not change them until the job is done.
+        outputs:
+            Names of files to bring back after the program exits.
+        env:
+            Extra environment variables (names ``[A-Z_][A-Z0-9_]*``).
+        gpu_milli, gpus, mem, models, min_cc, exclusive, priority:
+            What the job needs (PROTOCOL.md §5.1); ``None`` leaves the broker's default for jobs
+            (one whole GPU share, no memory reservation).
+        time_limit:
+            Seconds after which the job's whole process group is killed.
+        output_cap:
+            Bytes kept of stdout and of stderr each.
+        idempotent:
+            Whether the broker may run it again elsewhere after losing its worker.
+        timeout:
+            Overall seconds to wait for the result; ``max(timeout, time_limit + timeout)`` with
+            the client's timeout by default.
+
+        Returns
+        -------
+        Job
+            ``Job.wait()`` returns the :class:`JobResult`.
+        """
+        body, payload = rq.job_body(argv, files, outputs, env, time_limit, output_cap, idempotent)
+        need = rq.build_need(
+            tenant=self.tenant,
+            gpu_milli=gpu_milli,
+            gpus=gpus,
+            mem=mem,
+            models=models,
+            min_cc=min_cc,
+            exclusive=exclusive,
+            priority=priority,
+        )
+        rq.check_need("job", need)
+        if timeout is None:
+            overall = max(self.timeout, float(time_limit) + self.timeout)
+            queue_wait = self.timeout
+        else:
+            overall = queue_wait = timeout
+        rid = new_id()
+        frames = rq.request_frames(rid, "job", need, _ms(queue_wait), body, payload)
+        what = f"job {id_text(rid)}"
+        self._submit(rid, frames, what)
+        return Job(self, rid, rq.parse_job_result, overall, what, cancellable=True)
+
+    def session(
+        self,
+        gpu_milli: int | None = None,
+        mem: int | None = None,
+        model: str | None = None,
+        models: Sequence[str] | None = None,
+        min_cc: tuple[int, int] | None = None,
+        exclusive: bool = False,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> Session:
+        """Open a device session pinned to one GPU (the C-like API).
+
+        Parameters
+        ----------
+        gpu_milli:
+            Share of the GPU in thousandths (broker default 100).
+        mem:
+            Device memory to reserve, in bytes (broker default 256 MiB); allocations past it fail
+            with OutOfMemory.
+        model, models:
+            Allowed GPU model name(s).
+        min_cc:
+            Minimum CUDA compute capability, ``(major, minor)``.
+        exclusive:
+            Nothing else may be granted on the GPU while the session is open.
+        priority:
+            -100..100; higher is placed first.
+        timeout:
+            Seconds to wait for placement; the client's timeout by default.
+
+        Returns
+        -------
+        Session
+            A context manager; leaving it closes the session.
+        """
+        need = rq.build_need(
+            tenant=self.tenant,
+            gpu_milli=gpu_milli,
+            mem=mem,
+            model=model,
+            models=models,
+            min_cc=min_cc,
+            exclusive=exclusive,
+            priority=priority,
+        )
+        rq.check_need("session", need)
+        limit = self.timeout if timeout is None else timeout
+        rid = new_id()
+        frames = rq.request_frames(rid, "session", need, _ms(limit))
+
+        def convert(msg: Message) -> Session:
+            sid, worker, gpu = rq.parse_session_open(msg, rid)
+            return Session(self, sid, worker, gpu)
+
+        what = f"session request {id_text(rid)}"
+        self._submit(rid, frames, what)
+        pending = Pending(self, rid, convert, limit, what, cancellable=True)
+        session = self._sync(pending, None)
+        self._register_session(session)
+        return session
+
+    # ------------------------------------------------------------------ request table
+
+    def _submit(self, rid: bytes, frames: list[Any], what: str) -> None:
+        """Send a REQUEST or CALL and record it for matching and re-sending (the caller then
+        makes its Pending)."""
+        if self._closed:
+            raise GpudError("the client is closed")
+        if not self._awaiting:
+            # Nothing was expected from the broker until now: its silence counts from here.
+            self._quiet_since = monotonic()
+            self._ping_at = None
+        self._send(frames)
+        self._table[rid] = _Outstanding(frames, what)
+        self._awaiting += 1
+
+    def _sync(self, pending: Pending[T], timeout: float | None) -> T:
+        """Wait for a Pending of a synchronous call; on Timeout forget it (and cancel it)."""
+        try:
+            return pending.wait(timeout)
+        except Timeout:
+            if not pending._settled():
+                pending._abandon()
+            raise
+
+    def _forget(self, rid: bytes) -> None:
+        entry = self._table.pop(rid, None)
+        if entry is not None and entry.reply is None:
+            self._awaiting -= 1
+
+    def _has_reply(self, rid: bytes) -> bool:
+        entry = self._table.get(rid)
+        return entry is not None and entry.reply is not None
+
+    def _send(self, frames: Sequence[Any]) -> None:
+        try:
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise Busy("the client's send queue is full; the broker is not reading") from None
+
+    def _send_cancel(self, rid: bytes) -> None:
+        if not self._closed:
+            self._send(rq.cancel_frames(rid))
+
+    def _await(self, rid: bytes, timeout: float, what: str) -> Message:
+        """Wait for the reply to ``rid`` until ``timeout`` seconds from now, keeping the broker
+        under watch (PING, failover). Returns the reply and forgets the request."""
+        if self._closed:
+            raise GpudError("the client is closed")
+        entry = self._table.get(rid)
+        if entry is None:
+            raise GpudError(f"{what}: not outstanding (already collected or forgotten)")
+        deadline = monotonic() + max(0.0, timeout)
+        self._poll_replies()
+        while entry.reply is None:
+            now = monotonic()
+            if now >= deadline:
+                hint = f"; last dropped message: {self._last_dropped}" if self._last_dropped else ""
+                raise Timeout(f"{what}: no reply within {timeout:g}s from {self.endpoint}{hint}")
+            wake = self._watch_broker(now)
+            self._pump(min(deadline, wake) - now)
+        del self._table[rid]
+        return entry.reply
+
+    # ------------------------------------------------------------------ broker liveness
+
+    def _watch_broker(self, now: float) -> float:
+        """PING a silent broker, give up on one that stays silent. Returns when to look again."""
+        interval = self._ping_interval
+        if self._ping_at is not None:
+            if now - self._ping_at < interval:
+                return self._ping_at + interval
+            self._failover(now)
+            return now + interval
+        if now - self._quiet_since < interval:
+            return self._quiet_since + interval
+        log.debug(
+            "broker %s silent for %.1fs; sending PING", self.endpoint, now - self._quiet_since
+        )
+        self._send(rq.ping_frames(self._session_ids()))
+        self._ping_at = now
+        return now + interval
+
+    def _failover(self, now: float) -> None:
+        """Drop the socket, connect to the next endpoint, re-send what is outstanding (same ids)."""
+        old = self.endpoint
+        count = len(self._endpoints)
+        for step in range(1, count + 1):
+            index = (self._index + step) % count
+            try:
+                sock = self._connect(self._endpoints[index])
+            except ConfigError as exc:
+                if step == count:
+                    raise
+                log.error("%s; trying the next endpoint", exc)
+                continue
+            break
+        self._sock.close(linger=0)
+        self._sock, self._index = sock, index
+        resend = [e for e in list(self._table.values()) if e.reply is None]
+        log.warning(
+            "broker %s silent for %.1fs; %s %s and re-sending %d request(s)",
+            old,
+            now - self._quiet_since,
+            "reconnecting to" if self.endpoint == old else "failing over to",
+            self.endpoint,
+            len(resend),
+        )
+        for entry in resend:
+            self._send(entry.frames)
+        self._quiet_since = now
+        self._ping_at = None
+
+    def _connect(self, endpoint: str) -> zmq.Socket[Any]:
+        sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Unbounded queues: outstanding requests are bounded by the caller, and a reply dropped at
+        # a high-water mark would only come back as a spurious failover.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise ConfigError(f"cannot connect to {endpoint!r}: {exc}") from None
+        return sock
+
+    # ------------------------------------------------------------------ receiving
+
+    def _poll_replies(self) -> None:
+        if not self._closed:
+            self._pump(0.0)
+
+    def _pump(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for messages, then handle every one that is queued."""
+        ms = max(0, math.ceil(timeout * 1000))
+        if not self._sock.poll(ms, zmq.POLLIN):
+            return
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(frames)
+
+    def _handle(self, frames: list[Any]) -> None:
+        # Anything at all from the broker shows that it is alive.
+        self._quiet_since = monotonic()
+        self._ping_at = None
+        try:
+            msg = decode(frames, expect=Peer.CLIENT)
+        except GpudError as exc:
+            self._drop(f"malformed message ({exc.code}: {exc.message})")
+            return
+        command = msg.command
+        if command is Command.PONG:
+            return
+        if command not in (Command.REPLY, Command.ERROR):
+            self._drop(f"unexpected {command.name} from the broker")
+            return
+        rid = msg.header.get("id")
+        if type(rid) is not bytes or len(rid) != 16:
+            if command is Command.ERROR:
+                code, text = msg.header.get("code"), msg.header.get("message")
+                self._drop(f"broker ERROR without request id: {code!r}: {text!r}")
+            else:
+                self._drop("REPLY without a valid 16-byte 'id'")
+            return
+        entry = self._table.get(rid)
+        if entry is None:
+            log.debug("dropped a stale %s for unknown request %s", command.name, id_text(rid))
+            return
+        if entry.reply is not None:
+            log.debug("dropped a duplicate %s for %s", command.name, entry.what)
+            return
+        entry.reply = msg
+        self._awaiting -= 1
+
+    def _drop(self, why: str) -> None:
+        log.warning("from broker %s: dropped %s", self.endpoint, why)
+        self._last_dropped = why
+
+    # ------------------------------------------------------------------ sessions and keepalive
+
+    def _session_ids(self) -> list[bytes]:
+        with self._lock:
+            return list(self._sessions.keys())
+
+    def _register_session(self, session: Session) -> None:
+        with self._lock:
+            self._sessions[session.id] = session
+            if self._ka_thread is None and not self._ka_stop.is_set():
+                thread = threading.Thread(
+                    target=self._keepalive_loop, name="gpud-client-keepalive", daemon=True
+                )
+                self._ka_thread = thread
+                thread.start()
+
+    def _unregister_session(self, sid: bytes) -> None:
+        with self._lock:
+            self._sessions.pop(sid, None)
+
+    def _keepalive_loop(self) -> None:
+        """Background thread: PING {"sessions": [...]} every ``keepalive`` seconds on a socket of
+        its own while any session is open. Follows the client's endpoint; when nothing answers
+        for KEEPALIVE_MISSES intervals it turns to the next endpoint by itself."""
+        sock: zmq.Socket[Any] | None = None
+        followed = index = self._index
+        heard = monotonic()
+        try:
+            while not self._ka_stop.wait(self._keepalive):
+                with self._lock:
+                    ids = list(self._sessions.keys())
+                    if not ids:
+                        self._ka_thread = None
+                        return
+                now = monotonic()
+                if sock is not None and _drain(sock):
+                    heard = now
+                target = index
+                if self._index != followed:
+                    followed = target = self._index
+                elif now - heard > KEEPALIVE_MISSES * self._keepalive:
+                    target = (index + 1) % len(self._endpoints)
+                if sock is None or target != index:
+                    if sock is not None:
+                        log.debug("keepalive: moving to %s", self._endpoints[target])
+                        sock.close(linger=0)
+                    index, heard = target, now
+                    sock = self._connect(self._endpoints[index])
+                try:
+                    sock.send_multipart(rq.ping_frames(ids), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    log.debug("keepalive: PING not sent, queue full")
+        except zmq.ContextTerminated:
+            pass
+        except Exception:
+            log.exception("session keepalive stopped by an unexpected error")
+        finally:
+            if sock is not None:
+                sock.close(linger=0)
+            with self._lock:  # after an error: let the next session start a new keepalive
+                if self._ka_thread is threading.current_thread():
+                    self._ka_thread = None
+
+
+class Session:
+    """A device session pinned to one GPU: allocate, copy, launch, synchronize (the C-like API).
+
+    Made by :meth:`Client.session`; use it as a context manager, or call :meth:`close`. Each method
+    takes an optional keyword ``timeout`` (seconds; the client's timeout by default).
+
+    Attributes
+    ----------
+    id:
+        The session id (16 bytes).
+    worker:
+        Name of the worker that holds it.
+    gpu:
+        The GPU it is pinned to: uuid, index, model, mem, cc, simulated.
+    """
+
+    def __init__(self, client: Client, sid: bytes, worker: str, gpu: dict[str, Any]) -> None:
+        self._client = client
+        self.id = sid
+        self.worker = worker
+        self.gpu = gpu
+        self._closed = False
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"on {self.worker}"
+        return f"<gpud_client.Session {id_text(self.id)} {state}>"
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except GpudError as close_exc:  # do not hide the error that is propagating
+            log.warning("closing session %s failed: %s", id_text(self.id), close_exc)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _call(
+        self,
+        op: str,
+        args: Mapping[str, Any],
+        convert: _Converter[T],
+        timeout: float | None,
+        payload: Sequence[Any] = (),
+    ) -> T:
+        if self._closed:
+            raise SessionLost(f"session {id_text(self.id)} is closed")
+        client = self._client
+        rid = new_id()
+        frames = rq.call_frames(rid, self.id, op, args, payload)
+        what = f"session {id_text(self.id)} {op} {id_text(rid)}"
+        limit = client.timeout if timeout is None else timeout
+        client._submit(rid, frames, what)
+        pending = Pending(client, rid, convert, limit, what, cancellable=False)
+        return client._sync(pending, None)
+
+    def _handle_of(self, ptr: DevicePtr | int) -> int:
+        if isinstance(ptr, DevicePtr):
+            if ptr.session != self.id:
+                raise InvalidRequest("the pointer belongs to another session")
+            return ptr.handle
+        if type(ptr) is not int or ptr < 0:
+            raise InvalidRequest(f"expected a DevicePtr from mem_alloc, not {type(ptr).__name__}")
+        return ptr
+
+    def mem_alloc(self, nbytes: int, *, timeout: float | None = None) -> DevicePtr:
+        """Allocate ``nbytes`` of device memory.
+
+        Raises
+        ------
+        gpud.errors.OutOfMemory
+            Past the session's memory grant or the device's memory.
+        """
+        if type(nbytes) is not int or nbytes < 0:
+            raise InvalidRequest("nbytes must be a non-negative int")
+        handle = self._call("alloc", {"nbytes": nbytes}, rq.parse_handle, timeout)
+        return DevicePtr(handle, nbytes, self.id)
+
+    def mem_free(self, ptr: DevicePtr | int, *, timeout: float | None = None) -> None:
+        """Free an allocation."""
+        self._call("free", {"handle": self._handle_of(ptr)}, rq.parse_empty, timeout)
+
+    def memcpy_htod(
+        self,
+        ptr: DevicePtr | int,
+        buffer: BytesLike,
+        offset: int = 0,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Copy a host buffer (bytes-like, C-contiguous numpy array...) to device memory at
+        ``ptr + offset``. The buffer is sent without copying."""
+        handle = self._handle_of(ptr)
+        view = rq.as_view(buffer, "buffer")
+        _check_range(ptr, offset, view.nbytes)
+        args = {"handle": handle, "offset": offset}
+        self._call("htod", args, rq.parse_empty, timeout, payload=[view])
+
+    def memcpy_dtoh(
+        self,
+        ptr: DevicePtr | int,
+        nbytes: int | None = None,
+        offset: int = 0,
+        out: Any = None,
+        *,
+        timeout: float | None = None,
+    ) -> Any:
+        """Copy device memory at ``ptr + offset`` back to the host.
+
+        Parameters
+        ----------
+        ptr:
+            The allocation.
+        nbytes:
+            Bytes to copy; by default the size of ``out``, or the rest of the allocation.
+        offset:
+            Byte offset into the allocation.
+        out:
+            A writable C-contiguous buffer (bytearray, numpy array...) to fill; its size must be
+            ``nbytes``.
+
+        Returns
+        -------
+        bytes, or ``out`` when given.
+        """
+        handle = self._handle_of(ptr)
+        target: memoryview | None = None
+        if out is not None:
+            target = rq.as_view(out, "out")
+            if target.readonly:
+                raise InvalidRequest("out must be a writable buffer")
+            if nbytes is None:
+                nbytes = target.nbytes
+            elif nbytes != target.nbytes:
+                raise InvalidRequest(f"out holds {target.nbytes} bytes but nbytes is {nbytes}")
+        if nbytes is None:
+            if not isinstance(ptr, DevicePtr):
+                raise InvalidRequest("nbytes is required with a plain handle")
+            nbytes = ptr.nbytes - offset
+        if type(nbytes) is not int or nbytes < 0:
+            raise InvalidRequest("nbytes must be a non-negative int")
+        _check_range(ptr, offset, nbytes)
+        size = nbytes
+        args = {"handle": handle, "offset": offset, "nbytes": size}
+        data = self._call("dtoh", args, lambda m: rq.parse_dtoh(m, size), timeout)
+        if target is None:
+            return bytes(data)
+        target[:] = data
+        return out
+
+    def launch(
+        self,
+        module: str,
+        name: str,
+        grid: int | Sequence[int] = (1,),
+        block: int | Sequence[int] = (1,),
+        args: Sequence[Any] = (),
+        shared_mem: int = 0,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Launch kernel ``name`` of ``module`` (:data:`BUILTIN` for the built-in library).
+
+        ``args`` are device pointers (from :meth:`mem_alloc`) and numpy scalars of the kernel's
+        exact parameter types (``numpy.int32(n)``, ``numpy.float32(a)``...); plain Python numbers
+        are refused with InvalidRequest.
+        """
+        if type(module) is not str or type(name) is not str or not module or not name:
+            raise InvalidRequest("module and name must be non-empty strings")
+        grid_l = [grid] if isinstance(grid, int) else list(grid)
+        block_l = [block] if isinstance(block, int) else list(block)
+        parse_dims(grid_l, "grid")
+        parse_dims(block_l, "block")
+        if type(shared_mem) is not int or shared_mem < 0:
+            raise InvalidRequest("shared_mem must be a non-negative int")
+        wire_args = [rq.encode_launch_arg(i, a, self.id) for i, a in enumerate(args)]
+        body = {
+            "module": module,
+            "name": name,
+            "grid": grid_l,
+            "block": block_l,
+            "args": wire_args,
+            "shared_mem": shared_mem,
+        }
+        self._call("launch", body, rq.parse_empty, timeout)
+
+    def synchronize(self, *, timeout: float | None = None) -> None:
+        """Wait until every launch of this session has finished (errors of kernels surface here
+        or at the launch, as RemoteError)."""
+        self._call("sync", {}, rq.parse_empty, timeout)
+
+    def device_info(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """The session's GPU and memory: ``gpu``, ``mem_granted``, ``mem_used``, ``simulated``."""
+        return self._call("info", {}, rq.parse_info, timeout)
+
+    def close(self, *, timeout: float | None = None) -> None:
+        """End the session and release its grant. Idempotent; a session the broker already ended
+        (SessionLost) counts as closed."""
+        if self._closed:
+            return
+        self._client._unregister_session(self.id)
+        try:
+            self._call("close", {}, rq.parse_empty, timeout)
+        except SessionLost:
+            pass
+        finally:
+            self._closed = True
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _endpoint_list(endpoints: str | Sequence[str]) -> list[str]:
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    out = [e.strip() for e in items if isinstance(e, str) and e.strip()]
+    if not out or not all(isinstance(e, str) for e in items):
+        raise ConfigError(f"endpoints must be one or more endpoint strings, got {endpoints!r}")
+    return out
+
+
+def _ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+def _check_range(ptr: DevicePtr | int, offset: int, nbytes: int) -> None:
+    if type(offset) is not int or offset < 0:
+        raise InvalidRequest("offset must be a non-negative int")
+    if isinstance(ptr, DevicePtr) and offset + nbytes > ptr.nbytes:
+        raise InvalidRequest(
+            f"{nbytes} bytes at offset {offset} do not fit the {ptr.nbytes}-byte allocation"
+        )
+
+
+def _drain(sock: zmq.Socket[Any]) -> bool:
+    """Read and discard every queued message; whether there was any."""
+    got = False
+    while True:
+        try:
+            sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return got
+        got = True

@@ -1,0 +1,831 @@
+"""Running a user's job program on the worker: the job sandbox.
+
+This module owns everything between a validated ``JobSpec`` (PROTOCOL.md §5.3) and its
+``JobOutcome``: the pool of unprivileged Unix users jobs run as (``UserPool``), the private working
+directory, the scrubbed environment, resource limits, output capture, the time limit and the
+killing of everything the job started (``JobRunner``). It has no sockets; the worker loop calls
+``JobRunner.run`` from a thread and ships the outcome.
+
+Isolation model (DESIGN.md §5):
+
+- Running as root, a job always runs as a pool user (``gpud-job*``, never uid 0), holding one job
+  at a time, with no supplementary groups, ``PR_SET_NO_NEW_PRIVS`` and per-user ``RLIMIT_NPROC``.
+  Without root (development), jobs run as the daemon's own user and the pool is ignored.
+- ``workroot`` is root-owned ``0711``: job users can reach their own directory but cannot list the
+  others. Each job gets ``workroot/<job id hex>``, ``0700``, owned by its user, removed afterwards.
+- The job leads its own session and process group; at the time limit or on cancel the group gets
+  SIGTERM then, after a grace period, SIGKILL. After the leader exits the group is SIGKILLed
+  anyway, and as root every process of the pool user is killed, which also catches processes that
+  left the group with ``setsid()``. As root the daemon is made a child subreaper so those orphans
+  are re-parented to it and reaped here (a zombie still counts against the user's
+  ``RLIMIT_NPROC``).
+- Output files are opened with ``O_NOFOLLOW|O_NONBLOCK`` relative to the directory's fd; only
+  regular files owned by the job's user are returned (so a hard link to someone else's file is not),
+  and a file bigger than ``max_output_file`` is omitted (logged), never truncated, so a client never
+  receives a silently cut file.
+
+Not covered: GPU device nodes are not restricted (``CUDA_VISIBLE_DEVICES`` steers CUDA, it does not
+fence it), there is no memory or disk quota (``RLIMIT_AS`` is off by default: CUDA needs large
+virtual address space), and files a job leaves outside its directory (``/dev/shm``, ``/tmp``)
+survive; cgroups (a delegated systemd scope) would address all three. Without root, a process that
+calls ``setsid()`` can escape the kill.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import math
+import os
+import pathlib
+import pwd
+import re
+import resource
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING
+
+import psutil
+
+from gpud.errors import ConfigError, InvalidRequest, RemoteError
+from gpud.protocol import JobSpec, check_file_name
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+# Keys a job's ``env`` may not set: the runner owns them. CUDA_DEVICE_ORDER is pinned because it
+# changes which physical GPUs the indices in CUDA_VISIBLE_DEVICES name.
+RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
+RESERVED_ENV_PREFIX = "GPUD_"
+_ENV_KEY_RE = re.compile(r"[A-Z_][A-Z0-9_]*\Z")
+MAX_JOB_ID_BYTES = 64
+_JOB_DIR_RE = re.compile(rf"(?:[0-9a-f]{{2}}){{1,{MAX_JOB_ID_BYTES}}}\Z")
+
+_READ_CHUNK = 64 * 1024
+_POLL_S = 0.1  # reader poll interval and cancel-check interval
+_READER_EOF_WAIT_S = 2.0  # after the kill, how long readers may take to reach EOF
+_READER_DRAIN_S = 0.5  # then, after being told to stop, how long they may still drain
+_REAP_TIMEOUT_S = (
+    10.0  # waiting for a SIGKILLed leader (only a process stuck in the kernel takes long)
+)
+_SWEEP_TIMEOUT_S = 5.0  # killing and reaping the rest of a pool user's processes
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_NO_NEW_PRIVS = 38
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    result: Callable[..., int] = fn
+    return result
+
+
+_prctl = _load_prctl()
+
+
+def _prctl_set(option: int, value: int) -> None:
+    """Call ``prctl(option, value, 0, 0, 0)``; raise OSError on failure (also in a forked child)."""
+    if _prctl is None:
+        raise OSError(errno.ENOSYS, "prctl is not available")
+    if _prctl(option, value, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+
+
+@dataclass(frozen=True, slots=True)
+class JobOutcome:
+    """What a finished job produced (result fields of PROTOCOL.md §5.3)."""
+
+    exit_code: int  # negative = killed by that signal (like subprocess)
+    timed_out: bool
+    stdout: bytes
+    stderr: bytes
+    stdout_truncated: bool
+    stderr_truncated: bool
+    files: list[tuple[str, bytes]]  # (name, content) in spec.outputs order; missing ones omitted
+    user: str  # Unix user name it ran as
+
+
+@dataclass(frozen=True, slots=True)
+class JobLimits:
+    """Resource limits and timings applied to every job.
+
+    Attributes:
+        nofile: RLIMIT_NOFILE (open files per process).
+        nproc: RLIMIT_NPROC, processes of the pool user; applied only as root (without root it
+            would count the daemon's own processes).
+        address_space: RLIMIT_AS in bytes, or None for unlimited (CUDA maps huge address ranges).
+        cpu_slack: seconds of CPU time allowed beyond ``time_limit`` per process (RLIMIT_CPU).
+        kill_grace: seconds between SIGTERM and SIGKILL at the time limit or on cancel.
+        acquire_timeout: seconds to wait for a free pool user before failing the job.
+    """
+
+    nofile: int = 1024
+    nproc: int = 512
+    address_space: int | None = None
+    cpu_slack: float = 5.0
+    kill_grace: float = 1.0
+    acquire_timeout: float = 60.0
+
+
+class UserPool:
+    """Pool of unprivileged Unix users for jobs: every user whose name starts with ``prefix``.
+
+    Users with uid 0 or primary gid 0 are never taken. A user serves one job at a time; ``acquire``
+    prefers a user that last served the same tenant, then one that never served anyone, then the
+    one free longest. The user list is read once, at construction.
+    """
+
+    def __init__(self, prefix: str = "gpud-job", uids: range | None = None) -> None:
+        """Users named ``prefix*``; or, with ``uids``, dynamic users: those numeric uids (and the
+        same gids), which must belong to no account (like systemd's DynamicUser=)."""
+        self.prefix = prefix
+        users: list[pwd.struct_passwd] = []
+        seen: set[int] = set()
+        entries = sorted(pwd.getpwall(), key=lambda p: p.pw_name) if uids is None else _dynamic_users(prefix, uids)
+        for entry in entries:
+            if not entry.pw_name.startswith(prefix):
+                continue
+            if entry.pw_uid == 0 or entry.pw_gid == 0:
+                log.warning("pool user %s has uid or gid 0: not used", entry.pw_name)
+                continue
+            if entry.pw_uid in seen:
+                log.warning(
+                    "pool user %s shares uid %d with another: not used", entry.pw_name, entry.pw_uid
+                )
+                continue
+            seen.add(entry.pw_uid)
+            users.append(entry)
+        self._users = {u.pw_name: u for u in users}
+        self._free: list[str] = [u.pw_name for u in users]  # longest free first
+        self._last_tenant: dict[str, str] = {}
+        self._cond = threading.Condition()
+
+    def __len__(self) -> int:
+        return len(self._users)
+
+    def acquire(self, tenant: str, timeout: float) -> pwd.struct_passwd:
+        """Take a free user for ``tenant``, waiting up to ``timeout`` seconds.
+
+        Raises:
+            RemoteError: the pool is empty, or no user became free in time.
+        """
+        if not self._users:
+            raise RemoteError(
+                f"no pool users named {self.prefix}*: create them (systemd/gpud-sysusers.conf)"
+            )
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                name = self._pick(tenant)
+                if name is not None:
+                    self._free.remove(name)
+                    self._last_tenant[name] = tenant
+                    return self._users[name]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RemoteError(
+                        f"all {len(self._users)} job users are busy: none free within {timeout:g} s"
+                    )
+                self._cond.wait(remaining)
+
+    def _pick(self, tenant: str) -> str | None:
+        for name in self._free:
+            if self._last_tenant.get(name) == tenant:
+                return name
+        for name in self._free:
+            if name not in self._last_tenant:
+                return name
+        return self._free[0] if self._free else None
+
+    def release(self, user: pwd.struct_passwd) -> None:
+        """Give back a user taken with ``acquire``; its processes must be gone already."""
+        with self._cond:
+            if user.pw_name not in self._users or user.pw_name in self._free:
+                raise ValueError(f"user {user.pw_name!r} is not held from this pool")
+            self._free.append(user.pw_name)
+            self._cond.notify_all()
+
+
+def _dynamic_users(prefix: str, uids: range) -> list[pwd.struct_passwd]:
+    out = []
+    for uid in uids:
+        try:
+            owner = pwd.getpwuid(uid)
+        except KeyError:
+            out.append(pwd.struct_passwd((f"{prefix}{uid}", "x", uid, uid, "gpud dynamic job user", "/nonexistent", "/usr/sbin/nologin")))
+        else:
+            log.warning("uid %d belongs to %s: not used as a dynamic job user", uid, owner.pw_name)
+    return out
+
+
+class _Capture:
+    """Drains one pipe in a thread, keeping the first ``cap`` bytes and discarding the rest.
+
+    The thread owns the pipe and closes it when it ends, so its fd is never closed under it.
+    """
+
+    def __init__(self, pipe: IO[bytes], cap: int, name: str) -> None:
+        self._pipe = pipe
+        self._cap = cap
+        self._buf = bytearray()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.truncated = False
+        self._thread = threading.Thread(target=self._pump, name=name, daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        try:
+            fd = self._pipe.fileno()
+            os.set_blocking(fd, False)
+            poller = select.poll()
+            poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+            stop_by: float | None = None
+            while True:
+                if self._stop.is_set():
+                    if stop_by is None:
+                        stop_by = time.monotonic() + _READER_DRAIN_S
+                    elif time.monotonic() >= stop_by:
+                        return
+                if not poller.poll(_POLL_S * 1000):
+                    if self._stop.is_set():
+                        return
+                    continue
+                try:
+                    chunk = os.read(fd, _READ_CHUNK)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    return
+                self._keep(chunk)
+        except OSError as exc:
+            log.warning("job output reader %s failed: %s", self._thread.name, exc)
+        finally:
+            self._pipe.close()
+
+    def _keep(self, chunk: bytes) -> None:
+        with self._lock:
+            room = self._cap - len(self._buf)
+            if room > 0:
+                self._buf += chunk[:room]
+            if len(chunk) > room:
+                self.truncated = True
+
+    def finish(self) -> bytes:
+        """Wait for EOF (bounded: an escaped process may hold the pipe); return what was kept."""
+        self._thread.join(_READER_EOF_WAIT_S)
+        if self._thread.is_alive():
+            log.warning(
+                "job output pipe %s still open after the kill: stop reading", self._thread.name
+            )
+            self._stop.set()
+            self._thread.join(_READER_DRAIN_S + 2 * _POLL_S + 1.0)
+        with self._lock:
+            return bytes(self._buf)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _exited(pid: int) -> bool:
+    """True once ``pid`` (our child) has exited; it is left a zombie so its pid stays reserved."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _wait_exit(pid: int, deadline: float, cancel: threading.Event | None) -> bool:
+    """Wait for child ``pid`` to exit (True), or for ``deadline`` or ``cancel`` (False)."""
+    try:
+        pidfd: int | None = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    try:
+        poller = select.poll()
+        if pidfd is not None:
+            poller.register(pidfd, select.POLLIN)
+        pause = 0.001
+        while True:
+            if _exited(pid):
+                return True
+            now = time.monotonic()
+            if now >= deadline or (cancel is not None and cancel.is_set()):
+                return False
+            step = deadline - now
+            if cancel is not None:
+                step = min(step, _POLL_S)
+            if pidfd is not None:
+                poller.poll(math.ceil(step * 1000))
+            else:
+                time.sleep(min(step, pause))
+                pause = min(pause * 2, 0.05)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _clamped(res: int, want: int) -> tuple[int, int]:
+    """``(want, want)`` lowered to the current hard limit, so an unprivileged child can set it."""
+    hard = resource.getrlimit(res)[1]
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    return want, want
+
+
+class JobRunner:
+    """Runs jobs in private directories as pool users (as root) or as the current user.
+
+    Constructing it as root makes the process a child subreaper (``PR_SET_CHILD_SUBREAPER``):
+    processes a job orphans are re-parented to the daemon, and the runner reaps those of its pool
+    users after each job.
+
+    Args:
+        workroot: directory holding the per-job directories; created if missing, made root-owned
+            ``0711`` as root (``0700`` otherwise). It must not be a symlink, and it belongs to
+            this runner: directories with job-id names found there at construction are removed
+            as leftovers of a crash.
+        pool: users jobs run as; required as root, ignored otherwise.
+        max_output_file: output files bigger than this many bytes are omitted from the outcome.
+        limits: resource limits and timings for every job.
+    """
+
+    def __init__(
+        self,
+        workroot: pathlib.Path,
+        pool: UserPool | None = None,
+        max_output_file: int = 64 << 20,
+        *,
+        limits: JobLimits | None = None,
+    ) -> None:
+        self.workroot = pathlib.Path(workroot).absolute()
+        self.pool = pool
+        self.max_output_file = max_output_file
+        self.limits = limits if limits is not None else JobLimits()
+        self._root = os.geteuid() == 0
+        self._active: set[str] = set()
+        self._lock = threading.Lock()
+        self._prepare_workroot()
+        if self._root:
+            try:
+                _prctl_set(_PR_SET_CHILD_SUBREAPER, 1)
+            except OSError as exc:
+                log.warning(
+                    "cannot become a child subreaper (%s): orphaned job processes go to init", exc
+                )
+            if pool is None or len(pool) == 0:
+                log.error("running as root without job users: every job will be refused")
+
+    def _prepare_workroot(self) -> None:
+        root = self.workroot
+        root.mkdir(parents=True, exist_ok=True, mode=0o711 if self._root else 0o700)
+        st = os.lstat(root)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"job workroot {root} is not a directory (or is a symlink)")
+        if self._root:
+            os.chown(root, 0, 0)
+            os.chmod(root, 0o711)
+            for parent in root.parents:
+                if not os.stat(parent).st_mode & stat.S_IXOTH:
+                    log.warning(
+                        "job users cannot reach %s: %s is not searchable by others", root, parent
+                    )
+                    break
+        else:
+            os.chmod(root, 0o700)
+        for entry in os.listdir(root):  # left by a crash; only names this runner makes
+            if _JOB_DIR_RE.match(entry):
+                log.info("removing stale job directory %s", root / entry)
+                self._remove(root / entry)
+
+    # -- the job ------------------------------------------------------------------------------
+
+    def run(
+        self,
+        job_id: bytes,
+        spec: JobSpec,
+        inputs: Sequence[Buffer],
+        visible_devices: str,
+        tenant: str,
+        cancel: threading.Event | None = None,
+    ) -> JobOutcome:
+        """Run one job to completion and return its outcome.
+
+        Args:
+            job_id: the job's id; its hex form names the working directory and ``GPUD_JOB_ID``.
+            spec: the validated request.
+            inputs: contents of ``spec.files``, in order (bytes, memoryview, zmq.Frame, ...).
+            visible_devices: the value of ``CUDA_VISIBLE_DEVICES``: exactly the granted GPUs.
+            tenant: who the job is for; the pool prefers the user that last ran that tenant.
+            cancel: when set, the job is killed like at its time limit (``timed_out`` stays False).
+
+        Raises:
+            InvalidRequest: the spec or inputs are malformed (reserved env key, count mismatch).
+            RemoteError: the job could not be set up (no job user, directory, fork failure).
+
+        A program that cannot be executed is an outcome, not an error: exit code 127 (not found)
+        or 126 (other), with the reason on stderr, as a shell does.
+        """
+        hexid = self._check(job_id, spec, inputs, visible_devices)
+        user = self._acquire_user(tenant)
+        try:
+            with self._claim(hexid):
+                workdir = self.workroot / hexid
+                try:
+                    dfd = self._make_workdir(workdir, user, spec, inputs)
+                    try:
+                        return self._execute(
+                            hexid, spec, workdir, dfd, user, visible_devices, cancel
+                        )
+                    finally:
+                        os.close(dfd)
+                finally:
+                    self._remove(workdir)
+        finally:
+            if self._root and self.pool is not None:
+                self.pool.release(user)
+
+    def _check(
+        self, job_id: bytes, spec: JobSpec, inputs: Sequence[Buffer], visible_devices: str
+    ) -> str:
+        if not 0 < len(job_id) <= MAX_JOB_ID_BYTES:
+            raise InvalidRequest(f"job id must be 1 to {MAX_JOB_ID_BYTES} bytes")
+        if not spec.argv or any("\0" in a for a in spec.argv):
+            raise InvalidRequest("field 'argv' must be a non-empty list of strings without NUL")
+        for key, value in spec.env.items():
+            if not _ENV_KEY_RE.match(key) or "\0" in value:
+                raise InvalidRequest(f"bad environment entry {key!r}")
+            if key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIX):
+                raise InvalidRequest(
+                    f"environment variable {key} is set by gpud and cannot be overridden"
+                )
+        for name in (*spec.files, *spec.outputs):
+            check_file_name(name)
+        if len(set(spec.files)) != len(spec.files):
+            raise InvalidRequest("field 'files' names a file twice")
+        if len(inputs) != len(spec.files):
+            raise InvalidRequest(
+                f"'files' names {len(spec.files)} files but {len(inputs)} inputs came"
+            )
+        if "\0" in visible_devices:
+            raise InvalidRequest("bad CUDA_VISIBLE_DEVICES value")
+        return bytes(job_id).hex()
+
+    def _acquire_user(self, tenant: str) -> pwd.struct_passwd:
+        if not self._root:
+            return pwd.getpwuid(os.getuid())
+        if self.pool is None:
+            raise RemoteError(
+                "the worker runs as root but has no pool of job users; jobs never run as root"
+            )
+        user = self.pool.acquire(tenant, self.limits.acquire_timeout)
+        if user.pw_uid == 0:  # UserPool never hands out uid 0; this guards a substitute pool
+            self.pool.release(user)
+            raise RemoteError(f"job user {user.pw_name} has uid 0: refusing to run a job as root")
+        return user
+
+    @contextmanager
+    def _claim(self, hexid: str) -> Iterator[None]:
+        with self._lock:
+            if hexid in self._active:
+                raise RemoteError(f"job {hexid} is already running on this worker")
+            self._active.add(hexid)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active.discard(hexid)
+
+    def _make_workdir(
+        self,
+        workdir: pathlib.Path,
+        user: pwd.struct_passwd,
+        spec: JobSpec,
+        inputs: Sequence[Buffer],
+    ) -> int:
+        """Create the job directory with its input files; return an fd of the directory."""
+        if os.path.lexists(workdir):
+            log.warning("job directory %s exists already: replacing it", workdir)
+            self._remove(workdir)
+        try:
+            os.mkdir(workdir, 0o700)
+            os.chmod(workdir, 0o700)
+            if self._root:
+                os.chown(workdir, user.pw_uid, user.pw_gid)
+            dfd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise RemoteError(f"cannot create job directory {workdir}: {exc}") from exc
+        try:
+            for name, data in zip(spec.files, inputs, strict=True):
+                self._write_input(dfd, name, data, user)
+        except OSError as exc:
+            os.close(dfd)
+            raise RemoteError(f"cannot write job input files: {exc}") from exc
+        return dfd
+
+    def _write_input(self, dfd: int, name: str, data: Buffer, user: pwd.struct_passwd) -> None:
+        # 0700 so an uploaded program can be run directly (./prog); the directory is private anyway.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(name, flags, 0o700, dir_fd=dfd)
+        try:
+            if self._root:
+                os.fchown(fd, user.pw_uid, user.pw_gid)
+            with memoryview(data) as raw:
+                view = raw if raw.ndim == 1 and raw.itemsize == 1 else raw.cast("B")
+                offset = 0
+                while offset < len(view):
+                    offset += os.write(fd, view[offset : offset + (1 << 20)])
+        finally:
+            os.close(fd)
+
+    def _environment(
+        self,
+        hexid: str,
+        spec: JobSpec,
+        workdir: pathlib.Path,
+        user: pwd.struct_passwd,
+        devices: str,
+    ) -> dict[str, str]:
+        env = {
+            "PATH": DEFAULT_PATH,
+            "HOME": str(workdir),
+            "USER": user.pw_name,
+            "LOGNAME": user.pw_name,
+            "LANG": "C.UTF-8",
+            "TMPDIR": str(workdir),
+        }
+        env.update(spec.env)
+        env["CUDA_VISIBLE_DEVICES"] = devices
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["GPUD_JOB_ID"] = hexid
+        return env
+
+    def _child_setup(self, spec: JobSpec) -> Callable[[], None]:
+        """Build the preexec function: it runs in the child after the switch to the job user."""
+        limits = self.limits
+        cpu = math.ceil(spec.time_limit) + math.ceil(limits.cpu_slack)
+        rlimits = [
+            (resource.RLIMIT_CORE, (0, 0)),
+            (resource.RLIMIT_NOFILE, _clamped(resource.RLIMIT_NOFILE, limits.nofile)),
+            (resource.RLIMIT_CPU, _clamped(resource.RLIMIT_CPU, cpu)),
+        ]
+        if self._root:
+            rlimits.append((resource.RLIMIT_NPROC, _clamped(resource.RLIMIT_NPROC, limits.nproc)))
+        if limits.address_space is not None:
+            rlimits.append((resource.RLIMIT_AS, _clamped(resource.RLIMIT_AS, limits.address_space)))
+        use_prctl = _prctl is not None
+
+        def setup() -> None:
+            if use_prctl:
+                # Die with the daemon's thread that started us; never gain privileges via exec.
+                _prctl_set(_PR_SET_PDEATHSIG, signal.SIGKILL)
+                _prctl_set(_PR_SET_NO_NEW_PRIVS, 1)
+            for res, value in rlimits:
+                resource.setrlimit(res, value)
+
+        return setup
+
+    def _execute(
+        self,
+        hexid: str,
+        spec: JobSpec,
+        workdir: pathlib.Path,
+        dfd: int,
+        user: pwd.struct_passwd,
+        devices: str,
+        cancel: threading.Event | None,
+    ) -> JobOutcome:
+        started = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                list(spec.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=workdir,
+                env=self._environment(hexid, spec, workdir, user, devices),
+                start_new_session=True,
+                close_fds=True,
+                umask=0o077,
+                preexec_fn=self._child_setup(spec),
+                user=user.pw_uid if self._root else None,
+                group=user.pw_gid if self._root else None,
+                extra_groups=[] if self._root else None,
+            )
+        except OSError as exc:
+            if exc.filename != spec.argv[0]:
+                raise RemoteError(f"cannot start job {hexid}: {exc}") from exc
+            code = 127 if exc.errno == errno.ENOENT else 126
+            log.info("job %s: cannot execute %r: %s", hexid, spec.argv[0], exc.strerror)
+            message = f"gpud: cannot execute {spec.argv[0]!r}: {exc.strerror}\n".encode()
+            return JobOutcome(code, False, b"", message, False, False, [], user.pw_name)
+        except subprocess.SubprocessError as exc:
+            raise RemoteError(f"cannot start job {hexid}: {exc}") from exc
+
+        assert proc.stdout is not None and proc.stderr is not None
+        out = _Capture(proc.stdout, spec.output_cap, f"job-{hexid[:8]}-stdout")
+        err = _Capture(proc.stderr, spec.output_cap, f"job-{hexid[:8]}-stderr")
+        log.info("job %s started as %s (pid %d): %s", hexid, user.pw_name, proc.pid, spec.argv[0])
+        timed_out = False
+        try:
+            deadline = started + spec.time_limit
+            if not _wait_exit(proc.pid, deadline, cancel):
+                timed_out = not (cancel is not None and cancel.is_set())
+                log.info(
+                    "job %s: %s: killing its process group",
+                    hexid,
+                    "time limit" if timed_out else "cancelled",
+                )
+                _killpg(proc.pid, signal.SIGTERM)
+                _wait_exit(proc.pid, time.monotonic() + self.limits.kill_grace, None)
+        finally:
+            # The leader is a zombie or still running: its pid, the group id, cannot be reused yet.
+            _killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
+            try:
+                exit_code = proc.wait(_REAP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                log.error("job %s: leader pid %d survives SIGKILL", hexid, proc.pid)
+                exit_code = -signal.SIGKILL
+            if self._root:  # also what left the group (setsid) and would hold the pipes open
+                self._kill_user_processes(user)
+        stdout, stderr = out.finish(), err.finish()
+        files = self._collect_outputs(hexid, spec, dfd, user)
+        log.info(
+            "job %s finished: exit %d%s after %.2f s",
+            hexid,
+            exit_code,
+            " (time limit)" if timed_out else "",
+            time.monotonic() - started,
+        )
+        return JobOutcome(
+            exit_code=exit_code,
+            timed_out=timed_out,
+            stdout=stdout,
+            stderr=stderr,
+            stdout_truncated=out.truncated,
+            stderr_truncated=err.truncated,
+            files=files,
+            user=user.pw_name,
+        )
+
+    def _collect_outputs(
+        self, hexid: str, spec: JobSpec, dfd: int, user: pwd.struct_passwd
+    ) -> list[tuple[str, bytes]]:
+        files: list[tuple[str, bytes]] = []
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+        for name in dict.fromkeys(spec.outputs):
+            try:
+                fd = os.open(name, flags, dir_fd=dfd)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:  # ELOOP: a symlink
+                log.info("job %s: output %s not returned: %s", hexid, name, exc.strerror)
+                continue
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != user.pw_uid:
+                    log.info(
+                        "job %s: output %s is not a regular file of the job: skipped", hexid, name
+                    )
+                    continue
+                if st.st_size > self.max_output_file:
+                    log.warning(
+                        "job %s: output %s has %d bytes, over the cap: skipped",
+                        hexid,
+                        name,
+                        st.st_size,
+                    )
+                    continue
+                data = self._read_capped(fd)
+                if data is None:
+                    log.warning("job %s: output %s grew over the cap: skipped", hexid, name)
+                    continue
+                files.append((name, data))
+            except OSError as exc:
+                log.warning("job %s: cannot read output %s: %s", hexid, name, exc)
+            finally:
+                os.close(fd)
+        return files
+
+    def _read_capped(self, fd: int) -> bytes | None:
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            chunk = os.read(fd, min(1 << 20, self.max_output_file + 1 - size))
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
+            size += len(chunk)
+            if size > self.max_output_file:
+                return None
+
+    # -- cleanup ------------------------------------------------------------------------------
+
+    def _kill_user_processes(self, user: pwd.struct_passwd) -> None:
+        """Kill every process of pool user ``user`` and reap those re-parented to us (root only)."""
+        uid = user.pw_uid
+        # First, race-free: kill(-1) sent *as the user* reaches exactly its processes, and a process
+        # with SIGKILL pending cannot fork, so nothing new appears after it.
+
+        def kill_all() -> None:
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except OSError:
+                pass
+
+        try:
+            subprocess.run(
+                [shutil.which("true") or "/bin/true"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                user=uid,
+                group=user.pw_gid,
+                extra_groups=[],
+                preexec_fn=kill_all,
+                timeout=_SWEEP_TIMEOUT_S,
+                check=False,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.debug("kill helper for %s: %s", user.pw_name, exc)  # EAGAIN at exec: already killed
+        # Then verify with the process table: kill leftovers, reap our zombies, wait for the rest.
+        me = os.getpid()
+        deadline = time.monotonic() + _SWEEP_TIMEOUT_S
+        while True:
+            mine = [
+                p
+                for p in psutil.process_iter(["uids", "ppid", "status"])
+                if p.info["uids"] is not None and uid in p.info["uids"]
+            ]
+            pids = {p.pid for p in mine}
+            pending = 0
+            for proc in mine:
+                if proc.info["status"] != psutil.STATUS_ZOMBIE:
+                    pending += 1
+                    try:
+                        proc.kill()
+                    except psutil.Error:
+                        pass
+                elif proc.info["ppid"] == me:
+                    pending += 1
+                    try:
+                        os.waitpid(proc.pid, os.WNOHANG)
+                    except ChildProcessError:
+                        pass
+                elif proc.info["ppid"] in pids:
+                    pending += 1  # its parent is dying: it will be re-parented to us
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                log.error("%d processes of job user %s survive the kill", pending, user.pw_name)
+                return
+            time.sleep(0.02)
+
+    def _remove(self, path: pathlib.Path) -> None:
+        if os.path.islink(path) or not os.path.isdir(path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            return
+        try:
+            shutil.rmtree(path)
+            return
+        except OSError as exc:
+            if self._root:
+                log.error("cannot remove job directory %s: %s", path, exc)
+                return
+        # Without root a job can leave a directory without write permission: restore it first.
+        os.chmod(path, 0o700)
+        for dirpath, dirnames, _ in os.walk(path):
+            for name in dirnames:
+                sub = os.path.join(dirpath, name)
+                if not os.path.islink(sub):
+                    os.chmod(sub, 0o700)
+        shutil.rmtree(path, ignore_errors=True)
+        if os.path.lexists(path):
+            log.error("cannot remove job directory %s", path)

@@ -247,7 +247,7 @@ class Worker:
         gpus = [P.gpu_state_to_wire(u, s) for u, s in states.items()]
         running = [{"id": rid, "kind": kind, "since": round(now - since, 3)} for rid, (kind, since, _) in self.running.items()]
         running += [{"id": s.id, "kind": "session", "since": round(now - s.opened, 3)} for s in self.sessions.values()]
-        header: dict[str, Any] = {"seq": seq, "gpus": gpus, "running": running}
+        header: dict[str, Any] = {"seq": seq, "gpus": gpus, "running": running, "simulated": self.probe.simulated}
         if self.draining:
             header["draining"] = True
         self._send(link, Command.HEARTBEAT, header)

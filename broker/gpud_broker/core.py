@@ -8,7 +8,7 @@ caller passes, so tests run it with a fake clock and plain lists as sockets.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,7 @@ from gpud.protocol import Command, Message, Peer
 from gpud.resources import GpuInfo
 from gpud_broker import ledger
 from gpud_broker.policies import POLICIES, could_ever_fit
-from gpud_broker.queue import PendingQueue
+from gpud_broker.queue import DEFAULT_AGING_S, DEFAULT_RESERVE_AFTER_S, FairShare, PendingQueue
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
 from gpud_broker.tasks import Session, State, Task, TaskTable
 
@@ -54,6 +54,9 @@ class BrokerConfig:
     session_lease: float = 30.0  # seconds without hearing from a session's client
     max_attempts: int = 3  # placements of one request across worker losses
     max_message_bytes: int = P.DEFAULT_MAX_MESSAGE_BYTES
+    tenant_weights: dict[str, float] = field(default_factory=dict)  # fair-share weights (default 1)
+    aging_s: float = DEFAULT_AGING_S  # seconds of waiting worth one priority level
+    reserve_after: float = DEFAULT_RESERVE_AFTER_S  # seconds before a blocked request reserves a worker
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -76,7 +79,8 @@ class BrokerCore:
         self.send_worker = send_worker
         self.registry = WorkerRegistry()
         self.tasks = TaskTable(config.result_ttl, config.result_bytes)
-        self.queue: PendingQueue[Task] = PendingQueue(config.max_queue)
+        self.fair = FairShare(config.tenant_weights)
+        self.queue: PendingQueue[Task] = PendingQueue(config.max_queue, self.fair, config.aging_s, config.reserve_after)
         self.sessions: dict[bytes, Session] = {}
         self.policy = POLICIES[config.policy]
         self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0}
@@ -143,7 +147,9 @@ class BrokerCore:
         if len(self.registry) and not could_ever_fit(need, self.registry.by_identity.values()):
             self.tasks.forget(task)
             self._refuse(identity, rid, NoCapacity("no connected worker has GPUs that could satisfy this request"))
-        elif not self.queue.push(task):
+        elif self.queue.push(task):
+            self.fair.activate(task.tenant, now)
+        else:
             self.tasks.forget(task)
             self._refuse(identity, rid, Busy(f"the queue is full ({self.config.max_queue} requests); try later"))
 
@@ -225,14 +231,17 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ placement
 
-    def _try_dispatch(self, task: Task) -> bool:
+    def _try_dispatch(self, task: Task, excluded: Set[str] = frozenset()) -> bool:
+        """Place and dispatch ``task`` now if some GPU can take it (never on ``excluded`` workers)."""
         need = task.need
         assert need is not None  # only placed kinds reach here
-        placement = self.policy(need, self.registry.by_identity.values(), task.avoid)
+        avoid = task.avoid | excluded if excluded else task.avoid
+        placement = self.policy(need, self.registry.by_identity.values(), avoid)
         if placement is None:
             return False
         worker = placement.worker
         task.grant = ledger.grant(worker, placement.gpus, need)
+        self.fair.grant(task.tenant, need.total_milli, self.now)
         task.attempts += 1
         self._send_dispatch(worker, task)
         return True
@@ -254,7 +263,23 @@ class BrokerCore:
     def place_queued(self) -> int:
         if not len(self.queue):
             return 0
-        return self.queue.place(self._try_dispatch)
+        return self.queue.place(self._try_dispatch, self.now, self._reserve)
+
+    def _reserve(self, task: Task, reserved: Set[str]) -> str | None:
+        """The worker a long-waiting request reserves: of those that could ever take it, the one
+        with the most free share on fitting GPUs (it frees up soonest, on average)."""
+        need = task.need
+        assert need is not None
+        best, best_free = None, -1
+        for w in self.registry.by_identity.values():
+            if w.name in reserved or w.name in task.avoid or not could_ever_fit(need, (w,)):
+                continue
+            free = sum(g.free_milli for g in w.gpus if need.fits_type(g.info))
+            if free > best_free:
+                best, best_free = w.name, free
+        if best is not None:
+            log.info("request %s waited %.0fs; reserving worker %s for it", P.id_text(task.id), self.now - task.created, best)
+        return best
 
     # ------------------------------------------------------------------ finishing
 
@@ -416,11 +441,13 @@ class BrokerCore:
         g = task.grant
         if g is not None:
             ledger.release(worker, [self.registry.gpus[u] for u in g.gpus], g)
+            self.fair.release(task.tenant, g.gpu_milli * len(g.gpus), self.now)
 
     def _end_session(self, sid: bytes) -> None:
         s = self.sessions.pop(sid, None)
         if s is None:
             return
+        self.fair.release(s.tenant, s.grant.gpu_milli, self.now)
         worker = self.registry.by_name.get(s.worker)
         if worker is not None:
             ledger.release(worker, [self.registry.gpus[s.gpu]], s.grant)
@@ -429,12 +456,16 @@ class BrokerCore:
         """Remove a worker; place its retryable work again, fail the rest (PROTOCOL.md §4.3)."""
         log.warning("worker %s lost (%s): %d task(s) were on it", worker.name, why, len(worker.assigned))
         self.registry.remove(worker)
+        self.queue.drop_reservations_on(worker.name)
         for sid in [sid for sid, s in self.sessions.items() if s.worker == worker.name]:
-            del self.sessions[sid]
+            s = self.sessions.pop(sid)
+            self.fair.release(s.tenant, s.grant.gpu_milli, self.now)
         retry: list[Task] = []
         for task in worker.assigned.values():
             if not isinstance(task, Task) or task.state is not State.RUNNING:
                 continue
+            if task.grant is not None:
+                self.fair.release(task.tenant, task.grant.gpu_milli * len(task.grant.gpus), self.now)
             if task.kind == "call":
                 self._fail(task, SessionLost(f"the session's worker {worker.name} was lost ({why})"))
             elif task.retryable:

@@ -1,16 +1,23 @@
-"""The pending queue: requests that cannot be placed now.
+"""The pending queue: requests that cannot be placed now, and the order in which they get GPUs.
 
-Order: higher priority first; at equal priority, round-robin between tenants (the tenant just served
-goes to the back); FIFO within a tenant. Bounded in length (``push`` refuses past it: BUSY) and in
-time (``expire`` hands back entries whose deadline passed: TIMEOUT). Pure: the caller passes the time.
+Order: by effective priority (priority plus one whole level per ``aging_s`` seconds waited, so low
+priority never starves); at equal effective priority, the tenant with the smallest weighted share
+of GPU-time actually granted goes first (``FairShare``), then the tenant served least recently (so
+equal tenants alternate); FIFO within a tenant. A request that does not fit now is skipped so
+smaller work behind it runs (backfill); once it has waited ``reserve_after`` seconds it reserves a
+worker, and backfill stops using that worker until it is placed, which bounds its wait.
+
+Bounded in length (``push`` refuses past it: BUSY) and in time (``expire`` hands back entries whose
+deadline passed: TIMEOUT). Pure: the caller passes the time.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Set
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 
@@ -18,32 +25,126 @@ class Queueable(Protocol):
     priority: int
     tenant: str
     deadline: float
+    created: float
     queued: bool
+    reserved: str | None  # worker this entry has reserved, once it has waited long enough
 
 
 T = TypeVar("T", bound=Queueable)
 
+DEFAULT_AGING_S = 60.0  # seconds of waiting worth one priority level
+DEFAULT_RESERVE_AFTER_S = 30.0  # seconds of waiting after which a blocked entry reserves a worker
+
+
+@dataclass(slots=True)
+class _Share:
+    weight: float = 1.0
+    usage: float = 0.0  # milli-GPU x seconds granted so far
+    granted: int = 0  # milli-GPU granted now
+    since: float = 0.0  # time usage was last brought up to date
+
+
+class FairShare:
+    """Each tenant's GPU-time actually granted (milli-GPU x seconds), divided by its weight.
+
+    The broker calls ``grant``/``release`` with each grant's total milli-GPU; ``vtime`` is the
+    weighted usage the queue orders tenants by. A tenant that comes back after idling starts at
+    the smallest usage among the others (it cannot bank credit while it asks for nothing).
+    """
+
+    def __init__(self, weights: dict[str, float] | None = None, default_weight: float = 1.0) -> None:
+        self.weights = dict(weights or {})
+        self.default_weight = default_weight
+        self.tenants: dict[str, _Share] = {}
+
+    def _get(self, tenant: str, now: float) -> _Share:
+        s = self.tenants.get(tenant)
+        if s is None:
+            weight = self.weights.get(tenant, self.default_weight)
+            floor = min((self.vtime(t, now) for t in self.tenants), default=0.0)
+            s = self.tenants[tenant] = _Share(weight=weight, usage=floor * weight, since=now)
+        return s
+
+    def _advance(self, s: _Share, now: float) -> None:
+        if now > s.since:
+            s.usage += s.granted * (now - s.since)
+            s.since = now
+
+    def grant(self, tenant: str, milli: int, now: float) -> None:
+        s = self._get(tenant, now)
+        self._advance(s, now)
+        s.granted += milli
+
+    def release(self, tenant: str, milli: int, now: float) -> None:
+        s = self._get(tenant, now)
+        self._advance(s, now)
+        s.granted = max(0, s.granted - milli)
+
+    def usage(self, tenant: str, now: float) -> float:
+        s = self.tenants.get(tenant)
+        if s is None:
+            return 0.0
+        return s.usage + s.granted * max(0.0, now - s.since)
+
+    def vtime(self, tenant: str, now: float) -> float:
+        s = self.tenants.get(tenant)
+        return 0.0 if s is None else self.usage(tenant, now) / s.weight
+
+    def activate(self, tenant: str, now: float) -> None:
+        """A tenant with nothing queued or running asks again: no banked credit from idling."""
+        s = self.tenants.get(tenant)
+        if s is None:
+            self._get(tenant, now)
+            return
+        if s.granted:
+            return
+        others = [self.vtime(t, now) for t, o in self.tenants.items() if t != tenant and o.granted]
+        if others:
+            floor = min(others) * s.weight
+            if s.usage < floor:
+                s.usage = floor
+                s.since = now
+
+
+TryPlace = Callable[[T, Set[str]], bool]  # (entry, workers it must not use) -> placed?
+Reserve = Callable[[T, Set[str]], str | None]  # (entry, workers already reserved) -> worker name
+
 
 class PendingQueue(Generic[T]):
-    def __init__(self, max_len: int = 10_000) -> None:
+    def __init__(
+        self,
+        max_len: int = 10_000,
+        fair: FairShare | None = None,
+        aging_s: float = DEFAULT_AGING_S,
+        reserve_after: float = DEFAULT_RESERVE_AFTER_S,
+    ) -> None:
         self.max_len = max_len
-        # priority -> tenant -> FIFO; tenants kept in round-robin order
-        self._levels: dict[int, OrderedDict[str, deque[T]]] = {}
+        self.fair = fair or FairShare()
+        self.aging_s = aging_s
+        self.reserve_after = reserve_after
+        self._fifos: dict[tuple[int, str], deque[T]] = {}
+        self._reserved: dict[int, T] = {}  # id(entry) -> entry holding a reservation
         self._deadlines: list[tuple[float, int, T]] = []
         self._seq = itertools.count()
+        self._served: dict[str, int] = {}  # tenant -> when last served (round robin at equal share)
         self._len = 0
 
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def reservations(self) -> dict[str, T]:
+        """Worker name -> the entry that has reserved it."""
+        return {e.reserved: e for e in self._reserved.values() if e.reserved is not None}
+
     def push(self, item: T, front: bool = False) -> bool:
         """Queue ``item``; False when the queue is full. ``front``: ahead of its tenant's FIFO."""
         if self._len >= self.max_len:
             return False
-        tenants = self._levels.setdefault(item.priority, OrderedDict())
-        fifo = tenants.get(item.tenant)
+        key = (item.priority, item.tenant)
+        fifo = self._fifos.get(key)
         if fifo is None:
-            fifo = tenants[item.tenant] = deque()
+            fifo = self._fifos[key] = deque()
         if front:
             fifo.appendleft(item)
         else:
@@ -54,67 +155,93 @@ class PendingQueue(Generic[T]):
         return True
 
     def remove(self, item: T) -> bool:
-        """Take ``item`` out (cancel). False when it is not queued."""
+        """Take ``item`` out (placed, cancelled, expired). False when it is not queued."""
         if not item.queued:
             return False
-        tenants = self._levels.get(item.priority)
-        fifo = tenants.get(item.tenant) if tenants else None
+        key = (item.priority, item.tenant)
+        fifo = self._fifos.get(key)
         if fifo is None:
             return False
         try:
             fifo.remove(item)
         except ValueError:
             return False
-        self._taken(item, tenants, fifo)  # type: ignore[arg-type]
-        return True
-
-    def _taken(self, item: T, tenants: OrderedDict[str, deque[T]], fifo: deque[T]) -> None:
         item.queued = False
+        item.reserved = None
+        self._reserved.pop(id(item), None)
         self._len -= 1
         if not fifo:
-            del tenants[item.tenant]
-            if not tenants:
-                del self._levels[item.priority]
+            del self._fifos[key]
+        return True
 
-    def in_order(self) -> Iterator[T]:
-        """Entries in placement order (a snapshot)."""
-        for prio in sorted(self._levels, reverse=True):
-            tenants = self._levels[prio]
-            fifos = [list(f) for f in tenants.values()]
-            for row in itertools.zip_longest(*fifos):
-                yield from (x for x in row if x is not None)
+    def drop_reservations_on(self, worker: str) -> None:
+        """A worker is gone: entries that had reserved it reserve again later."""
+        for e in list(self._reserved.values()):
+            if e.reserved == worker:
+                e.reserved = None
+                del self._reserved[id(e)]
 
-    def place(self, try_place: Callable[[T], bool], scan_limit: int = 64) -> int:
-        """Offer entries in order to ``try_place``; those it accepts leave the queue.
+    def _rank(self, fifo: deque[T], now: float, served: dict[str, int]) -> tuple[float, float, int, float]:
+        head = fifo[0]
+        waited = max(0.0, now - head.created)
+        effective = head.priority + (waited // self.aging_s if self.aging_s > 0 else 0.0)
+        return (-effective, self.fair.vtime(head.tenant, now), served.get(head.tenant, 0), head.created)
 
-        An entry that does not fit now is skipped (up to ``scan_limit`` skips per call), so small
-        work is not held behind large work. Returns how many were placed.
+    def in_order(self, now: float = 0.0) -> Iterator[T]:
+        """Entries in the order ``place`` would offer them if everything fit (a snapshot)."""
+        fifos = {k: deque(f) for k, f in self._fifos.items()}
+        served = dict(self._served)
+        serial = max(served.values(), default=0)
+        while fifos:
+            key = min(fifos, key=lambda k: self._rank(fifos[k], now, served))
+            fifo = fifos[key]
+            yield fifo.popleft()
+            serial += 1
+            served[key[1]] = serial
+            if not fifo:
+                del fifos[key]
+
+    def place(self, try_place: TryPlace[T], now: float = 0.0, reserve: Reserve[T] | None = None,
+              scan_limit: int = 64) -> int:
+        """Offer entries, best first, to ``try_place``; those it accepts leave the queue.
+
+        An entry that does not fit is skipped (backfill), at most ``scan_limit`` skips per call. The
+        best-ranked waiting entry, once it has waited ``reserve_after`` seconds, asks ``reserve`` for
+        a worker; no other entry may then be placed on that worker. Returns how many were placed.
         """
         placed = 0
         skipped = 0
-        for prio in sorted(self._levels, reverse=True):
-            progress = True
-            while progress and prio in self._levels:
-                progress = False
-                tenants = self._levels[prio]
-                for tenant in list(tenants):
-                    fifo = tenants.get(tenant)
-                    if not fifo:
-                        continue
-                    for item in list(fifo):
-                        if try_place(item):
-                            fifo.remove(item)
-                            self._taken(item, tenants, fifo)
-                            if tenant in tenants:
-                                tenants.move_to_end(tenant)
-                            placed += 1
-                            progress = True
-                            break
-                        skipped += 1
-                        if skipped >= scan_limit:
-                            return placed
-                    if progress:
-                        break
+        blocked: set[tuple[int, str]] = set()
+        while skipped < scan_limit:
+            keys = [k for k in self._fifos if k not in blocked]
+            if not keys:
+                break
+            key = min(keys, key=lambda k: self._rank(self._fifos[k], now, self._served))
+            fifo = self._fifos[key]
+            progress = False
+            for item in list(fifo):
+                reserved = set(self.reservations)
+                if item.reserved is not None:
+                    reserved.discard(item.reserved)
+                if try_place(item, reserved):
+                    self.remove(item)
+                    self._served[item.tenant] = next(self._seq)
+                    placed += 1
+                    progress = True
+                    break
+                # Only the best-ranked entry still waiting may reserve: it is the one that
+                # backfill would otherwise pass by.
+                if (reserve is not None and item.reserved is None and item is fifo[0] and not blocked
+                        and now - item.created >= self.reserve_after):
+                    worker = reserve(item, set(self.reservations))
+                    if worker is not None:
+                        item.reserved = worker
+                        self._reserved[id(item)] = item
+                skipped += 1
+                if skipped >= scan_limit:
+                    return placed
+            if not progress:
+                blocked.add(key)
         return placed
 
     def expire(self, now: float) -> list[T]:

@@ -34,6 +34,7 @@ class Task:
     priority: int = 0
     tenant: str = "default"
     queued: bool = False
+    reserved: str | None = None  # worker reserved for it after a long wait (queue backfill)
     grant: Grant | None = None
     worker: str | None = None  # name of the worker running it
     attempts: int = 0

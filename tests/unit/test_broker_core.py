@@ -668,3 +668,151 @@ def test_ledger_returns_to_zero_after_mixed_work(h: Harness) -> None:
         h.result(placed[r], r)
     assert len(h.take_client()) == len(ids)
     h.assert_idle()
+
+
+# ---------------------------------------------------------------- fairness, aging, backfill
+
+
+def dispatches(h: Harness) -> list[tuple[bytes, Message, list[Any]]]:
+    return [m for m in h.take_worker() if m[1].command is Command.DISPATCH]
+
+
+def _run_contended(h: Harness, tenants: dict[str, bytes], seconds: float, job_s: float = 1.0,
+                   milli: int = 1000, backlog: int = 8) -> dict[str, float]:
+    """Keep every tenant's backlog full on a full cluster; jobs finish ``job_s`` after dispatch.
+    Returns each tenant's granted milli-GPU x seconds over the run (measured from the grants)."""
+    n = 0
+    running: dict[bytes, tuple[bytes, str, float]] = {}  # id -> worker, tenant, dispatched
+    queued = {t: 0 for t in tenants}
+    usage = {t: 0.0 for t in tenants}
+    end = h.clock.monotonic() + seconds
+    while h.clock.monotonic() < end:
+        for tenant, ident in tenants.items():
+            while queued[tenant] < backlog:
+                n += 1
+                h.request(ident, rid(n), "job", need={"gpu_milli": milli, "tenant": tenant},
+                          argv=["true"], deadline_ms=10_000_000)
+                queued[tenant] += 1
+        for w_ident, msg, _ in dispatches(h):
+            tenant = msg.header["tenant"]
+            running[msg.header["id"]] = (w_ident, tenant, h.clock.monotonic())
+            queued[tenant] -= 1
+        h.take_client()
+        h.tick(0.05)
+        now = h.clock.monotonic()
+        for r, (w_ident, tenant, t0) in list(running.items()):
+            usage[tenant] += milli * 0.05
+            if now - t0 >= job_s:
+                del running[r]
+                h.result(w_ident, r, exit_code=0)
+    return usage
+
+
+def test_weighted_fair_share_in_gpu_time() -> None:
+    """Two tenants at weights 1:3 competing for a full cluster get GPU-time within 10% of 1:3."""
+    h = Harness(tenant_weights={"a": 1.0, "b": 3.0}, heartbeat=HeartbeatPolicy(1.0, 10_000))
+    h.ready(W1, "w1", ngpus=4)
+    usage = _run_contended(h, {"a": C1, "b": C2}, seconds=120)
+    ratio = usage["b"] / usage["a"]
+    assert 3 * 0.9 <= ratio <= 3 * 1.1, usage
+    # Charged in GPU-time, not in request counts: half-GPU jobs of b count half.
+    assert h.core.fair.usage("b", h.clock.monotonic()) == pytest.approx(usage["b"], rel=0.05)
+
+
+def test_fair_share_counts_gpu_time_not_requests() -> None:
+    """Equal weights; tenant a's jobs hold a GPU 2 s, b's 0.5 s. Charged in GPU-time, both get the
+    same GPU-time (so b gets about four times as many requests through), not the same count."""
+    h = Harness(heartbeat=HeartbeatPolicy(1.0, 10_000))
+    h.ready(W1, "w1", ngpus=4)
+    n = 0
+    running: dict[bytes, tuple[bytes, str, float]] = {}
+    usage = {"a": 0.0, "b": 0.0}
+    done = {"a": 0, "b": 0}
+    length = {"a": 2.0, "b": 0.5}
+    for _ in range(2400):  # 120 s in 50 ms steps
+        for tenant in ("a", "b"):
+            while sum(1 for t in h.core.queue.in_order() if t.tenant == tenant) < 8:
+                n += 1
+                h.request(C1, rid(n), "job", need={"gpu_milli": 1000, "tenant": tenant},
+                          argv=["true"], deadline_ms=10_000_000)
+        for w_ident, msg, _ in dispatches(h):
+            running[msg.header["id"]] = (w_ident, msg.header["tenant"], h.clock.monotonic())
+        h.take_client()
+        h.tick(0.05)
+        for r, (w_ident, tenant, t0) in list(running.items()):
+            usage[tenant] += 1000 * 0.05
+            if h.clock.monotonic() - t0 >= length[tenant] - 1e-9:
+                del running[r]
+                done[tenant] += 1
+                h.result(w_ident, r, exit_code=0)
+    assert 0.9 <= usage["b"] / usage["a"] <= 1.1, usage
+    assert 3.0 <= done["b"] / done["a"] <= 5.0, done
+
+
+def test_aging_bounds_the_wait_of_low_priority() -> None:
+    """High-priority work keeps arriving; low priority still runs once it has aged past it."""
+    h = Harness(aging_s=10.0, heartbeat=HeartbeatPolicy(1.0, 10_000))
+    h.ready(W1, "w1", ngpus=1)
+    h.take_worker()
+    h.request(C2, rid(100), "job", need={"gpu_milli": 1000}, argv=["true"], deadline_ms=10_000_000)
+    running: dict[bytes, float] = {h.one_dispatch(W1).header["id"]: h.clock.monotonic()}
+    h.request(C1, rid(1), "job", need={"gpu_milli": 1000, "priority": -5}, argv=["true"], deadline_ms=10_000_000)
+    n = 100
+    started_low = None
+    for step in range(2000):  # 100 s
+        while len(h.core.queue) < 4:
+            n += 1
+            h.request(C2, rid(n), "job", need={"gpu_milli": 1000, "priority": 0}, argv=["true"], deadline_ms=10_000_000)
+        for _, msg, _ in dispatches(h):
+            running[msg.header["id"]] = h.clock.monotonic()
+            if msg.header["id"] == rid(1):
+                started_low = step * 0.05
+        h.take_client()
+        h.tick(0.05)
+        for r, t0 in list(running.items()):
+            if h.clock.monotonic() - t0 >= 1.0:
+                del running[r]
+                h.result(W1, r, exit_code=0)
+        if started_low is not None:
+            break
+    # Five priority levels at 10 s each: it must start about 50 s in (newer high-priority work
+    # keeps arriving with no age), and certainly not before 40 s.
+    assert started_low is not None and 40 <= started_low <= 60
+
+
+def test_backfill_then_reservation_bounds_the_big_request() -> None:
+    """Small requests run past a big one that does not fit; after reserve_after the big one
+    reserves a worker, backfill stops using it, and it runs."""
+    h = Harness(reserve_after=5.0, aging_s=1e9, heartbeat=HeartbeatPolicy(1.0, 10_000))
+    h.ready(W1, "w1", ngpus=2)
+    h.take_worker()
+    # A 1-GPU job holds GPU 0 for 3 s so the 2-GPU job cannot fit at first.
+    h.request(C1, rid(1), "job", need={"gpus": 1}, argv=["true"], deadline_ms=10_000_000)
+    running = {h.one_dispatch(W1).header["id"]: h.clock.monotonic()}
+    h.request(C1, rid(2), "job", need={"gpus": 2}, argv=["true"], deadline_ms=10_000_000)
+    assert h.take_worker() == []
+    n = 10
+    backfilled = 0
+    big_started = None
+    for step in range(400):  # 20 s
+        # A steady stream of small half-GPU jobs of 2 s each, always one waiting.
+        if len(h.core.queue) < 2:
+            n += 1
+            h.request(C2, rid(n), "job", need={"gpu_milli": 500}, argv=["true"], deadline_ms=10_000_000)
+        for _, msg, _ in dispatches(h):
+            running[msg.header["id"]] = h.clock.monotonic()
+            if msg.header["id"] == rid(2):
+                big_started = step * 0.05
+            elif big_started is None:
+                backfilled += 1
+        h.take_client()
+        h.tick(0.05)
+        for r, t0 in list(running.items()):
+            if h.clock.monotonic() - t0 >= (3.0 if r == rid(1) else 2.0):
+                del running[r]
+                h.result(W1, r, exit_code=0)
+        if big_started is not None:
+            break
+    assert backfilled >= 1  # small work was not held behind the big request
+    assert big_started is not None and big_started <= 5.0 + 3.0  # reservation, then running work drains
+    assert h.core.queue.reservations == {}

@@ -17,13 +17,15 @@ class Item:
     deadline: float = 1e9
     queued: bool = False
     size: int = 1
+    created: float = 0.0
+    reserved: str | None = None
 
 
 def drain(q: PendingQueue[Item]) -> list[str]:
     """Place everything, in order, and return the names (checking len() after every placement)."""
     order: list[str] = []
 
-    def take(item: Item) -> bool:
+    def take(item: Item, _excluded: object = None) -> bool:
         order.append(item.name)
         return True
 
@@ -66,7 +68,7 @@ def test_round_robin_one_at_a_time_and_fifo_within_tenant() -> None:
     order: list[str] = []
     budget = [0]
 
-    def one(item: Item) -> bool:  # accept one item per place() call
+    def one(item: Item, _excluded: object = None) -> bool:  # accept one item per place() call
         if budget[0]:
             return False
         budget[0] = 1
@@ -107,7 +109,7 @@ def test_remove() -> None:
     assert names(q) == ["a", "c"]
     assert q.remove(a) and q.remove(c)
     assert len(q) == 0 and names(q) == []
-    assert q.place(lambda x: True) == 0
+    assert q.place(lambda x, _=None: True) == 0
 
 
 def test_remove_does_not_confuse_equal_looking_items() -> None:
@@ -147,7 +149,7 @@ def test_expire_after_placement_and_requeue() -> None:
     keep = Item("keep", deadline=10.0, tenant="t2")
     q.push(placed)
     q.push(keep)
-    assert q.place(lambda x: x is placed) == 1
+    assert q.place(lambda x, _=None: x is placed) == 1
     assert len(q) == 1
     # a placed item that comes back (its worker was lost) is expired once, not twice
     assert q.push(placed, front=True)
@@ -166,7 +168,7 @@ def test_place_skips_what_does_not_fit() -> None:
     q.push(Item("small3"))
     placed: list[str] = []
 
-    def fits(item: Item) -> bool:
+    def fits(item: Item, _excluded: object = None) -> bool:
         if item.size > 4:
             return False
         placed.append(item.name)
@@ -187,7 +189,7 @@ def test_place_lower_priority_when_higher_does_not_fit() -> None:
     q.push(Item("small-low", priority=-5))
     placed: list[str] = []
 
-    def fits(item: Item) -> bool:
+    def fits(item: Item, _excluded: object = None) -> bool:
         if item.size > 4:
             return False
         placed.append(item.name)
@@ -204,7 +206,7 @@ def test_place_respects_scan_limit() -> None:
     q.push(Item("small"))
     offered: list[str] = []
 
-    def fits(item: Item) -> bool:
+    def fits(item: Item, _excluded: object = None) -> bool:
         offered.append(item.name)
         return item.size <= 4
 
@@ -248,7 +250,7 @@ def test_len_consistent_through_mixed_operations() -> None:
     assert len(gone) == 8
     expected -= len(gone)
     assert len(q) == expected == sum(1 for _ in q.in_order())
-    n = q.place(lambda x: x.priority == 2)
+    n = q.place(lambda x, _=None: x.priority == 2)
     expected -= n
     assert n > 0 and len(q) == expected == sum(1 for _ in q.in_order())
     assert all(x.priority != 2 for x in q.in_order())
@@ -260,4 +262,4 @@ def test_push_marks_queued(front: bool) -> None:
     q: PendingQueue[Item] = PendingQueue()
     x = Item("x")
     assert q.push(x, front=front) and x.queued
-    assert q.place(lambda _: True) == 1 and not x.queued
+    assert q.place(lambda _, __=None: True) == 1 and not x.queued

@@ -8,8 +8,8 @@ wire. It has no sockets: callers pass lists of frames in and out.
 from __future__ import annotations
 
 import enum
+import os
 import re
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,8 +92,11 @@ def unpackb(data: bytes) -> Any:
 
 
 def new_id() -> bytes:
-    """A fresh client-chosen request id (a random UUID, 16 bytes)."""
-    return uuid.uuid4().bytes
+    """A fresh client-chosen request id: a random (version 4) UUID's 16 bytes."""
+    b = bytearray(os.urandom(16))
+    b[6] = (b[6] & 0x0F) | 0x40
+    b[8] = (b[8] & 0x3F) | 0x80
+    return bytes(b)
 
 
 def id_text(rid: bytes) -> str:
@@ -149,7 +152,7 @@ def decode(
         raise TooLarge(f"header is {len(raw)} bytes; the limit is {MAX_HEADER_BYTES}")
     total = len(raw)
     if n > 3:
-        total += sum(_nbytes(f) for f in frames[3:])
+        total += sum([f.nbytes if type(f) is memoryview else _nbytes(f) for f in frames[3:]])
     if total > max_bytes:
         raise TooLarge(f"message is {total} bytes; the limit is {max_bytes}")
     try:
@@ -176,11 +179,9 @@ def _as_bytes(frame: Any) -> bytes:
 
 
 def _nbytes(frame: Any) -> int:
-    if type(frame) is bytes:
-        return len(frame)
-    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    """Size in bytes of a payload frame: bytes, zmq.Frame, or any buffer."""
     try:
-        return memoryview(frame if buf is None else buf).nbytes
+        return len(frame) if type(frame) is bytes or hasattr(frame, "more") else memoryview(frame).nbytes
     except TypeError:
         raise ProtocolError(f"frame of type {type(frame).__name__} is not bytes") from None
 

@@ -19,6 +19,7 @@ import zmq
 from gpud import protocol as P
 from gpud.errors import GpudError, InternalError, UnknownCommand
 from gpud.protocol import Command, Peer
+from gpud.sockets import NOBLOCK, recv_frames, send_frames
 from gpud_broker.commands import ADMIN
 from gpud_broker.core import BrokerConfig, BrokerCore
 
@@ -55,8 +56,8 @@ class Broker:
         self.core = BrokerCore(
             config,
             time.monotonic(),
-            send_client=lambda ident, frames: front.send_multipart([ident, *frames], copy=False),
-            send_worker=lambda ident, frames: back.send_multipart([ident, *frames], copy=False),
+            send_client=lambda ident, frames: send_frames(front, [ident, *frames]),
+            send_worker=lambda ident, frames: send_frames(back, [ident, *frames]),
         )
         self.endpoints = Endpoints(
             frontend=bind(self.frontend, endpoints.frontend),
@@ -112,10 +113,9 @@ class Broker:
         core.shutdown()
 
     def _drain(self, sock: zmq.Socket[bytes], handle: Any) -> None:
-        recv = sock.recv_multipart
         for _ in range(BATCH):
             try:
-                frames = recv(zmq.NOBLOCK)
+                frames = recv_frames(sock, NOBLOCK, copy_first=4)
             except zmq.Again:
                 return
             handle(frames)

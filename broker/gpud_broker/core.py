@@ -27,7 +27,7 @@ from gpud.errors import (
 )
 from gpud.heartbeat import HeartbeatPolicy
 from gpud.protocol import Command, Message, Peer
-from gpud.resources import GpuInfo
+from gpud.resources import GpuInfo, Need
 from gpud_broker import ledger
 from gpud_broker.policies import POLICIES, could_ever_fit
 from gpud_broker.queue import DEFAULT_AGING_S, DEFAULT_RESERVE_AFTER_S, FairShare, PendingQueue
@@ -84,6 +84,8 @@ class BrokerCore:
         self.sessions: dict[bytes, Session] = {}
         self.policy = POLICIES[config.policy]
         self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0}
+        self._needs: dict[Any, Need] = {}
+        self._fits: dict[Need, bool] = {}  # could_ever_fit by need; cleared when workers change
 
     # ------------------------------------------------------------------ client dialog
 
@@ -112,7 +114,7 @@ class BrokerCore:
             kind = h.get("kind")
             if kind not in P.KINDS:
                 raise InvalidRequest(f"unknown request kind {kind!r}; known: {', '.join(P.KINDS)}")
-            need = P.parse_need(kind, h.get("need"))
+            need = self._need(kind, h.get("need"))
             body: dict[str, Any]
             retryable = True
             if kind == "job":
@@ -144,7 +146,7 @@ class BrokerCore:
         self.tasks.add(task)
         if self._try_dispatch(task):
             return
-        if len(self.registry) and not could_ever_fit(need, self.registry.by_identity.values()):
+        if len(self.registry) and not self._could_ever_fit(need):
             self.tasks.forget(task)
             self._refuse(identity, rid, NoCapacity("no connected worker has GPUs that could satisfy this request"))
         elif self.queue.push(task):
@@ -152,6 +154,28 @@ class BrokerCore:
         else:
             self.tasks.forget(task)
             self._refuse(identity, rid, Busy(f"the queue is full ({self.config.max_queue} requests); try later"))
+
+    def _need(self, kind: str, raw: Any) -> Need:
+        """parse_need, memoized: clients send the same few need maps over and over."""
+        try:
+            # Types are part of the key: True == 1 and 1.0 == 1, but parse_need refuses them.
+            key = (kind, tuple([(k, v.__class__, v) for k, v in raw.items()])) if type(raw) is dict else (kind, raw)
+            need = self._needs.get(key)
+        except TypeError:  # unhashable values (lists): parse every time
+            return P.parse_need(kind, raw)
+        if need is None:
+            need = P.parse_need(kind, raw)
+            if len(self._needs) >= 4096:
+                self._needs.clear()
+            self._needs[key] = need
+        return need
+
+    def _could_ever_fit(self, need: Need) -> bool:
+        """could_ever_fit, remembered until the set of workers changes."""
+        fits = self._fits.get(need)
+        if fits is None:
+            fits = self._fits[need] = could_ever_fit(need, self.registry.by_identity.values())
+        return fits
 
     def _attach(self, identity: bytes, task: Task) -> None:
         """A retry of a known id: never run again; answer with the original's reply."""
@@ -366,6 +390,7 @@ class BrokerCore:
             now=self.now,
             simulated=bool(h.get("simulated", False)),
         )
+        self._fits.clear()
         log.info(
             "worker %s ready: %d GPU(s)%s, %d slots, heartbeat %.3fs x %d",
             name, len(gpus), " (simulated)" if worker.simulated else "", slots, policy.interval, policy.liveness,
@@ -389,7 +414,8 @@ class BrokerCore:
                 except ProtocolError:
                     continue
                 states[uuid] = state
-            self.registry.update_state(worker, states)
+            if self.registry.update_state(worker, states):
+                self._fits.clear()
         running = h.get("running")
         if type(running) is list:
             worker.running = [r for r in running[:1000] if type(r) is dict]
@@ -456,6 +482,7 @@ class BrokerCore:
         """Remove a worker; place its retryable work again, fail the rest (PROTOCOL.md §4.3)."""
         log.warning("worker %s lost (%s): %d task(s) were on it", worker.name, why, len(worker.assigned))
         self.registry.remove(worker)
+        self._fits.clear()
         self.queue.drop_reservations_on(worker.name)
         for sid in [sid for sid, s in self.sessions.items() if s.worker == worker.name]:
             s = self.sessions.pop(sid)

@@ -150,7 +150,12 @@ class PendingQueue(Generic[T]):
         else:
             fifo.append(item)
         item.queued = True
-        heapq.heappush(self._deadlines, (item.deadline, next(self._seq), item))
+        deadlines = self._deadlines
+        if len(deadlines) > 2 * self._len + 1024:
+            # Entries that left the queue linger in the heap until their deadline; drop them.
+            deadlines[:] = [d for d in deadlines if d[2].queued]
+            heapq.heapify(deadlines)
+        heapq.heappush(deadlines, (item.deadline, next(self._seq), item))
         self._len += 1
         return True
 
@@ -212,34 +217,37 @@ class PendingQueue(Generic[T]):
         placed = 0
         skipped = 0
         blocked: set[tuple[int, str]] = set()
-        while skipped < scan_limit:
-            keys = [k for k in self._fifos if k not in blocked]
-            if not keys:
-                break
-            key = min(keys, key=lambda k: self._rank(self._fifos[k], now, self._served))
-            fifo = self._fifos[key]
+        fifos = self._fifos
+        taken = {e.reserved for e in self._reserved.values()} if self._reserved else set()
+        while skipped < scan_limit and len(blocked) < len(fifos):
+            if len(fifos) == 1:
+                key = next(iter(fifos))
+            else:
+                key = min((k for k in fifos if k not in blocked),
+                          key=lambda k: self._rank(fifos[k], now, self._served))
+            fifo = fifos[key]
+            head = fifo[0]
             progress = False
-            for item in list(fifo):
-                reserved = set(self.reservations)
-                if item.reserved is not None:
-                    reserved.discard(item.reserved)
-                if try_place(item, reserved):
-                    self.remove(item)
+            for item in itertools.islice(fifo, 0, scan_limit - skipped):
+                excluded = taken - {item.reserved} if item.reserved is not None else taken
+                if try_place(item, excluded):
+                    self.remove(item)  # breaks out before the FIFO is iterated further
                     self._served[item.tenant] = next(self._seq)
+                    if item.reserved is not None:
+                        taken.discard(item.reserved)
                     placed += 1
                     progress = True
                     break
                 # Only the best-ranked entry still waiting may reserve: it is the one that
                 # backfill would otherwise pass by.
-                if (reserve is not None and item.reserved is None and item is fifo[0] and not blocked
+                if (reserve is not None and item is head and item.reserved is None and not blocked
                         and now - item.created >= self.reserve_after):
-                    worker = reserve(item, set(self.reservations))
+                    worker = reserve(item, set(taken))
                     if worker is not None:
                         item.reserved = worker
                         self._reserved[id(item)] = item
+                        taken.add(worker)
                 skipped += 1
-                if skipped >= scan_limit:
-                    return placed
             if not progress:
                 blocked.add(key)
         return placed

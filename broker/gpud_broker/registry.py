@@ -142,14 +142,18 @@ class WorkerRegistry:
             if self.gpus.get(g.uuid) is g:
                 del self.gpus[g.uuid]
 
-    def update_state(self, worker: WorkerRecord, states: dict[str, GpuState]) -> None:
-        """Apply a heartbeat's measurements; grants since the previous beat are now visible."""
+    def update_state(self, worker: WorkerRecord, states: dict[str, GpuState]) -> bool:
+        """Apply a heartbeat's measurements; grants since the previous beat are now visible.
+        Returns whether some GPU's health changed."""
+        changed = False
         for g in worker.gpus:
             s = states.get(g.uuid)
             if s is not None:
+                changed = changed or s.health != g.state.health
                 g.state = s
             g.milli_since_beat = 0
             g.mem_since_beat = 0
+        return changed
 
     def expired(self, now: float) -> list[WorkerRecord]:
         return [w for w in self.by_identity.values() if w.liveness.expired(now)]

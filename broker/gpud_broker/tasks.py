@@ -41,14 +41,9 @@ class Task:
     avoid: set[str] = field(default_factory=set)  # workers that failed it
     retryable: bool = False
     session: bytes | None = None  # for calls: the session they act on
-    reply: list[Any] | None = None  # [header, *payload] once DONE
+    reply: list[Any] | None = None  # [signature, command, header, *payload] once DONE
+    reply_bytes: int = 0  # what keeping ``reply`` costs, counted against the table's budget
     dispatched_at: float = 0.0
-
-    @property
-    def reply_bytes(self) -> int:
-        if not self.reply:
-            return 0
-        return sum(len(f) if isinstance(f, bytes) else len(getattr(f, "buffer", b"")) for f in self.reply)
 
 
 @dataclass(slots=True, eq=False)
@@ -61,6 +56,9 @@ class Session:
     route: bytes
     last_seen: float
     closing: bool = False
+
+
+ENTRY_OVERHEAD = 1536  # bytes a finished task costs the broker besides its reply frames
 
 
 class TaskTable:
@@ -87,6 +85,9 @@ class TaskTable:
         """Mark done and keep the reply for retries."""
         task.state = State.DONE
         task.reply = reply
+        # Frames (bytes or zmq.Frame) plus the entry's own bookkeeping, which dominates for small
+        # replies (an echo's task and its table slots cost about 1.5 KiB).
+        task.reply_bytes = ENTRY_OVERHEAD + sum([len(f) for f in reply])
         task.frames = []
         task.body = {}
         self.finished_total += 1

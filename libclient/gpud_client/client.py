@@ -43,6 +43,7 @@ from gpud.protocol import (
     parse_dims,
     parse_need,
 )
+from gpud.sockets import NOBLOCK, recv_frames, send_frames
 from gpud_client import _request as rq
 from gpud_client._request import DevicePtr, JobResult
 
@@ -69,6 +70,9 @@ DEFAULT_KEEPALIVE_S = 5.0
 """Seconds between the keepalive PINGs that renew open sessions' lease (the broker's is 30 s)."""
 KEEPALIVE_MISSES = 3
 """Keepalive intervals without any answer before the keepalive turns to the next endpoint."""
+
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 T = TypeVar("T")
 _Converter = Callable[[Message], T]
@@ -108,7 +112,11 @@ class Pending(Generic[T]):
         self._cancellable = cancellable
         self._result: tuple[T] | None = None
         self._error: GpudError | None = None
-        weakref.finalize(self, client._forget, rid)
+
+    def __del__(self) -> None:
+        # Dropped without waiting: forget the request (a late reply is then discarded).
+        if getattr(self, "_result", 0) is None and getattr(self, "_error", 0) is None:
+            self._client._forget(self._id)
 
     @property
     def id(self) -> bytes:
@@ -569,7 +577,7 @@ class Client:
 
     def _send(self, frames: Sequence[Any]) -> None:
         try:
-            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            send_frames(self._sock, frames, NOBLOCK)
         except zmq.Again:
             raise Busy("the client's send queue is full; the broker is not reading") from None
 
@@ -668,15 +676,13 @@ class Client:
 
     def _pump(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for messages, then handle every one that is queued."""
-        ms = max(0, math.ceil(timeout * 1000))
-        if not self._sock.poll(ms, zmq.POLLIN):
-            return
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+        sock = self._sock
+        events = sock.getsockopt
+        if not events(_EVENTS) & _POLLIN:
+            if timeout <= 0 or not sock.poll(max(0, math.ceil(timeout * 1000)), zmq.POLLIN):
                 return
-            self._handle(frames)
+        while events(_EVENTS) & _POLLIN:
+            self._handle(recv_frames(sock, NOBLOCK, copy_first=3))
 
     def _handle(self, frames: list[Any]) -> None:
         # Anything at all from the broker shows that it is alive.

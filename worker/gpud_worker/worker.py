@@ -36,12 +36,14 @@ from gpud.errors import (
 from gpud.heartbeat import HeartbeatPolicy, Liveness
 from gpud.protocol import Command, Peer
 from gpud.resources import GpuInfo
+from gpud.sockets import NOBLOCK, recv_frames, send_frames
 from gpud_worker.device import Device, DeviceSession
 from gpud_worker.gpu import GpuProbe
 from gpud_worker.jobs import JobRunner
 
 log = logging.getLogger(__name__)
 
+HOUSEKEEPING_S = 0.02  # how often liveness, heartbeats and idle sessions are looked at
 _SIG = Peer.WORKER.value
 _RESULT = P.CMD_BYTES[Command.RESULT]
 
@@ -127,6 +129,7 @@ class Worker:
         self.results: queue.SimpleQueue[tuple[int, bytes, list[Any]]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
         self.draining = False
         self._seq = itertools.count(1)
@@ -168,6 +171,7 @@ class Worker:
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         drain_deadline: float | None = None
+        next_housekeeping = 0.0
         while True:
             now = time.monotonic()
             for link in self.links:
@@ -186,15 +190,18 @@ class Worker:
             events = dict(poller.poll(50))
             if self._wake_r in events:
                 try:
-                    os.read(self._wake_r, 4096)
+                    os.read(self._wake_r, 65536)
                 except BlockingIOError:
                     pass
-            self._flush_results()
+                self._flush_results()
             for i, link in enumerate(self.links):
                 sock = link.sock
                 if sock is not None and sock in events:
                     self._drain(i, link, sock, poller)
             now = time.monotonic()
+            if now < next_housekeeping:
+                continue
+            next_housekeeping = now + HOUSEKEEPING_S
             for link in self.links:
                 if link.sock is None:
                     continue
@@ -230,7 +237,7 @@ class Worker:
 
     def _send(self, link: BrokerLink, cmd: Command, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> None:
         if link.sock is not None:
-            link.sock.send_multipart(P.encode(Peer.WORKER, cmd, header, frames), copy=False)
+            send_frames(link.sock, P.encode(Peer.WORKER, cmd, header, frames))
 
     def _beat_all(self, now: float) -> None:
         for link in self.links:
@@ -255,7 +262,7 @@ class Worker:
     def _drain(self, idx: int, link: BrokerLink, sock: zmq.Socket[bytes], poller: zmq.Poller) -> None:
         for _ in range(256):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(sock, NOBLOCK, copy_first=3)
             except zmq.Again:
                 return
             now = time.monotonic()
@@ -304,7 +311,7 @@ class Worker:
             self.running.pop(rid, None)
             sock = self.links[idx].sock
             if sock is not None:
-                sock.send_multipart(frames, copy=False)
+                send_frames(sock, frames)
 
     # ---------------------------------------------------------------- work
 

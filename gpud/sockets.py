@@ -1,0 +1,42 @@
+"""Socket send/receive helpers shared by every component: the fast path for multipart messages.
+
+pyzmq's ``send_multipart`` spends most of its time combining enum flags per frame; sending frame by
+frame with a plain int flag is about 3.5x faster for our small messages. Large payload frames go
+without a copy (``copy=False``); small ones are copied, which is faster for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+SNDMORE = int(zmq.SNDMORE)
+NOBLOCK = int(zmq.NOBLOCK)
+ZERO_COPY_BYTES = 64 * 1024  # frames at least this large are sent without a copy
+
+
+def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) -> None:
+    """Send one multipart message. ``flags`` (e.g. NOBLOCK) apply to every frame."""
+    send = sock.send
+    more = SNDMORE | flags
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        big = type(f) is not bytes or len(f) >= ZERO_COPY_BYTES
+        send(f, more if i < last else flags, copy=not big)
+
+
+def recv_frames(sock: zmq.Socket[Any], flags: int = 0, copy_first: int = 1 << 30) -> list[Any]:
+    """Receive one multipart message: the first ``copy_first`` frames as bytes (routing id,
+    signature, command, header: always small), the rest as zmq.Frame without a copy (payload).
+
+    Frames are taken without a copy and their ``more`` flag read from the frame, which is
+    cheaper than ``getsockopt(RCVMORE)`` per frame even when the bytes are wanted."""
+    recv = sock.recv
+    f = recv(flags, copy=False)
+    parts = [f.bytes if copy_first > 0 else f]
+    while f.more:
+        f = recv(flags, copy=False)
+        parts.append(f.bytes if len(parts) < copy_first else f)
+    return parts

@@ -144,12 +144,16 @@ class Broker:
 
     def _on_admin(self, frames: list[bytes]) -> None:
         ident = frames[0]
-        rid: Any = None
         try:
             msg = P.decode(frames[1:], Peer.ADMIN, self.config.max_message_bytes)
             if msg.command is not Command.ADMIN:
                 raise UnknownCommand(f"command {msg.command.name} is not valid on the admin socket")
             rid = P.get_id(msg.header)
+        except GpudError as exc:
+            assert self.admin is not None
+            self._bad(self.admin, Peer.ADMIN, ident, frames, exc)
+            return
+        try:
             result = ADMIN.dispatch(self.core, msg.header.get("cmd"), msg.header.get("args"))
             header = {"id": rid, "ok": True, "result": result}
         except GpudError as exc:

@@ -80,6 +80,7 @@ def status(core: BrokerCore, args: dict[str, Any]) -> dict[str, Any]:
             "sessions": len(core.sessions),
             "done": core.tasks.finished_total,
         },
+        "counters": dict(core.counters),
         "workers": workers,
         "gpus": gpus,
     }

@@ -362,21 +362,25 @@ class BrokerCore:
             if not (0 <= cpu and 0 <= host_mem and 1 <= slots <= MAX_SLOTS and 0 <= hb_ms <= 600_000 and 0 <= liveness <= 100):
                 raise ProtocolError("READY has a value out of range")
         except GpudError as exc:
+            # A READY with a wrong-typed field is malformed (PROTOCOL.md §2), whatever the check.
+            code = "PROTOCOL" if exc.code == "INVALID_REQUEST" else exc.code
             self.counters["bad_messages"] += 1
-            log.warning("bad READY: %s", exc.message)
-            self.send_worker(identity, [_WORKER_SIG, P.CMD_BYTES[Command.ERROR], _packb({"code": exc.code, "message": exc.message})])
+            log.warning("bad message from worker %s: %s bad READY: %s", identity.hex()[:16], code, exc.message)
+            self.send_worker(identity, [_WORKER_SIG, P.CMD_BYTES[Command.ERROR], _packb({"code": code, "message": exc.message})])
             return
+        # Refuse before tearing anything down: a refused READY must not cost a live worker.
+        replaced = {w.name for w in (current, self.registry.by_name.get(name)) if w is not None}
+        for g in gpus:
+            holder = self.registry.gpus.get(g.uuid)
+            if holder is not None and holder.worker.name not in replaced:
+                log.error("worker %s announces GPU %s, held by worker %s; refused", name, g.uuid, holder.worker.name)
+                self.send_worker(identity, [_WORKER_SIG, P.CMD_BYTES[Command.DISCONNECT], _packb({"reason": f"GPU {g.uuid} is already registered"})])
+                return
         if current is not None:
             self.worker_lost(current, "sent READY again")
         previous = self.registry.by_name.get(name)
         if previous is not None:
             self.worker_lost(previous, "replaced by a new connection of the same name")
-        for g in gpus:
-            holder = self.registry.gpus.get(g.uuid)
-            if holder is not None:
-                log.error("worker %s announces GPU %s, held by worker %s; refused", name, g.uuid, holder.worker.name)
-                self.send_worker(identity, [_WORKER_SIG, P.CMD_BYTES[Command.DISCONNECT], _packb({"reason": f"GPU {g.uuid} is already registered"})])
-                return
         policy = self.config.heartbeat.negotiate(hb_ms / 1000.0, liveness)
         worker = self.registry.add(
             name=name,

@@ -381,11 +381,22 @@ def test_ready_with_garbage_is_refused(cluster: LocalCluster, ctx: zmq.Context[A
             msg = P.decode(reply, expect=Peer.WORKER)
             assert msg.command is Command.ERROR, (name, msg.command.name)
             code = msg.header.get("code")
-            allowed = {"PROTOCOL", "INVALID_REQUEST"} if name in WRONG_TYPE else {"PROTOCOL"}
-            assert code in allowed, (name, msg.header)
+            assert code == "PROTOCOL", (name, msg.header)
             expect_error(reply, Peer.WORKER, str(code))
         assert not sock.poll(50)
     assert cluster.status()["counts"]["workers"] == 1
+    assert_alive(cluster)
+
+
+@pytest.mark.parametrize("frames", [[b"junk"], [Peer.ADMIN.value, P.CMD_BYTES[Command.ADMIN], b"\xc1"],
+                                    [Peer.ADMIN.value, P.CMD_BYTES[Command.ADMIN], header(cmd="status")],
+                                    [Peer.CLIENT.value, P.CMD_BYTES[Command.REQUEST], header(id=RID)]])
+def test_admin_socket_malformed_gets_error(cluster: LocalCluster, ctx: zmq.Context[Any], frames: list[bytes]) -> None:
+    with dealer(ctx, cluster.admin) as sock:
+        reply = exchange(sock, frames)
+        msg = P.decode(reply, expect=Peer.ADMIN)
+        assert msg.command is Command.ERROR and msg.header["code"] in ("PROTOCOL", "UNKNOWN_COMMAND")
+    assert cluster.status()["counters"]["bad_messages"] > 0
     assert_alive(cluster)
 
 

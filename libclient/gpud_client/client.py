@@ -71,9 +71,6 @@ DEFAULT_KEEPALIVE_S = 5.0
 KEEPALIVE_MISSES = 3
 """Keepalive intervals without any answer before the keepalive turns to the next endpoint."""
 
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
-
 T = TypeVar("T")
 _Converter = Callable[[Message], T]
 
@@ -256,6 +253,8 @@ class Client:
         self._ka_stop = threading.Event()
         try:
             self._sock = self._connect(self._endpoints[0])
+            self._poller = zmq.Poller()
+            self._poller.register(self._sock, zmq.POLLIN)
         except ConfigError:
             if self._own_context:
                 self._ctx.term()
@@ -594,14 +593,13 @@ class Client:
         if entry is None:
             raise GpudError(f"{what}: not outstanding (already collected or forgotten)")
         deadline = monotonic() + max(0.0, timeout)
-        self._poll_replies()
         while entry.reply is None:
             now = monotonic()
-            if now >= deadline:
+            wake = self._watch_broker(now)
+            self._pump(min(deadline, wake) - now, entry)
+            if entry.reply is None and monotonic() >= deadline:
                 hint = f"; last dropped message: {self._last_dropped}" if self._last_dropped else ""
                 raise Timeout(f"{what}: no reply within {timeout:g}s from {self.endpoint}{hint}")
-            wake = self._watch_broker(now)
-            self._pump(min(deadline, wake) - now)
         del self._table[rid]
         return entry.reply
 
@@ -640,6 +638,8 @@ class Client:
             break
         self._sock.close(linger=0)
         self._sock, self._index = sock, index
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
         resend = [e for e in list(self._table.values()) if e.reply is None]
         log.warning(
             "broker %s silent for %.1fs; %s %s and re-sending %d request(s)",
@@ -674,15 +674,28 @@ class Client:
         if not self._closed:
             self._pump(0.0)
 
-    def _pump(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for messages, then handle every one that is queued."""
+    def _pump(self, timeout: float, entry: _Outstanding | None = None) -> None:
+        """Handle the messages that are queued, waiting up to ``timeout`` seconds for the first;
+        return early once ``entry`` has its reply.
+
+        Reads first and polls only when nothing is there: a poll, getsockopt(EVENTS) and a
+        failed read each cost about a system call, the dearest thing on this path."""
         sock = self._sock
-        events = sock.getsockopt
-        if not events(_EVENTS) & _POLLIN:
-            if timeout <= 0 or not sock.poll(max(0, math.ceil(timeout * 1000)), zmq.POLLIN):
+        handled = False
+        while True:
+            try:
+                frames = recv_frames(sock, NOBLOCK, copy_first=3)
+            except zmq.Again:
+                if handled or timeout <= 0:
+                    return
+                if not self._poller.poll(max(0, math.ceil(timeout * 1000))):
+                    return
+                handled = True  # readable now: one more read, then return on an empty queue
+                continue
+            self._handle(frames)
+            handled = True
+            if entry is not None and entry.reply is not None:
                 return
-        while events(_EVENTS) & _POLLIN:
-            self._handle(recv_frames(sock, NOBLOCK, copy_first=3))
 
     def _handle(self, frames: list[Any]) -> None:
         # Anything at all from the broker shows that it is alive.

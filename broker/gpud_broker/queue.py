@@ -218,7 +218,7 @@ class PendingQueue(Generic[T]):
         skipped = 0
         blocked: set[tuple[int, str]] = set()
         fifos = self._fifos
-        taken = {e.reserved for e in self._reserved.values()} if self._reserved else set()
+        taken: set[str] = {e.reserved for e in self._reserved.values() if e.reserved is not None}
         while skipped < scan_limit and len(blocked) < len(fifos):
             if len(fifos) == 1:
                 key = next(iter(fifos))

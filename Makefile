@@ -4,7 +4,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck check bench clean
+# `make units`: render systemd/*.in for this installation (make units BINDIR=/opt/gpud/bin).
+BINDIR     ?= /usr/bin
+SYSCONFDIR ?= /etc
+UNITDIR    ?= build/systemd
+
+.PHONY: run test lint typecheck check bench units clean
 
 $(STAMP): setup.cfg pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -28,6 +33,14 @@ check: lint typecheck test
 
 bench: $(STAMP)
 	$(BIN)/python bench/dispatch.py
+
+units:
+	@mkdir -p $(UNITDIR)
+	@for f in systemd/*.in; do \
+		sed -e 's|@BINDIR@|$(BINDIR)|g' -e 's|@SYSCONFDIR@|$(SYSCONFDIR)|g' "$$f" > "$(UNITDIR)/$$(basename "$$f" .in)" || exit 1; \
+	done
+	cp systemd/gpud-sysusers.conf systemd/gpud-tmpfiles.conf $(UNITDIR)/
+	@echo "units in $(UNITDIR): install *.service in /etc/systemd/system, gpud-sysusers.conf as /usr/lib/sysusers.d/gpud.conf, gpud-tmpfiles.conf as /usr/lib/tmpfiles.d/gpud.conf"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,4 @@
-"""The ``gpud`` command: ``broker``, ``worker``, ``up`` (a local all-in-one cluster) and ``version``.
+"""The ``gpud`` command: ``broker``, ``worker``, ``up`` (a local all-in-one cluster), ``config check``, ``keygen`` and ``version``.
 
 Subcommands import their component lazily, so ``gpud version`` works on a host with only the core.
 """
@@ -28,7 +28,10 @@ def _up(args: argparse.Namespace) -> int:
     print(f"gpud up: starting 1 broker and {args.workers} worker(s) with {args.gpus_per_worker} {kind} GPU(s) each")
     if os.geteuid() == 0:
         print("  as root: each worker runs jobs under 16 dynamic uids of its own, never as root")
-    cluster = LocalCluster(workers=args.workers, gpus_per_worker=args.gpus_per_worker, simulate=simulate)
+    # CURVE on, with a throwaway key set in the cluster's run directory (making keys takes ms).
+    security = "none" if args.no_curve else "curve"
+    cluster = LocalCluster(workers=args.workers, gpus_per_worker=args.gpus_per_worker, simulate=simulate,
+                           security=security)
     try:
         cluster.start()
     except RuntimeError as exc:
@@ -37,6 +40,11 @@ def _up(args: argparse.Namespace) -> int:
         return 1
     try:
         print(f"  frontend {cluster.frontend}\n  backend  {cluster.backend}\n  admin    {cluster.admin}")
+        if security == "curve":
+            print(f"  CURVE on: keys in {cluster.keys} (broker.key is the broker's public key;"
+                  " a client key goes in clients/TENANT/)")
+        else:
+            print("  security none: no encryption, no authentication (loopback only)")
         if args.demo:
             from gpud.demo import run_demo
 
@@ -60,6 +68,36 @@ def _up(args: argparse.Namespace) -> int:
             print(f"gpud up: children exited with errors: {bad}", file=sys.stderr)
 
 
+def _keygen(args: argparse.Namespace) -> int:
+    from gpud.errors import ConfigError
+    from gpud.security import keygen
+
+    try:
+        public, secret = keygen(args.dir, args.name, overwrite=args.force)
+    except (ConfigError, OSError) as exc:
+        print(f"gpud keygen: {exc}", file=sys.stderr)
+        return 2
+    print(f"public key {public}\nsecret key {secret} (mode 0600: keep it on this host only)")
+    return 0
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    from gpud import config
+    from gpud.errors import ConfigError
+    from gpud_broker.policies import POLICIES
+
+    try:
+        cfg = config.load(args.config, os.environ, policies=POLICIES)
+    except ConfigError as exc:
+        for line in str(exc).splitlines():
+            print(f"gpud config check: {line}", file=sys.stderr)
+        return 2
+    print(f"# effective configuration ({cfg.path or 'no file'}, then GPUD_* variables, then defaults)")
+    print(config.dump(cfg, config.ROLE_SECTIONS.get(args.role, config.SECTIONS)), end="")
+    print("OK")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gpud_broker.__main__ import add_arguments as broker_args
     from gpud_worker.__main__ import add_arguments as worker_args
@@ -74,7 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--simulate", action="store_true", help="simulate GPUs even where NVML finds real ones")
     up.add_argument("--demo", action="store_true", help="run a demo workload through the client library, then stop")
     up.add_argument("--log-level", default="WARNING", help="log level of gpud up itself")
+    up.add_argument("--no-curve", action="store_true", help="run without CURVE (security none) instead of a throwaway key set")
+    keys = sub.add_parser("keygen", help="write a CURVE key pair: DIR/NAME.key (public) and DIR/NAME.key_secret (0600)")
+    keys.add_argument("--dir", default="/etc/gpud/keys", help="where to write the pair (default %(default)s)")
+    keys.add_argument("--name", required=True, help="broker, worker, or a client's name (the files' stem)")
+    keys.add_argument("--force", action="store_true", help="replace an existing pair of that name")
     sub.add_parser("version", help="print the version")
+    config = sub.add_parser("config", help="configuration tools")
+    check = config.add_subparsers(dest="config_command", required=True).add_parser(
+        "check", help="validate a configuration file and GPUD_* variables; print the effective configuration")
+    check.add_argument("--config", default=None, metavar="PATH", help="the file (default /etc/gpud/gpud.toml, where it exists)")
+    check.add_argument("--role", choices=("broker", "worker"), help="print only the sections this daemon reads")
     return p
 
 
@@ -91,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         from gpud_worker.__main__ import run as run_worker
 
         return run_worker(args)
+    if args.command == "config":
+        return _config_check(args)
+    if args.command == "keygen":
+        return _keygen(args)
     return _up(args)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import zmq
 from gpud import protocol as P
 from gpud.errors import GpudError, Timeout, error_for
 from gpud.protocol import Command, Peer
+from gpud.security import CurveKeys, keygen
 
 
 def admin_call(endpoint: str, cmd: str, args: dict[str, Any] | None = None, timeout: float = 5.0,
@@ -33,7 +35,8 @@ def admin_call(endpoint: str, cmd: str, args: dict[str, Any] | None = None, time
     try:
         sock.connect(endpoint)
         rid = P.new_id()
-        sock.send_multipart(P.encode(Peer.ADMIN, Command.ADMIN, {"id": rid, "cmd": cmd, "args": args or {}}))
+        header = {"id": rid, "cmd": cmd, "args": args or {}, "user": "gpud.cluster", "pid": os.getpid()}
+        sock.send_multipart(P.encode(Peer.ADMIN, Command.ADMIN, header))
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -71,6 +74,11 @@ class LocalCluster:
     job_user_prefix: str | None = None
     # Otherwise, as root, worker i runs jobs under 16 dynamic uids of its own (no accounts needed).
     dynamic_uid_base: int = 61184
+    # "none" (passed explicitly: loopback only, no keys) or "curve": a throwaway key set under
+    # ``keys_dir`` (default RUNDIR/keys): the broker's pair, one per worker, and clients' keys
+    # made by ``client_keys(tenant)``.
+    security: str = "none"
+    keys_dir: Path | None = None
 
     def __post_init__(self) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -126,7 +134,8 @@ class LocalCluster:
         self.broker = self._spawn("broker", [
             "broker", "--frontend", "tcp://127.0.0.1:*", "--backend", "tcp://127.0.0.1:*",
             "--admin", f"ipc://{self.rundir}/admin.sock", "--ready-file", str(ready),
-            "--heartbeat-ms", str(self.heartbeat_ms), "--liveness", str(self.liveness), *self.broker_args,
+            "--heartbeat-ms", str(self.heartbeat_ms), "--liveness", str(self.liveness),
+            *self._security_args("broker"), *self.broker_args,
         ])
         deadline = time.monotonic() + timeout
         while not ready.exists():
@@ -139,10 +148,56 @@ class LocalCluster:
             self.add_worker(f"w{i}")
         self.wait_workers(self.workers, timeout=max(1.0, deadline - time.monotonic()))
 
-    def add_worker(self, name: str, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
+    # ------------------------------------------------------------------ keys (security "curve")
+
+    @property
+    def keys(self) -> Path:
+        """The key set: broker.key(_secret), workers/, clients/TENANT/, private/ (secrets)."""
+        if self.keys_dir is not None:
+            return self.keys_dir
+        assert self.rundir is not None, "start() first, or set keys_dir"
+        return self.rundir / "keys"
+
+    def _security_args(self, who: str, worker_key: str | None = None) -> list[str]:
+        if self.security != "curve":
+            return ["--security", "none"]
+        keys = self.keys
+        if who == "broker":
+            if not (keys / "broker.key_secret").exists():
+                keys.mkdir(mode=0o700, parents=True, exist_ok=True)
+                keygen(keys, "broker")
+                for d in ("workers", "clients", "private"):
+                    (keys / d).mkdir(mode=0o700, exist_ok=True)
+            return ["--security", "curve", "--keys-dir", str(keys)]
+        return ["--security", "curve", "--keys-dir", str(keys), "--key-file", str(worker_key)]
+
+    def _pair(self, name: str, allow_in: Path | None) -> Path:
+        """A new pair private/NAME.key_secret; its public key copied into ``allow_in``."""
+        private = self.keys / "private"
+        private.mkdir(mode=0o700, parents=True, exist_ok=True)
+        public, secret = keygen(private, name, overwrite=True)
+        if allow_in is not None:
+            allow_in.mkdir(mode=0o700, parents=True, exist_ok=True)
+            shutil.copy(public, allow_in / public.name)
+        return secret
+
+    def client_keys(self, tenant: str, name: str | None = None, allowed: bool = True) -> CurveKeys:
+        """Keys of a new client of ``tenant`` (``allowed``: its public key goes into the broker's
+        clients/TENANT/ allow-list; otherwise the broker does not know it)."""
+        name = name or f"client-{tenant}-{os.urandom(4).hex()}"
+        secret = self._pair(name, self.keys / "clients" / tenant if allowed else None)
+        return CurveKeys.from_files(secret, self.keys / "broker.key")
+
+    def add_worker(self, name: str, extra: list[str] | None = None, allowed: bool = True) -> subprocess.Popen[bytes]:
+        """Start worker ``name``. With CURVE it gets a key pair of its own, in the broker's
+        allow-list unless not ``allowed``."""
         assert self.rundir is not None
         args = ["worker", "--broker", self.backend, "--name", name, "--workdir", str(self.rundir / f"jobs-{name}"),
                 "--heartbeat-ms", str(self.heartbeat_ms), "--liveness", str(self.liveness)]
+        if self.security == "curve":
+            args += self._security_args("worker", str(self._pair(f"worker-{name}", self.keys / "workers" if allowed else None)))
+        else:
+            args += self._security_args("worker")
         if self.job_user_prefix:
             args += ["--job-user-prefix", f"{self.job_user_prefix}{name}-"]
         elif os.geteuid() == 0:

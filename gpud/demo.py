@@ -22,7 +22,8 @@ def run_demo(cluster: LocalCluster, echoes: int = 500, jobs: int = 8, sessions: 
 
     failures: list[str] = []
     placed: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    with Client(cluster.frontend, timeout=30.0, tenant="demo") as client:
+    curve = cluster.client_keys("demo") if cluster.security == "curve" else None
+    with Client(cluster.frontend, timeout=30.0, tenant="demo", curve=curve) as client:
         # Echo: a window of requests in flight, every payload checked.
         t0 = time.perf_counter()
         payloads = [os.urandom(64) for _ in range(echoes)]

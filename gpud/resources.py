@@ -77,3 +77,28 @@ class Grant:
     cpu_milli: int = 0
     host_mem: int = 0
     exclusive: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """What one tenant may hold at once (None: no limit). Granted-resource limits make its
+    requests wait in the queue; ``max_queued`` makes further requests BUSY."""
+
+    max_milli: int | None = None  # milli-GPU granted at once, summed over its requests and sessions
+    max_mem: int | None = None  # device bytes granted at once, summed over GPUs
+    max_sessions: int | None = None  # open device sessions (including ones being opened)
+    max_queued: int | None = None  # requests waiting in the queue
+
+    def __post_init__(self) -> None:
+        for name in ("max_milli", "max_mem", "max_sessions", "max_queued"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise ValueError(f"tenant limit {name} must be an int >= 0, got {value!r}")
+
+    def could_ever_admit(self, need: Need, session: bool) -> bool:
+        """False when ``need`` alone is over a limit: it could never be granted to this tenant."""
+        if self.max_milli is not None and need.total_milli > self.max_milli:
+            return False
+        if self.max_mem is not None and need.mem * need.gpu_count > self.max_mem:
+            return False
+        return not (session and self.max_sessions == 0)

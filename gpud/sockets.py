@@ -43,3 +43,21 @@ def recv_frames(sock: zmq.Socket[Any], flags: int = 0, copy_first: int = 1 << 30
         f = recv(flags, copy=False)
         parts.append(f.bytes if len(parts) < copy_first else f)
     return parts
+
+
+def recv_frames_user(sock: zmq.Socket[Any], flags: int = 0, copy_first: int = 1 << 30) -> tuple[list[Any], str | None]:
+    """``recv_frames`` plus the message's ZAP User-Id (on a CURVE socket: who the ZAP handler
+    said the peer is; None without one). A separate function, so that sockets without CURVE do
+    not pay for the lookup (about 0.5 us a message)."""
+    recv = sock.recv
+    f = recv(flags, copy=False)
+    try:
+        uid = f.get("User-Id")
+        user: str | None = uid if type(uid) is str else None
+    except zmq.ZMQError:  # no such property: the connection was not authenticated by ZAP
+        user = None
+    parts = [f.bytes if copy_first > 0 else f]
+    while f.more:
+        f = recv(flags, copy=False)
+        parts.append(f.bytes if len(parts) < copy_first else f)
+    return parts, user

@@ -3,44 +3,129 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import TYPE_CHECKING
 
-from gpud.heartbeat import DEFAULT_INTERVAL_S, DEFAULT_LIVENESS, HeartbeatPolicy
+from gpud import config, daemonize
+from gpud.errors import ConfigError
+from gpud.heartbeat import HeartbeatPolicy
 from gpud.log import setup_logging
+from gpud.security import SecuritySettings, add_security_arguments, security_flags
 from gpud_broker.policies import POLICIES
 
-DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
-DEFAULT_BACKEND = "tcp://127.0.0.1:5556"
+if TYPE_CHECKING:
+    from gpud.resources import TenantLimits
+    from gpud_broker.core import BrokerConfig
+
+_D = config.BrokerSection()  # the defaults, for the help texts
+DEFAULT_FRONTEND = _D.frontend
+DEFAULT_BACKEND = _D.backend
+FLAGS = ("name", "frontend", "backend", "admin", "policy", "heartbeat_ms", "liveness", "max_queue",
+         "session_lease", "result_ttl", "aging", "reserve_after")
+"""The [broker] keys that have a flag of the same name (--heartbeat-ms for heartbeat_ms)."""
+LIMIT_KEYS = ("max_milli", "max_mem", "max_sessions", "max_queued")
+LOG_FLAGS = {"level": "log_level", "file": "log_file"}
+"""[logging] key -> its flag's argparse dest (a flag that this parser lacks counts as not given)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--frontend", default=DEFAULT_FRONTEND, help="endpoint clients connect to (default %(default)s)")
-    p.add_argument("--backend", default=DEFAULT_BACKEND, help="endpoint workers connect to (default %(default)s)")
-    p.add_argument("--admin", default=None, help="admin endpoint for gpudctl, e.g. ipc:///run/gpud/admin.sock")
-    p.add_argument("--name", default="broker", help="this broker's name in logs and status")
-    p.add_argument("--policy", default="balanced", choices=sorted(POLICIES), help="placement policy")
-    p.add_argument("--heartbeat-ms", type=int, default=int(DEFAULT_INTERVAL_S * 1000), help="heartbeat interval proposed to workers, ms")
-    p.add_argument("--liveness", type=int, default=DEFAULT_LIVENESS, help="heartbeats missed before a worker is gone")
-    p.add_argument("--max-queue", type=int, default=10_000, help="queued requests at most (then BUSY)")
-    p.add_argument("--session-lease", type=float, default=30.0, help="seconds a session survives a silent client")
-    p.add_argument("--result-ttl", type=float, default=60.0, help="seconds finished replies are kept for retries")
+    # Flags default to None ("not given"): then GPUD_BROKER_*, the file and gpud.config's defaults decide.
+    p.add_argument("--config", default=None, metavar="PATH",
+                   help=f"configuration file (default {config.DEFAULT_PATH}, where it exists)")
+    p.add_argument("--frontend", help=f"endpoint clients connect to (default {_D.frontend})")
+    p.add_argument("--backend", help=f"endpoint workers connect to (default {_D.backend})")
+    p.add_argument("--admin", help="admin endpoint for gpudctl, e.g. ipc:///run/gpud/admin.sock (default none)")
+    p.add_argument("--name", help=f"this broker's name in logs and status (default {_D.name})")
+    p.add_argument("--policy", choices=sorted(POLICIES), help=f"placement policy (default {_D.policy})")
+    p.add_argument("--heartbeat-ms", type=int, help=f"heartbeat interval proposed to workers, ms (default {_D.heartbeat_ms})")
+    p.add_argument("--liveness", type=int, help=f"heartbeats missed before a worker is gone (default {_D.liveness})")
+    p.add_argument("--max-queue", type=int, help=f"queued requests at most, then BUSY (default {_D.max_queue})")
+    p.add_argument("--session-lease", type=float, help=f"seconds a session survives a silent client (default {_D.session_lease:g})")
+    p.add_argument("--result-ttl", type=float, help=f"seconds finished replies are kept for retries (default {_D.result_ttl:g})")
     p.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=W",
                    help="fair-share weight of a tenant (default 1); repeat for each tenant")
-    p.add_argument("--aging", type=float, default=60.0, help="seconds of waiting worth one priority level")
-    p.add_argument("--reserve-after", type=float, default=30.0,
-                   help="seconds after which a request that does not fit reserves a worker (bounds backfill)")
+    p.add_argument("--aging", type=float, help=f"seconds of waiting worth one priority level (default {_D.aging:g})")
+    p.add_argument("--reserve-after", type=float,
+                   help=f"seconds after which a request that does not fit reserves a worker, bounding backfill (default {_D.reserve_after:g})")
+    p.add_argument("--tenant-limit", action="append", default=[], metavar="TENANT:KEY=N[,KEY=N]",
+                   help=f"limits of a tenant, KEY one of {', '.join(LIMIT_KEYS)} (0: none); repeat for each tenant")
+    add_security_arguments(p, worker=False)
     p.add_argument("--ready-file", default=None, help="write the bound endpoints as JSON here once serving")
-    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO or $GPUD_LOG_LEVEL)")
+    p.add_argument("--metrics", default=None, metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free one, see --ready-file; "
+                        "default off; needs the extra 'metrics')")
+    daemonize.add_arguments(p)
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO, or [logging] level)")
+
+
+def parse_tenant_limits(items: list[str]) -> dict[str, dict[str, int]]:
+    """``--tenant-limit TENANT:KEY=N[,KEY=N]`` values as tenant -> key -> N."""
+    out: dict[str, dict[str, int]] = {}
+    for item in items:
+        tenant, _, rest = item.partition(":")
+        limits = out.setdefault(tenant, {})
+        for pair in filter(None, rest.split(",")):
+            key, _, value = pair.partition("=")
+            if key not in LIMIT_KEYS or not value.isdigit():
+                raise ConfigError(f"--tenant-limit {item!r}: use TENANT:KEY=N with KEY one of {', '.join(LIMIT_KEYS)}")
+            limits[key] = int(value)
+        if not tenant or not limits:
+            raise ConfigError(f"--tenant-limit {item!r}: use TENANT:KEY=N[,KEY=N]")
+    return out
+
+
+def tenant_limits(tenants: dict[str, object], flags: dict[str, dict[str, int]]) -> dict[str, TenantLimits]:
+    """[broker.tenants.NAME] limits (0: none) merged with --tenant-limit, as the core takes them."""
+    from gpud.resources import TenantLimits
+
+    out: dict[str, TenantLimits] = {}
+    for name in {*tenants, *flags}:
+        values = {k: int(getattr(tenants[name], k, 0) or 0) for k in LIMIT_KEYS} if name in tenants else {}
+        values.update(flags.get(name, {}))
+        if any(values.values()):
+            out[name] = TenantLimits(**{k: v or None for k, v in values.items()})
+    return out
+
+
+def load_config(args: argparse.Namespace) -> config.GpudConfig:
+    """The configuration: flags, then GPUD_* variables, then the file, then the defaults."""
+    flags = {"broker": config.flag_values(args, FLAGS), "logging": config.flag_values(args, LOG_FLAGS),
+             "security": config.flag_values(args, security_flags(worker=False))}
+    return config.load(args.config, os.environ, flags=flags, policies=POLICIES)
+
+
+def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | None = None,
+                  limits: dict[str, dict[str, int]] | None = None) -> BrokerConfig:
+    """The broker's runtime config from [broker]; ``tenant_weights`` and ``limits`` (from flags)
+    override the file's."""
+    from gpud_broker.core import BrokerConfig
+
+    b = cfg.broker
+    return BrokerConfig(
+        name=b.name,
+        heartbeat=HeartbeatPolicy(b.heartbeat_ms / 1000.0, b.liveness),
+        policy=b.policy,
+        max_queue=b.max_queue,
+        session_lease=b.session_lease,
+        result_ttl=b.result_ttl,
+        tenant_weights={**{name: t.weight for name, t in b.tenants.items()}, **(tenant_weights or {})},
+        tenant_limits=tenant_limits(dict(b.tenants), limits or {}),
+        aging_s=b.aging,
+        reserve_after=b.reserve_after,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from gpud_broker.broker import Endpoints, serve
-    from gpud_broker.core import BrokerConfig
 
-    setup_logging(args.log_level, "gpud-broker")
-    if args.heartbeat_ms < 10 or args.liveness < 1 or args.max_queue < 1:
-        print("gpud broker: --heartbeat-ms must be >= 10, --liveness >= 1, --max-queue >= 1", file=sys.stderr)
+    try:
+        cfg = load_config(args)
+    except ConfigError as exc:
+        print(f"gpud broker: {exc}", file=sys.stderr)
         return 2
+    log_target = daemonize.log_target(args, cfg.logging.file)
+    setup_logging(cfg.logging.level, "gpud-broker", None if args.daemon else log_target)
     weights: dict[str, float] = {}
     for item in args.tenant_weight:
         name, _, value = item.partition("=")
@@ -51,19 +136,23 @@ def run(args: argparse.Namespace) -> int:
         if not name or weights[name] <= 0:
             print(f"gpud broker: --tenant-weight {item!r}: use TENANT=W with W > 0", file=sys.stderr)
             return 2
-    config = BrokerConfig(
-        name=args.name,
-        heartbeat=HeartbeatPolicy(args.heartbeat_ms / 1000.0, args.liveness),
-        policy=args.policy,
-        max_queue=args.max_queue,
-        session_lease=args.session_lease,
-        result_ttl=args.result_ttl,
-        tenant_weights=weights,
-        aging_s=args.aging,
-        reserve_after=args.reserve_after,
-    )
+    b = cfg.broker
     try:
-        return serve(config, Endpoints(args.frontend, args.backend, args.admin), args.ready_file)
+        limits = parse_tenant_limits(args.tenant_limit)
+        security = SecuritySettings.from_config(cfg.security, "broker")
+        daemonize.check(args)
+        if args.daemon:  # from here on only the detached grandchild runs
+            daemonize.detach(args.pid_file, log_target)
+            setup_logging(cfg.logging.level, "gpud-broker", log_target)
+    except ConfigError as exc:
+        print(f"gpud broker: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return serve(broker_config(cfg, weights, limits), Endpoints(b.frontend, b.backend, b.admin or None),
+                     args.ready_file, security, metrics=args.metrics)
+    except ConfigError as exc:  # keys missing or unreadable, a public bind without CURVE
+        print(f"gpud broker: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # zmq bind errors and the like: say what failed
         print(f"gpud broker: {exc}", file=sys.stderr)
         return 1

@@ -16,11 +16,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+import zmq.utils.z85
 
+from gpud import notify
 from gpud import protocol as P
-from gpud.errors import GpudError, InternalError, UnknownCommand
+from gpud.errors import ConfigError, GpudError, InternalError, ShuttingDown, UnknownCommand
 from gpud.protocol import Command, Peer
-from gpud.sockets import NOBLOCK, recv_frames, send_frames
+from gpud.security import (
+    ADMIN_DOMAIN,
+    BACKEND_DOMAIN,
+    FRONTEND_DOMAIN,
+    HANDSHAKE_FAILURES,
+    ZAP_ENDPOINT,
+    CurveKeys,
+    HandshakeLog,
+    SecuritySettings,
+    ZapHandler,
+    check_bind,
+    server_socket_options,
+)
+from gpud.sockets import NOBLOCK, recv_frames, recv_frames_user, send_frames
 from gpud_broker.commands import ADMIN
 from gpud_broker.core import BrokerConfig, BrokerCore
 
@@ -28,6 +43,7 @@ log = logging.getLogger(__name__)
 
 BATCH = 256  # messages drained from one socket before looking at the others
 TICK_S = 0.05  # how often timers run (heartbeats, expiries)
+_NEW_WORK = (P.CMD_BYTES[Command.REQUEST], P.CMD_BYTES[Command.CALL])
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +63,39 @@ def bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
 
 
 class Broker:
-    def __init__(self, config: BrokerConfig, endpoints: Endpoints, ctx: zmq.Context[Any] | None = None) -> None:
+    def __init__(self, config: BrokerConfig, endpoints: Endpoints, ctx: zmq.Context[Any] | None = None,
+                 security: SecuritySettings | None = None) -> None:
         self.config = config
         self.ctx = ctx or zmq.Context.instance()
-        self.frontend = self._router()
-        self.backend = self._router()
+        # Without a SecuritySettings (tests, embedding): no CURVE, and loopback binds only.
+        self.security = security or SecuritySettings(mode="none")
+        self.zap: zmq.Socket[bytes] | None = None
+        self.zap_handler: ZapHandler | None = None
+        self._monitors: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes], HandshakeLog]] = []
+        keys: CurveKeys | None = None
+        admin_tcp = bool(endpoints.admin) and not str(endpoints.admin).startswith(("ipc://", "inproc://"))
+        if self.security.curve:
+            keys = self.security.broker_keys()
+            store = self.security.keystore()
+            store.refresh()
+            self.zap_handler = ZapHandler(store, peer_key=zmq.utils.z85.decode(keys.public))
+            # The ZAP handler must be bound before any CURVE socket binds: without one, libzmq
+            # lets every CURVE client in.
+            self.zap = self.ctx.socket(zmq.REP)
+            self.zap.setsockopt(zmq.LINGER, 0)
+            try:
+                self.zap.bind(ZAP_ENDPOINT)
+            except zmq.ZMQError as exc:
+                self.zap.close(0)
+                raise ConfigError(f"cannot bind the ZAP handler ({exc}): another one runs in this zmq context") from None
+        else:
+            for what, ep in (("frontend", endpoints.frontend), ("backend", endpoints.backend)):
+                check_bind(ep, self.security, what)
+            if admin_tcp:
+                raise ConfigError(f"the admin endpoint {endpoints.admin} is TCP: that needs security 'curve' "
+                                  "(or use an ipc:// admin socket, protected by its file permissions)")
+        self.frontend = self._router(FRONTEND_DOMAIN, keys)
+        self.backend = self._router(BACKEND_DOMAIN, keys)
         self.admin: zmq.Socket[bytes] | None = None
         front, back = self.frontend, self.backend
         self.core = BrokerCore(
@@ -66,23 +110,93 @@ class Broker:
             admin=None,
         )
         if endpoints.admin:
-            self.admin = self._router()
+            self.admin = self._router(ADMIN_DOMAIN, keys if admin_tcp else None)
             self.endpoints = Endpoints(self.endpoints.frontend, self.endpoints.backend, bind(self.admin, endpoints.admin))
         self._stop = threading.Event()
+        self._draining = False
+        self._reload_requested = False
 
-    def _router(self) -> zmq.Socket[bytes]:
+    def _router(self, domain: str = "", keys: CurveKeys | None = None) -> zmq.Socket[bytes]:
         s: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 100_000)
         s.setsockopt(zmq.RCVHWM, 100_000)
         s.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        if keys is not None:
+            server_socket_options(s, keys.secret, keys.public, domain)
+            # Handshakes ZAP never sees (a peer without CURVE, a wrong server key) are logged
+            # from the socket's monitor.
+            monitor: zmq.Socket[bytes] = s.get_monitor_socket(HANDSHAKE_FAILURES)
+            self._monitors.append((s, monitor, HandshakeLog(domain.removeprefix("gpud-"))))
         return s
 
+    def _serve_security(self) -> None:
+        """Answer pending ZAP requests (handshakes of new connections) and log failed handshakes."""
+        zap, handler = self.zap, self.zap_handler
+        if zap is not None and handler is not None:
+            for _ in range(BATCH):
+                try:
+                    frames = zap.recv_multipart(NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    reply = handler.handle(frames)
+                except Exception:
+                    log.exception("bug in the ZAP handler; refusing the connection")
+                    reply = [b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"internal error", b"", b""]
+                zap.send_multipart(reply)
+        for _, monitor, handshakes in self._monitors:
+            handshakes.drain(monitor)
+
+    def _drain_tenants(self, sock: zmq.Socket[bytes]) -> int:
+        """``_drain`` for the CURVE frontend: each message with its tenant, the ZAP User-Id."""
+        for n in range(BATCH):
+            try:
+                frames, tenant = recv_frames_user(sock, NOBLOCK, copy_first=4)
+            except zmq.Again:
+                return n
+            if not tenant:  # cannot happen with our ZAP handler; never serve a message without one
+                log.warning("dropped a client message without a tenant (User-Id)")
+                continue
+            self._on_client(frames, tenant)
+        return BATCH
+
     def stop(self) -> None:
+        """Stop at once (dispatched work is abandoned); see ``drain`` for the graceful way."""
         self._stop.set()
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def drain(self) -> None:
+        """Begin a graceful stop (SIGTERM): at its next tick the loop answers queued and new
+        requests SHUTTING_DOWN, waits up to ``config.drain_timeout`` for dispatched work to be
+        answered, then tells the workers goodbye and returns. Safe from a signal handler."""
+        if not self._draining:
+            self._draining = True
+            notify.stopping()
+
+    def request_reload(self) -> None:
+        """Have the loop call ``reload()`` at its next tick (SIGHUP). Safe from a signal handler."""
+        self._reload_requested = True
+
+    def reload(self) -> dict[str, Any]:
+        """Re-read the configuration: the hook for SIGHUP and ``gpudctl reload``, called in the
+        broker's thread between two rounds of the loop. Nothing is re-read yet: the broker keeps
+        its start-up configuration (the configuration work fills this in). Tells systemd
+        RELOADING=1, then READY=1 when done."""
+        notify.reloading()
+        log.info("reload requested: nothing is re-read yet; the broker keeps its start-up configuration")
+        notify.ready()
+        return {"changed": []}
+
     def close(self) -> None:
-        for s in (self.frontend, self.backend, self.admin):
+        for sock, monitor, _ in self._monitors:
+            sock.disable_monitor()
+            monitor.close(0)
+        self._monitors.clear()
+        for s in (self.frontend, self.backend, self.admin, self.zap):
             if s is not None:
                 s.close(0)
 
@@ -93,26 +207,88 @@ class Broker:
         poller.register(self.backend, zmq.POLLIN)
         if self.admin is not None:
             poller.register(self.admin, zmq.POLLIN)
+        # CURVE: the ZAP handler and the handshake monitors share the loop (new connections only).
+        side = [s for s in (self.zap, *(m for _, m, _ in self._monitors)) if s is not None]
+        for s in side:
+            poller.register(s, zmq.POLLIN)
+        curve = self.zap is not None
         core = self.core
         front, back, admin = self.frontend, self.backend, self.admin
         monotonic = time.monotonic
         next_tick = 0.0
         timeout_ms = int(TICK_S * 1000)
         busy = False
+        watchdog = notify.watchdog_interval()
+        ping_every = watchdog / 2 if watchdog else None  # systemd's advice: half the timeout
+        next_ping = 0.0
+        drain_until: float | None = None
         while not self._stop.is_set():
             # Poll only after a round that found nothing: while messages keep coming, reading
             # until empty is cheaper than a poll per round (each is about a system call).
             if not busy:
-                poller.poll(timeout_ms)
+                ready = poller.poll(timeout_ms)
+                if side and ready:
+                    self._serve_security()
             now = monotonic()
             core.now = now
-            busy = bool(self._drain(back, self._on_worker) + self._drain(front, self._on_client))
+            if curve:
+                busy = bool(self._drain(back, self._on_worker) + self._drain_tenants(front))
+            else:
+                busy = bool(self._drain(back, self._on_worker) + self._drain(front, self._on_client))
             if now >= next_tick:
+                if side:
+                    self._serve_security()
                 if admin is not None:
                     self._drain(admin, self._on_admin)
                 core.tick(now)
                 next_tick = now + TICK_S
+                # The shell's own timers, once per tick. The watchdog ping is sent from here
+                # only: a loop that stops turning stops pinging, and systemd restarts it.
+                if ping_every is not None and now >= next_ping:
+                    notify.watchdog()
+                    next_ping = now + ping_every
+                if self._reload_requested:
+                    self._reload_requested = False
+                    self.reload()
+                if self._draining:
+                    if drain_until is None:
+                        drain_until = now + self.config.drain_timeout
+                        self._start_drain()
+                    elif len(core.queue):  # work of a worker lost meanwhile, queued again
+                        core.fail_queued(ShuttingDown(f"broker {self.config.name} is stopping"))
+                    left = core.dispatched()
+                    if not left:
+                        break
+                    if now >= drain_until:
+                        log.warning("stopping: %d dispatched request(s) still unanswered after %gs; leaving them",
+                                    left, self.config.drain_timeout)
+                        break
         core.shutdown()
+
+    def _start_drain(self) -> None:
+        """Answer the queue SHUTTING_DOWN and from now on refuse new work (``_on_client_draining``)."""
+        core = self.core
+        failed = core.fail_queued(ShuttingDown(f"broker {self.config.name} is stopping"))
+        # Both frontend paths (plain and CURVE) call ``self._on_client``: shadow it on the instance
+        # rather than test a flag per message on the hot path.
+        self._on_client = self._on_client_draining  # type: ignore[method-assign]
+        log.info("stopping: %d queued request(s) answered SHUTTING_DOWN; waiting up to %gs for %d dispatched",
+                 failed, self.config.drain_timeout, core.dispatched())
+
+    def _on_client_draining(self, frames: list[bytes], tenant: str | None = None) -> None:
+        """``_on_client`` while draining: new requests and session calls are answered
+        SHUTTING_DOWN (the client may go to the other broker); retries of known ids, pings and
+        cancels are served as usual."""
+        if len(frames) > 3 and frames[2] in _NEW_WORK:
+            rid = _peek_id(frames)
+            if rid is not None and rid not in self.core.tasks.tasks:
+                exc = ShuttingDown(f"broker {self.config.name} is stopping and takes no new work")
+                self.core.counters["errors"] += 1
+                self.core.stats.error(exc.code)
+                send_frames(self.frontend, [frames[0], Peer.CLIENT.value, P.CMD_BYTES[Command.REPLY],
+                                            P.packb(P.error_header(rid, exc))])
+                return
+        Broker._on_client(self, frames, tenant)
 
     def _drain(self, sock: zmq.Socket[bytes], handle: Any) -> int:
         """Handle up to BATCH queued messages of ``sock``; returns how many there were."""
@@ -124,11 +300,11 @@ class Broker:
             handle(frames)
         return BATCH
 
-    def _on_client(self, frames: list[bytes]) -> None:
+    def _on_client(self, frames: list[bytes], tenant: str | None = None) -> None:
         ident = frames[0]
         try:
             msg = P.decode(frames[1:], Peer.CLIENT, self.config.max_message_bytes)
-            self.core.on_client(ident, msg)
+            self.core.on_client(ident, msg, tenant)
         except GpudError as exc:
             self._bad(self.frontend, Peer.CLIENT, ident, frames, exc)
         except Exception:
@@ -158,16 +334,19 @@ class Broker:
             self._bad(self.admin, Peer.ADMIN, ident, frames, exc)
             return
         try:
-            result = ADMIN.dispatch(self.core, msg.header.get("cmd"), msg.header.get("args"))
-            header = {"id": rid, "ok": True, "result": result}
+            # The target is this Broker: commands reach the core as ``.core`` and hooks such as
+            # ``reload`` on the shell. ``who`` is what gpudctl declares (user, pid): the admin
+            # socket's file permissions (0600 IPC) decide who may ask at all.
+            result = ADMIN.dispatch(self, msg.header.get("cmd"), msg.header.get("args"), who=_admin_who(msg.header))
+            packed = P.packb({"id": rid, "ok": True, "result": result})
         except GpudError as exc:
             log.info("admin request refused: %s %s", exc.code, exc.message)
-            header = P.error_header(rid, exc)
+            packed = P.packb(P.error_header(rid, exc))
         except Exception:
             log.exception("bug in an admin command")
-            header = P.error_header(rid, InternalError("internal error in the broker"))
+            packed = P.packb(P.error_header(rid, InternalError("internal error in the broker")))
         assert self.admin is not None
-        self.admin.send_multipart([ident, Peer.ADMIN.value, P.CMD_BYTES[Command.REPLY], P.packb(header)])
+        self.admin.send_multipart([ident, Peer.ADMIN.value, P.CMD_BYTES[Command.REPLY], packed])
 
     def _bad(self, sock: zmq.Socket[bytes], peer: Peer, ident: bytes, frames: list[bytes], exc: GpudError) -> None:
         """Log a message we could not use and answer it where the sender can be addressed."""
@@ -178,6 +357,13 @@ class Broker:
         if rid is not None:
             header["id"] = rid
         sock.send_multipart([ident, peer.value, P.CMD_BYTES[Command.ERROR], P.packb(header)])
+
+
+def _admin_who(h: dict[str, Any]) -> str:
+    """``user pid N`` as an ADMIN header declares them (``?`` for what is missing or odd)."""
+    user, pid = h.get("user"), h.get("pid")
+    shown = user if type(user) is str and 0 < len(user) <= 64 and user.isprintable() and " " not in user else "?"
+    return f"{shown} pid {pid if type(pid) is int else '?'}"
 
 
 def _peek_id(frames: list[bytes]) -> bytes | None:
@@ -192,26 +378,65 @@ def _peek_id(frames: list[bytes]) -> bytes | None:
     return rid if type(rid) is bytes and len(rid) == P.ID_BYTES else None
 
 
-def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = None) -> int:
-    """Run a broker in this process until SIGTERM/SIGINT."""
-    broker = Broker(config, endpoints)
+def _on_stop_signal(broker: Broker) -> None:
+    """SIGTERM/SIGINT: the first drains (STOPPING=1), a second one stops at once."""
+    if broker.draining:
+        broker.stop()
+    else:
+        broker.drain()
+
+
+def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = None,
+          security: SecuritySettings | None = None, metrics: str | None = None) -> int:
+    """Run a broker in this process until SIGTERM/SIGINT (which drain; a second one stops).
+
+    SIGHUP calls ``Broker.reload``. Under systemd (``$NOTIFY_SOCKET``) it sends READY=1 once its
+    sockets are bound, WATCHDOG=1 from its loop and STOPPING=1 on SIGTERM. ``metrics``: serve
+    Prometheus metrics on this ``HOST:PORT`` (port 0 picks one; the ready file says which).
+    """
+    if metrics:
+        try:
+            from gpud_broker.metrics import parse_listen
+            from gpud_broker.metrics import start as start_metrics
+        except ImportError:
+            raise ConfigError("--metrics needs prometheus-client: pip install 'gpud[metrics]'") from None
+        parse_listen(metrics)  # a bad address is refused before anything is bound
+    broker = Broker(config, endpoints, security=security)
+    metrics_server = None
+    if metrics:
+        try:
+            metrics_server = start_metrics(broker.core, metrics)
+        except BaseException:
+            broker.close()
+            raise
+    if broker.security.curve:
+        log.info("security curve: CURVE on the frontend and backend; workers and clients by key")
+    else:
+        log.warning("security none: no encryption and no authentication; every client's declared "
+                    "tenant is believed. Use only on a trusted host or network.")
     # The hot path allocates a few small objects per message and makes no reference cycles of
     # note: collect the young generation 100x less often (measured: ~5 us per request otherwise).
     gc.freeze()
     gc.set_threshold(70_000, 20, 20)
-    signal.signal(signal.SIGTERM, lambda *_: broker.stop())
-    signal.signal(signal.SIGINT, lambda *_: broker.stop())
+    signal.signal(signal.SIGTERM, lambda *_: _on_stop_signal(broker))
+    signal.signal(signal.SIGINT, lambda *_: _on_stop_signal(broker))
+    signal.signal(signal.SIGHUP, lambda *_: broker.request_reload())
     ep = broker.endpoints
-    log.info("broker %s ready: frontend %s, backend %s, admin %s, policy %s",
-             config.name, ep.frontend, ep.backend, ep.admin or "-", config.policy)
+    metrics_url = metrics_server.url if metrics_server is not None else None
+    log.info("broker %s ready: frontend %s, backend %s, admin %s, policy %s, metrics %s",
+             config.name, ep.frontend, ep.backend, ep.admin or "-", config.policy, metrics_url or "-")
     if ready_file:
         tmp = ready_file + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"frontend": ep.frontend, "backend": ep.backend, "admin": ep.admin, "pid": os.getpid()}, f)
+            json.dump({"frontend": ep.frontend, "backend": ep.backend, "admin": ep.admin, "pid": os.getpid(),
+                       "metrics": metrics_url}, f)
         os.replace(tmp, ready_file)
+    notify.ready(f"serving: frontend {ep.frontend}, backend {ep.backend}")
     try:
         broker.run()
     finally:
+        if metrics_server is not None:
+            metrics_server.close()
         broker.close()
         log.info("broker %s stopped", config.name)
     return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpud import protocol as P
@@ -27,11 +27,12 @@ from gpud.errors import (
 )
 from gpud.heartbeat import HeartbeatPolicy
 from gpud.protocol import Command, Message, Peer
-from gpud.resources import GpuInfo, Need
+from gpud.resources import GpuInfo, Grant, Need, TenantLimits
 from gpud_broker import ledger
 from gpud_broker.policies import POLICIES, could_ever_fit
 from gpud_broker.queue import DEFAULT_AGING_S, DEFAULT_RESERVE_AFTER_S, FairShare, PendingQueue
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
+from gpud_broker.stats import RequestStats
 from gpud_broker.tasks import Session, State, Task, TaskTable
 
 log = logging.getLogger(__name__)
@@ -55,12 +56,28 @@ class BrokerConfig:
     max_attempts: int = 3  # placements of one request across worker losses
     max_message_bytes: int = P.DEFAULT_MAX_MESSAGE_BYTES
     tenant_weights: dict[str, float] = field(default_factory=dict)  # fair-share weights (default 1)
+    tenant_limits: dict[str, TenantLimits] = field(default_factory=dict)  # per tenant (default: none)
     aging_s: float = DEFAULT_AGING_S  # seconds of waiting worth one priority level
     reserve_after: float = DEFAULT_RESERVE_AFTER_S  # seconds before a blocked request reserves a worker
+    drain_timeout: float = 10.0  # seconds dispatched work may take to finish after SIGTERM (the shell's)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+
+
+# The answer to a REQUEST or CALL whose id belongs to another tenant's work: it says nothing about
+# that work (an honest client never meets it: ids are 128 random bits).
+ID_IN_USE = "this request id is already in use; send new work under a fresh random id"
+
+
+@dataclass(slots=True)
+class TenantUsage:
+    """What one tenant holds now, for ``TenantLimits`` (kept only while some tenant has limits)."""
+
+    milli: int = 0
+    mem: int = 0
+    sessions: int = 0
 
 
 _CLIENT_SIG = Peer.CLIENT.value
@@ -83,38 +100,52 @@ class BrokerCore:
         self.queue: PendingQueue[Task] = PendingQueue(config.max_queue, self.fair, config.aging_s, config.reserve_after)
         self.sessions: dict[bytes, Session] = {}
         self.policy = POLICIES[config.policy]
-        self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0}
+        self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0, "worker_losses": 0}
+        self.stats = RequestStats()  # by kind and by error code, for the metrics endpoint
         self._needs: dict[Any, Need] = {}
         self._fits: dict[Need, bool] = {}  # could_ever_fit by need; cleared when workers change
+        # Per-tenant limits; usage is tracked only while some tenant has limits (placement of
+        # tenants without them stays as fast as before).
+        self.limits: dict[str, TenantLimits] = dict(config.tenant_limits)
+        self.usage: dict[str, TenantUsage] = {}
+        self._tenant_needs: dict[tuple[Need, str], Need] = {}
 
     # ------------------------------------------------------------------ client dialog
 
-    def on_client(self, identity: bytes, msg: Message) -> None:
+    def on_client(self, identity: bytes, msg: Message, tenant: str | None = None) -> None:
+        """``tenant``: the tenant the sender authenticated as (CURVE: its key's tenant); its work is
+        then its tenant's whatever ``need.tenant`` says, and ids of other tenants' work behave as
+        unknown. None (security none): the declared tenant is taken at its word, no scoping."""
         cmd = msg.command
         if cmd is Command.REQUEST:
-            self._on_request(identity, msg)
+            self._on_request(identity, msg, tenant)
         elif cmd is Command.CALL:
-            self._on_call(identity, msg)
+            self._on_call(identity, msg, tenant)
         elif cmd is Command.PING:
-            self._on_ping(identity, msg.header)
+            self._on_ping(identity, msg.header, tenant)
         elif cmd is Command.CANCEL:
-            self._on_cancel(msg.header)
+            self._on_cancel(msg.header, tenant)
         else:
             raise UnknownCommand(f"command {cmd.name} is not valid from a client")
 
-    def _on_request(self, identity: bytes, msg: Message) -> None:
+    def _on_request(self, identity: bytes, msg: Message, tenant: str | None = None) -> None:
         h = msg.header
         rid = P.get_id(h)
         self.counters["requests"] += 1
         known = self.tasks.tasks.get(rid)
         if known is not None:
-            self._attach(identity, known)
+            if tenant is not None and known.tenant != tenant:
+                self._foreign_id(identity, rid, tenant)
+            else:
+                self._attach(identity, known)
             return
         try:
             kind = h.get("kind")
             if kind not in P.KINDS:
                 raise InvalidRequest(f"unknown request kind {kind!r}; known: {', '.join(P.KINDS)}")
             need = self._need(kind, h.get("need"))
+            if tenant is not None and need.tenant != tenant:
+                need = self._as_tenant(need, tenant)
             body: dict[str, Any]
             retryable = True
             if kind == "job":
@@ -129,6 +160,11 @@ class BrokerCore:
         except GpudError as exc:
             self._refuse(identity, rid, exc)
             return
+        if self.limits:
+            limits = self.limits.get(need.tenant)
+            if limits is not None and not limits.could_ever_admit(need, kind == "session"):
+                self._refuse(identity, rid, NoCapacity(f"the request is over tenant {need.tenant}'s limits"))
+                return
         now = self.now
         task = Task(
             id=rid,
@@ -145,11 +181,16 @@ class BrokerCore:
         )
         self.tasks.add(task)
         if self._try_dispatch(task):
+            self.stats.accept(kind)
             return
         if len(self.registry) and not self._could_ever_fit(need):
             self.tasks.forget(task)
             self._refuse(identity, rid, NoCapacity("no connected worker has GPUs that could satisfy this request"))
+        elif self.limits and self._queue_limit_reached(task.tenant):
+            self.tasks.forget(task)
+            self._refuse(identity, rid, Busy(f"tenant {task.tenant} has as many requests queued as its limit allows; try later"))
         elif self.queue.push(task):
+            self.stats.accept(kind)
             self.fair.activate(task.tenant, now)
         else:
             self.tasks.forget(task)
@@ -170,6 +211,24 @@ class BrokerCore:
             self._needs[key] = need
         return need
 
+    def _as_tenant(self, need: Need, tenant: str) -> Need:
+        """``need`` with the authenticated tenant in place of the declared one (memoized)."""
+        key = (need, tenant)
+        out = self._tenant_needs.get(key)
+        if out is None:
+            if len(self._tenant_needs) >= 4096:
+                self._tenant_needs.clear()
+            out = self._tenant_needs[key] = replace(need, tenant=tenant)
+        if need.tenant != "default":
+            log.debug("a client of tenant %s declared tenant %s; using %s", tenant, need.tenant, tenant)
+        return out
+
+    def _foreign_id(self, identity: bytes, rid: bytes, tenant: str) -> None:
+        """A REQUEST or CALL reusing the id of another tenant's work: refused with a reply that
+        reveals nothing about that work; the work itself and its client are not touched."""
+        log.warning("tenant %s sent an id of another tenant's work (%s); refused", tenant, P.id_text(rid))
+        self._refuse(identity, rid, InvalidRequest(ID_IN_USE))
+
     def _could_ever_fit(self, need: Need) -> bool:
         """could_ever_fit, remembered until the set of workers changes."""
         fits = self._fits.get(need)
@@ -187,15 +246,19 @@ class BrokerCore:
     def _refuse(self, identity: bytes, rid: bytes, exc: GpudError) -> None:
         """Answer a request that was not accepted (nothing is kept: a retry is judged afresh)."""
         self.counters["errors"] += 1
+        self.stats.error(exc.code)
         log.info("refused %s: %s %s", P.id_text(rid), exc.code, exc.message)
         self.send_client(identity, [_CLIENT_SIG, _REPLY, _packb(P.error_header(rid, exc))])
 
-    def _on_call(self, identity: bytes, msg: Message) -> None:
+    def _on_call(self, identity: bytes, msg: Message, tenant: str | None = None) -> None:
         h = msg.header
         rid = P.get_id(h)
         known = self.tasks.tasks.get(rid)
         if known is not None:
-            self._attach(identity, known)
+            if tenant is not None and known.tenant != tenant:
+                self._foreign_id(identity, rid, tenant)
+            else:
+                self._attach(identity, known)
             return
         try:
             sid = P.get_id(h, "session")
@@ -204,7 +267,7 @@ class BrokerCore:
                 raise InvalidRequest(f"unknown session op {op!r}; known: {', '.join(P.SESSION_OPS)}")
             args = P.opt(h, "args", dict, {})
             session = self.sessions.get(sid)
-            if session is None or session.closing:
+            if session is None or session.closing or (tenant is not None and session.tenant != tenant):
                 raise SessionLost(f"session {P.id_text(sid)} is unknown or has ended")
             worker = self.registry.by_name.get(session.worker)
             if worker is None:
@@ -233,25 +296,35 @@ class BrokerCore:
             session=sid,
         )
         self.tasks.add(task)
+        self.stats.accept("call")
         self._send_dispatch(worker, task)
 
-    def _on_ping(self, identity: bytes, h: dict[str, Any]) -> None:
+    def _on_ping(self, identity: bytes, h: dict[str, Any], tenant: str | None = None) -> None:
         sessions = h.get("sessions")
         if type(sessions) is list:
             now = self.now
             for sid in sessions[:10_000]:
                 s = self.sessions.get(sid) if type(sid) is bytes else None
-                if s is not None:
+                if s is not None and (tenant is None or s.tenant == tenant):
                     s.last_seen = now
         self.send_client(identity, [_CLIENT_SIG, P.CMD_BYTES[Command.PONG], _packb({})])
 
-    def _on_cancel(self, h: dict[str, Any]) -> None:
+    def _on_cancel(self, h: dict[str, Any], tenant: str | None = None) -> None:
         rid = P.get_id(h)
         task = self.tasks.tasks.get(rid)
-        if task is None or task.state is not State.QUEUED:
+        if task is None or task.state is not State.QUEUED or (tenant is not None and task.tenant != tenant):
             return
         if self.queue.remove(task):
             self._fail(task, Cancelled("cancelled by its client"))
+
+    def cancel(self, rid: bytes, why: str) -> bool:
+        """Cancel queued request ``rid`` (admin ``cancel``): its client gets CANCELLED with ``why``.
+        False when it is not queued (unknown, running or done: running work is not stopped)."""
+        task = self.tasks.tasks.get(rid)
+        if task is None or task.state is not State.QUEUED or not self.queue.remove(task):
+            return False
+        self._fail(task, Cancelled(why))
+        return True
 
     # ------------------------------------------------------------------ placement
 
@@ -259,6 +332,8 @@ class BrokerCore:
         """Place and dispatch ``task`` now if some GPU can take it (never on ``excluded`` workers)."""
         need = task.need
         assert need is not None  # only placed kinds reach here
+        if self.limits and not self._within_limits(task, need):
+            return False  # it waits until its tenant holds less
         avoid = task.avoid | excluded if excluded else task.avoid
         placement = self.policy(need, self.registry.by_identity.values(), avoid)
         if placement is None:
@@ -266,6 +341,8 @@ class BrokerCore:
         worker = placement.worker
         task.grant = ledger.grant(worker, placement.gpus, need)
         self.fair.grant(task.tenant, need.total_milli, self.now)
+        if self.limits:
+            self._charge(task.tenant, task.grant, task.kind == "session", 1)
         task.attempts += 1
         self._send_dispatch(worker, task)
         return True
@@ -284,6 +361,51 @@ class BrokerCore:
             header.update(task.body)
         self.send_worker(worker.identity, [_WORKER_SIG, _DISPATCH, _packb(header), *task.frames])
 
+    # ------------------------------------------------------------------ tenant limits
+
+    def _within_limits(self, task: Task, need: Need) -> bool:
+        """Would granting ``need`` keep the task's tenant within its limits?"""
+        limits = self.limits.get(task.tenant)
+        if limits is None:
+            return True
+        u = self.usage.get(task.tenant)
+        if u is None:
+            return True  # could_ever_admit was checked at the door
+        if limits.max_milli is not None and u.milli + need.total_milli > limits.max_milli:
+            return False
+        if limits.max_mem is not None and u.mem + need.mem * need.gpu_count > limits.max_mem:
+            return False
+        return not (task.kind == "session" and limits.max_sessions is not None and u.sessions >= limits.max_sessions)
+
+    def _queue_limit_reached(self, tenant: str) -> bool:
+        limits = self.limits.get(tenant)
+        return limits is not None and limits.max_queued is not None and self.queue.queued_for(tenant) >= limits.max_queued
+
+    def _charge(self, tenant: str, g: Grant, session: bool, sign: int) -> None:
+        """Count a grant (sign 1) or its release (-1) against its tenant."""
+        u = self.usage.get(tenant)
+        if u is None:
+            u = self.usage[tenant] = TenantUsage()
+        n = len(g.gpus)
+        u.milli += sign * g.gpu_milli * n
+        u.mem += sign * g.mem * n
+        if session:
+            u.sessions += sign
+
+    def set_tenant_limits(self, limits: dict[str, TenantLimits]) -> None:
+        """Replace the limits (configuration reload) and recount what every tenant holds now."""
+        self.limits = dict(limits)
+        self.usage = {}
+        if not self.limits:
+            return
+        for s in self.sessions.values():
+            self._charge(s.tenant, s.grant, True, 1)
+        for worker in self.registry.by_identity.values():
+            for task in worker.assigned.values():
+                if isinstance(task, Task) and task.grant is not None and task.state is State.RUNNING:
+                    self._charge(task.tenant, task.grant, task.kind == "session", 1)
+        self.place_queued()
+
     def place_queued(self) -> int:
         if not len(self.queue):
             return 0
@@ -294,6 +416,8 @@ class BrokerCore:
         with the most free share on fitting GPUs (it frees up soonest, on average)."""
         need = task.need
         assert need is not None
+        if self.limits and not self._within_limits(task, need):
+            return None  # its tenant's limit holds it back, not a lack of GPUs: reserve nothing
         best, best_free = None, -1
         for w in self.registry.by_identity.values():
             if w.name in reserved or w.name in task.avoid or not could_ever_fit(need, (w,)):
@@ -309,11 +433,13 @@ class BrokerCore:
 
     def _finish(self, task: Task, reply: list[Any]) -> None:
         self.tasks.finish(task, reply, self.now)
+        self.stats.finish(task.kind, self.now - task.created)
         if task.route is not None:
             self.send_client(task.route, reply)
 
     def _fail(self, task: Task, exc: GpudError) -> None:
         self.counters["errors"] += 1
+        self.stats.error(exc.code)
         if task.state is State.QUEUED and task.queued:
             self.queue.remove(task)
         self._finish(task, [_CLIENT_SIG, _REPLY, _packb(P.error_header(task.id, exc))])
@@ -338,7 +464,7 @@ class BrokerCore:
         elif cmd is Command.DISCONNECT:
             reason = msg.header.get("reason")
             log.info("worker %s said goodbye (%s)", worker.name, reason if type(reason) is str else "")
-            self.worker_lost(worker, "disconnected")
+            self.worker_lost(worker, "disconnected", graceful=True)
         else:
             raise UnknownCommand(f"command {cmd.name} is not valid from a worker")
 
@@ -448,13 +574,17 @@ class BrokerCore:
             self._release(worker, task)
             self._replace(task, worker.name, "the worker is shutting down")
             return
-        reply = [_CLIENT_SIG, _REPLY, raw_header, *msg.frames] if ok else [_CLIENT_SIG, _REPLY, raw_header]
+        if ok:
+            reply = [_CLIENT_SIG, _REPLY, raw_header, *msg.frames]
+        else:
+            reply = [_CLIENT_SIG, _REPLY, raw_header]
+            self.stats.error(h.get("code"))
         if kind == "session":
             if ok:
                 assert task.grant is not None
                 self.sessions[rid] = Session(
                     id=rid, worker=worker.name, gpu=task.grant.gpus[0], grant=task.grant,
-                    tenant=task.tenant, route=task.route or b"", last_seen=self.now,
+                    tenant=task.tenant, route=task.route or b"", last_seen=self.now, opened=self.now,
                 )
             else:
                 self._release(worker, task)
@@ -472,18 +602,25 @@ class BrokerCore:
         if g is not None:
             ledger.release(worker, [self.registry.gpus[u] for u in g.gpus], g)
             self.fair.release(task.tenant, g.gpu_milli * len(g.gpus), self.now)
+            if self.limits:
+                self._charge(task.tenant, g, task.kind == "session", -1)
 
     def _end_session(self, sid: bytes) -> None:
         s = self.sessions.pop(sid, None)
         if s is None:
             return
         self.fair.release(s.tenant, s.grant.gpu_milli, self.now)
+        if self.limits:
+            self._charge(s.tenant, s.grant, True, -1)
         worker = self.registry.by_name.get(s.worker)
         if worker is not None:
             ledger.release(worker, [self.registry.gpus[s.gpu]], s.grant)
 
-    def worker_lost(self, worker: WorkerRecord, why: str) -> None:
-        """Remove a worker; place its retryable work again, fail the rest (PROTOCOL.md §4.3)."""
+    def worker_lost(self, worker: WorkerRecord, why: str, graceful: bool = False) -> None:
+        """Remove a worker; place its retryable work again, fail the rest (PROTOCOL.md §4.3).
+        ``graceful``: it said goodbye (not counted in ``counters["worker_losses"]``)."""
+        if not graceful:
+            self.counters["worker_losses"] += 1
         log.warning("worker %s lost (%s): %d task(s) were on it", worker.name, why, len(worker.assigned))
         self.registry.remove(worker)
         self._fits.clear()
@@ -491,12 +628,16 @@ class BrokerCore:
         for sid in [sid for sid, s in self.sessions.items() if s.worker == worker.name]:
             s = self.sessions.pop(sid)
             self.fair.release(s.tenant, s.grant.gpu_milli, self.now)
+            if self.limits:
+                self._charge(s.tenant, s.grant, True, -1)
         retry: list[Task] = []
         for task in worker.assigned.values():
             if not isinstance(task, Task) or task.state is not State.RUNNING:
                 continue
             if task.grant is not None:
                 self.fair.release(task.tenant, task.grant.gpu_milli * len(task.grant.gpus), self.now)
+                if self.limits:
+                    self._charge(task.tenant, task.grant, task.kind == "session", -1)
             if task.kind == "call":
                 self._fail(task, SessionLost(f"the session's worker {worker.name} was lost ({why})"))
             elif task.retryable:
@@ -550,6 +691,17 @@ class BrokerCore:
         )
         self.tasks.add(task)
         self._send_dispatch(worker, task)
+
+    def fail_queued(self, exc: GpudError) -> int:
+        """Answer every queued request with ``exc`` (the broker is draining); returns how many."""
+        queued = [t for t in self.queue.in_order(self.now) if t.state is State.QUEUED]
+        for task in queued:
+            self._fail(task, exc)
+        return len(queued)
+
+    def dispatched(self) -> int:
+        """Requests and session operations sent to workers and not answered yet."""
+        return sum([len(w.assigned) for w in self.registry.by_identity.values()])
 
     def shutdown(self) -> None:
         """Tell every worker goodbye (the broker is stopping)."""

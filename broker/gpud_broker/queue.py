@@ -42,6 +42,7 @@ class _Share:
     usage: float = 0.0  # milli-GPU x seconds granted so far
     granted: int = 0  # milli-GPU granted now
     since: float = 0.0  # time usage was last brought up to date
+    served: float = 0.0  # milli-GPU x seconds really granted (usage without the idle floor)
 
 
 class FairShare:
@@ -67,7 +68,9 @@ class FairShare:
 
     def _advance(self, s: _Share, now: float) -> None:
         if now > s.since:
-            s.usage += s.granted * (now - s.since)
+            used = s.granted * (now - s.since)
+            s.usage += used
+            s.served += used
             s.since = now
 
     def grant(self, tenant: str, milli: int, now: float) -> None:
@@ -85,6 +88,14 @@ class FairShare:
         if s is None:
             return 0.0
         return s.usage + s.granted * max(0.0, now - s.since)
+
+    def served(self, tenant: str, now: float) -> float:
+        """Milli-GPU x seconds really granted to ``tenant`` (what it used; ``usage`` may have been
+        raised to the others' floor when it came back from idling)."""
+        s = self.tenants.get(tenant)
+        if s is None:
+            return 0.0
+        return s.served + s.granted * max(0.0, now - s.since)
 
     def vtime(self, tenant: str, now: float) -> float:
         s = self.tenants.get(tenant)
@@ -131,6 +142,14 @@ class PendingQueue(Generic[T]):
 
     def __len__(self) -> int:
         return self._len
+
+    def queued_for(self, tenant: str) -> int:
+        """How many entries of ``tenant`` are waiting (all priorities)."""
+        return sum([len(f) for (_, t), f in self._fifos.items() if t == tenant])
+
+    def depths(self) -> dict[tuple[int, str], int]:
+        """Queued entries by (priority, tenant)."""
+        return {key: len(fifo) for key, fifo in list(self._fifos.items())}
 
     @property
     def reservations(self) -> dict[str, T]:

@@ -90,6 +90,10 @@ class WorkerRegistry:
         self.by_identity: dict[bytes, WorkerRecord] = {}
         self.by_name: dict[str, WorkerRecord] = {}
         self.gpus: dict[str, GpuRecord] = {}
+        # Operator decisions (admin drain/cordon) by worker name and GPU uuid: they outlast a
+        # reconnection, so a worker that comes back is still drained and its GPUs still cordoned.
+        self.drained: set[str] = set()
+        self.cordoned: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.by_identity)
@@ -126,8 +130,9 @@ class WorkerRegistry:
             liveness=Liveness(policy, now),
             simulated=simulated,
             connected_at=now,
+            draining=name in self.drained,
         )
-        worker.gpus = [GpuRecord(info=g, worker=worker) for g in gpus]
+        worker.gpus = [GpuRecord(info=g, worker=worker, cordoned=g.uuid in self.cordoned) for g in gpus]
         self.by_identity[identity] = worker
         self.by_name[name] = worker
         for g in worker.gpus:

@@ -56,6 +56,7 @@ class Session:
     route: bytes
     last_seen: float
     closing: bool = False
+    opened: float = 0.0  # when the broker granted it
 
 
 ENTRY_OVERHEAD = 1536  # bytes a finished task costs the broker besides its reply frames

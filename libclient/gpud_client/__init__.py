@@ -38,6 +38,7 @@ from gpud.errors import (
     VersionError,
     WorkerLost,
 )
+from gpud.security import CurveKeys
 from gpud_client._request import BUILTIN, DevicePtr, JobResult
 from gpud_client.client import Client, Job, Pending, Session
 
@@ -49,6 +50,7 @@ __all__ = [
     "Client",
     "ConfigError",
     "ConflictError",
+    "CurveKeys",
     "DevicePtr",
     "GpudError",
     "InternalError",

@@ -271,9 +271,11 @@ def ping_frames(sessions: Sequence[bytes] = ()) -> list[Any]:
     return protocol.encode(Peer.CLIENT, Command.PING, {"sessions": list(sessions)})
 
 
-def admin_frames(rid: bytes, cmd: str, args: Mapping[str, Any] | None = None) -> list[Any]:
-    """An ADMIN command (signed as the admin peer)."""
-    header = {"id": rid, "cmd": cmd, "args": dict(args or {})}
+def admin_frames(
+    rid: bytes, cmd: str, args: Mapping[str, Any] | None = None, who: Mapping[str, Any] | None = None
+) -> list[Any]:
+    """An ADMIN command (signed as the admin peer); ``who`` adds the asker's ``user`` and ``pid``."""
+    header = {"id": rid, "cmd": cmd, "args": dict(args or {}), **(who or {})}
     return protocol.encode(Peer.ADMIN, Command.ADMIN, header)
 
 

@@ -43,6 +43,7 @@ from gpud.protocol import (
     parse_dims,
     parse_need,
 )
+from gpud.security import CurveKeys, apply_client_keys
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
 from gpud_client import _request as rq
 from gpud_client._request import DevicePtr, JobResult
@@ -206,6 +207,11 @@ class Client:
         after as long again without an answer it fails over and re-sends what is outstanding.
     context:
         A zmq context to use; by default the client makes its own and terminates it on close.
+    curve:
+        CURVE keys: this client's pair and the broker's public key, e.g.
+        ``CurveKeys.from_files("alice.key_secret", "broker.key")``. Needed when the broker runs
+        with security ``curve`` (the default); the broker then takes the tenant from the key, and
+        ``tenant`` is only a declaration it ignores. None: no encryption (security ``none``).
 
     Notes
     -----
@@ -221,8 +227,12 @@ class Client:
         *,
         ping_interval: float = DEFAULT_PING_INTERVAL_S,
         context: zmq.Context[Any] | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         self._endpoints = _endpoint_list(endpoints)
+        if curve is not None and (not isinstance(curve, CurveKeys) or curve.server_public is None):
+            raise ConfigError("curve must be CurveKeys with the broker's public key (server_public)")
+        self._curve = curve
         for name, value in (
             ("timeout", timeout),
             ("keepalive", keepalive),
@@ -582,7 +592,10 @@ class Client:
 
     def _send_cancel(self, rid: bytes) -> None:
         if not self._closed:
-            self._send(rq.cancel_frames(rid))
+            try:
+                self._send(rq.cancel_frames(rid))
+            except Busy:  # no connection (e.g. a refused CURVE handshake): nothing to cancel there
+                log.debug("no connection to send CANCEL %s on", id_text(rid))
 
     def _await(self, rid: bytes, timeout: float, what: str) -> Message:
         """Wait for the reply to ``rid`` until ``timeout`` seconds from now, keeping the broker
@@ -618,7 +631,12 @@ class Client:
         log.debug(
             "broker %s silent for %.1fs; sending PING", self.endpoint, now - self._quiet_since
         )
-        self._send(rq.ping_frames(self._session_ids()))
+        try:
+            self._send(rq.ping_frames(self._session_ids()))
+        except Busy:
+            # With unbounded queues this means no connection at all (a refused CURVE handshake
+            # drops it): as good as a PING that goes unanswered.
+            log.debug("broker %s: no connection to send a PING on", self.endpoint)
         self._ping_at = now
         return now + interval
 
@@ -661,6 +679,8 @@ class Client:
         # a high-water mark would only come back as a spurious failover.
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        if self._curve is not None:
+            apply_client_keys(sock, self._curve)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as exc:

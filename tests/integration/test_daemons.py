@@ -34,7 +34,7 @@ def _start_broker(tmp_path: Path, frontend: str, backend: str, admin: str) -> tu
     ready = tmp_path / "broker.json"
     ready.unlink(missing_ok=True)
     with open(tmp_path / "broker.log", "ab") as log:
-        proc = subprocess.Popen([*GPUD, "broker", "--frontend", frontend, "--backend", backend, "--admin", admin,
+        proc = subprocess.Popen([*GPUD, "broker", "--security", "none", "--frontend", frontend, "--backend", backend, "--admin", admin,
                                  "--ready-file", str(ready), "--heartbeat-ms", "200"],
                                 stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.monotonic() + 20
@@ -62,7 +62,7 @@ def test_worker_reconnects_after_broker_restart_and_gpudctl_shows_it(tmp_path: P
     admin = f"ipc://{tmp_path}/admin.sock"
     broker, ep = _start_broker(tmp_path, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", admin)
     with open(tmp_path / "worker.log", "ab") as log:
-        worker = subprocess.Popen([*GPUD, "worker", "--broker", ep["backend"], "--name", "wr", "--simulate", "2",
+        worker = subprocess.Popen([*GPUD, "worker", "--security", "none", "--broker", ep["backend"], "--name", "wr", "--simulate", "2",
                                    "--heartbeat-ms", "200"], stdout=subprocess.DEVNULL, stderr=log)
     try:
         _wait_workers(admin, 1)

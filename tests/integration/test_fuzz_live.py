@@ -12,6 +12,7 @@ from typing import Any
 import psutil
 import pytest
 import zmq
+
 from gpud import protocol as P
 from gpud.cluster import LocalCluster
 from gpud.protocol import Command, Peer

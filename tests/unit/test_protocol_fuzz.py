@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from gpud import protocol as P
 from gpud.errors import GpudError
 from gpud.protocol import Command, Peer
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 SIGS = [p.value for p in Peer] + [b"GPUDC9", b"GPUDX1", b"", b"GPUD"]
 CMDS = [bytes([c]) for c in Command] + [b"\x00", b"\xff", b"", b"\x01\x02"]

@@ -20,6 +20,7 @@ PURE = [
     "broker/gpud_broker/queue.py",
     "broker/gpud_broker/tasks.py",
     "broker/gpud_broker/core.py",
+    "broker/gpud_broker/stats.py",
 ]
 FORBIDDEN = {"zmq", "asyncio", "socket", "selectors", "subprocess", "threading"}
 

@@ -10,27 +10,50 @@ import socket
 import sys
 from pathlib import Path
 
-from gpud.heartbeat import DEFAULT_INTERVAL_S, DEFAULT_LIVENESS, HeartbeatPolicy
+from gpud import daemonize
+from gpud.config import DEFAULT_PATH, GpudConfig, WorkerSection, flag_values, load, uid_range
+from gpud.errors import ConfigError
+from gpud.heartbeat import HeartbeatPolicy
 from gpud.log import setup_logging
+from gpud.security import SecuritySettings, add_security_arguments, security_flags
 
 log = logging.getLogger(__name__)
 
+_D = WorkerSection()  # the defaults, for the help texts
+FLAGS = {"brokers": "broker", **{key: key for key in (
+    "name", "simulate", "gpu_model", "gpu_mem", "slots", "heartbeat_ms", "liveness", "workdir",
+    "job_user_prefix", "job_uids", "session_idle", "drain_timeout")}}
+"""[worker] key -> its flag's argparse dest (--broker, repeated, gives brokers)."""
+LOG_FLAGS = {"level": "log_level", "file": "log_file"}
+"""[logging] key -> its flag's argparse dest (a flag that this parser lacks counts as not given)."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--broker", action="append", default=None, help="broker backend endpoint (repeat for the broker pair; default tcp://127.0.0.1:5556)")
+    # Flags default to None ("not given"): then GPUD_WORKER_*, the file and gpud.config's defaults decide.
+    p.add_argument("--config", default=None, metavar="PATH",
+                   help=f"configuration file (default {DEFAULT_PATH}, where it exists)")
+    p.add_argument("--broker", action="append", default=None, help=f"broker backend endpoint (repeat for the broker pair; default {','.join(_D.brokers)})")
     p.add_argument("--name", default=None, help="worker name (default: the host name)")
-    p.add_argument("--simulate", type=int, default=0, metavar="N", help="serve N SIMULATED GPUs (no NVIDIA driver needed; for tests and laptops)")
-    p.add_argument("--gpu-model", default="SIM-GPU", help="model name of simulated GPUs")
-    p.add_argument("--gpu-mem", type=int, default=16 << 30, metavar="BYTES", help="memory of each simulated GPU")
-    p.add_argument("--slots", type=int, default=64, help="requests this worker runs at once")
-    p.add_argument("--heartbeat-ms", type=int, default=int(DEFAULT_INTERVAL_S * 1000), help="heartbeat interval proposed to the broker, ms")
-    p.add_argument("--liveness", type=int, default=DEFAULT_LIVENESS, help="heartbeats missed before the broker counts as gone")
+    p.add_argument("--simulate", type=int, metavar="N", help="serve N SIMULATED GPUs (no NVIDIA driver needed; for tests and laptops)")
+    p.add_argument("--gpu-model", help=f"model name of simulated GPUs (default {_D.gpu_model})")
+    p.add_argument("--gpu-mem", type=int, metavar="BYTES", help=f"memory of each simulated GPU (default {_D.gpu_mem})")
+    p.add_argument("--slots", type=int, help=f"requests this worker runs at once (default {_D.slots})")
+    p.add_argument("--heartbeat-ms", type=int, help=f"heartbeat interval proposed to the broker, ms (default {_D.heartbeat_ms})")
+    p.add_argument("--liveness", type=int, help=f"heartbeats missed before the broker counts as gone (default {_D.liveness})")
     p.add_argument("--workdir", default=None, help="root of the jobs' private working directories")
-    p.add_argument("--job-user-prefix", default="gpud-job", help="pool users for jobs when running as root: names starting with this")
+    p.add_argument("--job-user-prefix", help=f"pool users for jobs when running as root: names starting with this (default {_D.job_user_prefix})")
     p.add_argument("--job-uids", default=None, metavar="FIRST-LAST", help="as root, run jobs under these numeric uids that belong to no account (dynamic users) instead of named pool users")
-    p.add_argument("--session-idle", type=float, default=600.0, help="seconds without operations before a session is reclaimed")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running work may take to finish on SIGTERM")
-    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO or $GPUD_LOG_LEVEL)")
+    p.add_argument("--session-idle", type=float, help=f"seconds without operations before a session is reclaimed (default {_D.session_idle:g})")
+    p.add_argument("--drain-timeout", type=float, help=f"seconds running work may take to finish on SIGTERM (default {_D.drain_timeout:g})")
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO, or [logging] level)")
+    add_security_arguments(p, worker=True)
+    daemonize.add_arguments(p)
+
+
+def load_config(args: argparse.Namespace) -> GpudConfig:
+    """The configuration: flags, then GPUD_* variables, then the file, then the defaults."""
+    return load(args.config, os.environ, flags={"worker": flag_values(args, FLAGS), "logging": flag_values(args, LOG_FLAGS),
+                                                "security": flag_values(args, security_flags(worker=True))})
 
 
 def _host_mem() -> int:
@@ -48,15 +71,27 @@ def run(args: argparse.Namespace) -> int:
     from gpud_worker.jobs import JobRunner, UserPool
     from gpud_worker.worker import Worker, WorkerConfig, default_workroot, install_signal_handlers
 
-    setup_logging(args.log_level, "gpud-worker")
-    name = args.name or socket.gethostname()
-    if args.slots < 1 or args.heartbeat_ms < 10 or args.liveness < 1 or args.simulate < 0:
-        print("gpud worker: --slots, --heartbeat-ms (>= 10), --liveness must be positive", file=sys.stderr)
+    try:
+        cfg = load_config(args)
+    except ConfigError as exc:
+        print(f"gpud worker: {exc}", file=sys.stderr)
         return 2
+    log_target = daemonize.log_target(args, cfg.logging.file)
+    setup_logging(cfg.logging.level, "gpud-worker", None if args.daemon else log_target)
+    try:
+        daemonize.check(args)
+        if args.daemon:  # before NVML, threads or sockets: from here on only the detached grandchild runs
+            daemonize.detach(args.pid_file, log_target)
+            setup_logging(cfg.logging.level, "gpud-worker", log_target)
+    except ConfigError as exc:
+        print(f"gpud worker: {exc}", file=sys.stderr)
+        return 2
+    w = cfg.worker
+    name = w.name or socket.gethostname()
     probe: GpuProbe
     devices: dict[str, Device] = {}
-    if args.simulate:
-        gpus = simulated_gpus(args.simulate, model=args.gpu_model, mem=args.gpu_mem, worker_name=name)
+    if w.simulate:
+        gpus = simulated_gpus(w.simulate, model=w.gpu_model, mem=w.gpu_mem, worker_name=name)
         sims = [SimulatedDevice(g) for g in gpus]
         devices = {d.gpu.uuid: d for d in sims}
         probe = SimulatedProbe(sims)
@@ -71,33 +106,32 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        security = SecuritySettings.from_config(cfg.security, "worker")
+        curve = security.worker_keys() if security.curve else None
+    except ConfigError as exc:
+        print(f"gpud worker: {exc}", file=sys.stderr)
+        return 2
+    if curve is None:
+        log.warning("security none: the connection to the broker is neither encrypted nor authenticated")
     root = os.geteuid() == 0
     pool = None
     if root:
-        uids = None
-        if args.job_uids:
-            try:
-                first, last = (int(x) for x in args.job_uids.split("-"))
-            except ValueError:
-                print("gpud worker: --job-uids must be FIRST-LAST, e.g. 61184-61199", file=sys.stderr)
-                return 2
-            if not 1000 <= first <= last < 2**31:
-                print("gpud worker: --job-uids must be a range of unprivileged uids (>= 1000)", file=sys.stderr)
-                return 2
-            uids = range(first, last + 1)
-        pool = UserPool("gpud-dyn-" if uids else args.job_user_prefix, uids)
+        uids = uid_range(w.job_uids)  # checked by load()
+        pool = UserPool("gpud-dyn-" if uids else w.job_user_prefix, uids)
     if root and pool is not None and not len(pool):
-        log.warning("running as root with no pool users named %s*: jobs will be refused (see systemd/gpud-sysusers.conf)", args.job_user_prefix)
-    runner = JobRunner(Path(args.workdir) if args.workdir else default_workroot(), pool)
+        log.warning("running as root with no pool users named %s*: jobs will be refused (see systemd/gpud-sysusers.conf)", w.job_user_prefix)
+    runner = JobRunner(Path(w.workdir) if w.workdir else default_workroot(), pool)
     config = WorkerConfig(
         name=name,
-        brokers=tuple(args.broker or ["tcp://127.0.0.1:5556"]),
-        heartbeat=HeartbeatPolicy(args.heartbeat_ms / 1000.0, args.liveness),
-        slots=args.slots,
+        brokers=w.brokers,
+        heartbeat=HeartbeatPolicy(w.heartbeat_ms / 1000.0, w.liveness),
+        slots=w.slots,
         cpu_milli=(os.cpu_count() or 1) * 1000,
         host_mem=_host_mem(),
-        session_idle=args.session_idle,
-        drain_timeout=args.drain_timeout,
+        session_idle=w.session_idle,
+        drain_timeout=w.drain_timeout,
+        curve=curve,
     )
     worker = Worker(config, probe, devices, runner)
     gc.freeze()  # as in the broker: few cycles, many small short-lived objects per message

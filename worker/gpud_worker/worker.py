@@ -24,6 +24,7 @@ from typing import Any
 
 import zmq
 
+from gpud import notify
 from gpud import protocol as P
 from gpud.errors import (
     GpudError,
@@ -36,6 +37,7 @@ from gpud.errors import (
 from gpud.heartbeat import HeartbeatPolicy, Liveness
 from gpud.protocol import Command, Peer
 from gpud.resources import GpuInfo
+from gpud.security import HANDSHAKE_FAILURES, CurveKeys, HandshakeLog, apply_client_keys
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
 from gpud_worker.device import Device, DeviceSession
 from gpud_worker.gpu import GpuProbe
@@ -60,16 +62,21 @@ class WorkerConfig:
     drain_timeout: float = 30.0  # seconds running work may take to finish after SIGTERM
     reconnect_min: float = 0.1  # first reconnect delay, doubled up to reconnect_max
     reconnect_max: float = 5.0
+    curve: CurveKeys | None = None  # CURVE keys (ours and the broker's); None: security none
 
 
 class BrokerLink:
     """One DEALER connection to one broker, with its liveness and reconnect backoff."""
 
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str, policy: HeartbeatPolicy, now: float) -> None:
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, policy: HeartbeatPolicy, now: float,
+                 curve: CurveKeys | None = None) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
         self.policy = policy
+        self.curve = curve
         self.sock: zmq.Socket[bytes] | None = None
+        self.monitor: zmq.Socket[bytes] | None = None  # handshake failures (CURVE only)
+        self.handshakes = HandshakeLog("broker", skip_auth=False)
         self.liveness = Liveness(policy, now)
         self.welcomed = False
         self.backoff = 0.0
@@ -80,14 +87,27 @@ class BrokerLink:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        if self.curve is not None:
+            apply_client_keys(sock, self.curve)
+            self.monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
         sock.connect(self.endpoint)
         self.sock = sock
         self.welcomed = False
         self.liveness = Liveness(self.policy, now)
         return sock
 
+    def check_handshakes(self) -> None:
+        """Log failed CURVE handshakes (the broker refused our key, or we have the wrong one of its)."""
+        if self.monitor is not None:
+            self.handshakes.drain(self.monitor)
+
     def close(self) -> None:
         if self.sock is not None:
+            if self.monitor is not None:
+                self.check_handshakes()
+                self.sock.disable_monitor()
+                self.monitor.close(0)
+                self.monitor = None
             self.sock.close(0)
             self.sock = None
 
@@ -122,7 +142,7 @@ class Worker:
         self.runner = runner
         self.ctx = ctx or zmq.Context.instance()
         now = time.monotonic()
-        self.links = [BrokerLink(self.ctx, ep, config.heartbeat, now) for ep in config.brokers]
+        self.links = [BrokerLink(self.ctx, ep, config.heartbeat, now, config.curve) for ep in config.brokers]
         self.jobs = ThreadPoolExecutor(max_workers=config.slots, thread_name_prefix="job")
         self.sessions: dict[bytes, SessionRunner] = {}
         self.running: dict[bytes, tuple[str, float, list[str]]] = {}  # id -> kind, since, gpus
@@ -132,6 +152,7 @@ class Worker:
         os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
         self.draining = False
+        self._reload_requested = False
         self._seq = itertools.count(1)
 
     # ---------------------------------------------------------------- lifecycle
@@ -140,6 +161,18 @@ class Worker:
         """Begin a graceful stop: take no new work, let running work finish, say goodbye."""
         self._stop.set()
         self._wake()
+
+    def request_reload(self) -> None:
+        """Have the loop call ``reload()`` soon (SIGHUP). Safe from a signal handler."""
+        self._reload_requested = True
+        self._wake()
+
+    def reload(self) -> None:
+        """Re-read the configuration (SIGHUP), in the loop's thread. Nothing is re-read yet: the
+        worker keeps its start-up configuration. Tells systemd RELOADING=1, then READY=1."""
+        notify.reloading()
+        log.info("reload requested: nothing is re-read yet; the worker keeps its start-up configuration")
+        notify.ready()
 
     def _wake(self) -> None:
         try:
@@ -173,6 +206,13 @@ class Worker:
         drain_deadline: float | None = None
         next_housekeeping = 0.0
         busy = False
+        watchdog = notify.watchdog_interval()
+        ping_every = watchdog / 2 if watchdog else None  # systemd's advice: half the timeout
+        next_ping = 0.0
+        # READY once started (GPUs found, job runner ready, about to connect), not once a broker
+        # welcomes us: a worker waiting for its brokers is doing its job, and systemd must not
+        # fail the unit for it. STATUS= says whether it is registered.
+        notify.ready(f"connecting to {', '.join(link.endpoint for link in self.links)}")
         while True:
             now = time.monotonic()
             for link in self.links:
@@ -208,9 +248,18 @@ class Worker:
             if now < next_housekeeping:
                 continue
             next_housekeeping = now + HOUSEKEEPING_S
+            # Only from here: a loop that stops turning stops pinging, and systemd restarts it.
+            if ping_every is not None and now >= next_ping:
+                notify.watchdog()
+                next_ping = now + ping_every
+            if self._reload_requested:
+                self._reload_requested = False
+                self.reload()
             for link in self.links:
                 if link.sock is None:
                     continue
+                if link.monitor is not None:
+                    link.check_handshakes()
                 if link.liveness.expired(now):
                     log.warning("broker %s silent for %.1fs; reconnecting", link.endpoint, link.liveness.silence(now))
                     self._reconnect(link, poller, now)
@@ -300,6 +349,7 @@ class Worker:
             link.welcomed = True
             link.backoff = 0.0
             log.info("registered with broker %s (heartbeat %dms x %s)", link.endpoint, hb, lv)
+            notify.status(f"registered with {link.endpoint}")
             self._beat(link, now)
         elif cmd is Command.DISCONNECT:
             reason = h.get("reason")
@@ -501,9 +551,16 @@ class Worker:
                 self._close_session(s)
 
 
+def _on_stop_signal(worker: Worker) -> None:
+    notify.stopping()
+    worker.stop()
+
+
 def install_signal_handlers(worker: Worker) -> None:
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
-    signal.signal(signal.SIGINT, lambda *_: worker.stop())
+    """SIGTERM/SIGINT drain and stop (STOPPING=1 to systemd); SIGHUP calls ``Worker.reload``."""
+    signal.signal(signal.SIGTERM, lambda *_: _on_stop_signal(worker))
+    signal.signal(signal.SIGINT, lambda *_: _on_stop_signal(worker))
+    signal.signal(signal.SIGHUP, lambda *_: worker.request_reload())
 
 
 def default_workroot() -> Path:

@@ -1,0 +1,201 @@
+"""The broker's Prometheus endpoint (extra ``metrics``: prometheus-client).
+
+A custom collector reads the broker core's state when Prometheus scrapes, so serving requests costs
+nothing beyond the plain counters the core keeps anyway (``BrokerCore.counters`` and ``.stats``).
+It runs in prometheus-client's HTTP thread while the broker thread changes that state: it copies
+each dict and list it walks in one step (``list(d.values())`` runs under the GIL without a switch),
+retries the whole scrape when a dict still changed size under it, and never lets a counter go down.
+The per-tenant chain (tenant -> session or request -> worker VM -> GPU) is what a GPU exporter alone
+cannot show: GPU-seconds granted per tenant, queue depth per tenant, sessions per tenant and worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import start_http_server
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+import gpud
+from gpud.errors import ConfigError
+from gpud_broker.core import BrokerCore
+
+log = logging.getLogger(__name__)
+
+HEALTH_STATES = ("ok", "degraded", "failed", "cordoned")
+GPU_LABELS = ["worker", "gpu", "index", "model", "simulated"]
+
+
+class BrokerCollector(Collector):
+    """Every ``gpud_*`` metric family, read from ``core`` at scrape time."""
+
+    def __init__(self, core: BrokerCore, clock: Callable[[], float] = time.monotonic, role: str = "standalone") -> None:
+        self.core = core
+        self.clock = clock
+        self.role = role
+        self._gpu_seconds: dict[str, float] = {}  # last exported, so the counter never goes down
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # families depend on the live state; nothing to check at registration
+
+    def collect(self) -> Iterable[Metric]:
+        for _ in range(5):
+            try:
+                return self._collect()
+            except RuntimeError:  # "dictionary changed size during iteration": read again
+                continue
+        log.warning("metrics scrape gave up: the broker state kept changing under it")
+        return []
+
+    def _collect(self) -> list[Metric]:
+        core = self.core
+        now = self.clock()
+        out: list[Metric] = []
+
+        info = InfoMetricFamily("gpud_broker", "This broker: name, version, policy and role.")
+        info.add_metric([], {"name": core.config.name, "version": gpud.__version__,
+                             "policy": core.config.policy, "role": self.role})
+        out.append(info)
+        out.append(GaugeMetricFamily("gpud_broker_uptime_seconds", "Seconds since the broker started.",
+                                     value=max(0.0, now - core.started)))
+
+        # Workers and their GPUs.
+        workers = list(core.registry.by_identity.values())
+        out.append(GaugeMetricFamily("gpud_workers", "Connected workers (GPU VMs).", value=len(workers)))
+        inflight = GaugeMetricFamily("gpud_worker_inflight_requests", "Requests dispatched to a worker and not answered.", labels=["worker"])
+        draining = GaugeMetricFamily("gpud_worker_draining", "1 while a worker takes no new work.", labels=["worker"])
+        heard = GaugeMetricFamily("gpud_worker_last_heard_seconds", "Seconds since a worker was last heard.", labels=["worker"])
+        util = GaugeMetricFamily("gpud_gpu_utilization_ratio", "GPU utilization (0-1) at the last heartbeat.", labels=GPU_LABELS)
+        used = GaugeMetricFamily("gpud_gpu_memory_used_bytes", "Device memory in use at the last heartbeat.", labels=GPU_LABELS)
+        total = GaugeMetricFamily("gpud_gpu_memory_total_bytes", "Device memory of the GPU.", labels=GPU_LABELS)
+        temp = GaugeMetricFamily("gpud_gpu_temperature_celsius", "GPU temperature at the last heartbeat.", labels=GPU_LABELS)
+        power = GaugeMetricFamily("gpud_gpu_power_watts", "GPU power draw at the last heartbeat.", labels=GPU_LABELS)
+        granted = GaugeMetricFamily("gpud_gpu_granted_ratio", "Share of the GPU granted by the broker (granted milli-GPU / 1000).", labels=GPU_LABELS)
+        granted_mem = GaugeMetricFamily("gpud_gpu_granted_memory_bytes", "Device memory granted by the broker.", labels=GPU_LABELS)
+        grants = GaugeMetricFamily("gpud_gpu_grants", "Grants held on the GPU (running work and open sessions).", labels=GPU_LABELS)
+        health = GaugeMetricFamily("gpud_gpu_health", "1 for the GPU's health state (cordoned by an operator wins), 0 for the others.",
+                                   labels=[*GPU_LABELS, "state"])
+        for w in workers:
+            inflight.add_metric([w.name], w.inflight)
+            draining.add_metric([w.name], 1.0 if w.draining else 0.0)
+            heard.add_metric([w.name], max(0.0, now - w.liveness.last_heard))
+            for g in list(w.gpus):
+                i, s = g.info, g.state
+                labels = [w.name, i.uuid, str(i.index), i.model, "true" if i.simulated else "false"]
+                util.add_metric(labels, s.util / 100.0)
+                used.add_metric(labels, s.mem_used)
+                total.add_metric(labels, i.mem)
+                temp.add_metric(labels, s.temp)
+                power.add_metric(labels, s.power)
+                granted.add_metric(labels, g.granted_milli / 1000.0)
+                granted_mem.add_metric(labels, g.granted_mem)
+                grants.add_metric(labels, g.tasks)
+                state = "cordoned" if g.cordoned else s.health
+                for name in HEALTH_STATES:
+                    health.add_metric([*labels, name], 1.0 if name == state else 0.0)
+        out += [inflight, draining, heard, util, used, total, temp, power, granted, granted_mem, grants, health]
+
+        # Queue, sessions and tenants.
+        queue = GaugeMetricFamily("gpud_queue_requests", "Requests waiting for a GPU, by tenant and priority.", labels=["tenant", "priority"])
+        for (priority, tenant), n in sorted(core.queue.depths().items()):
+            queue.add_metric([tenant, str(priority)], n)
+        out.append(queue)
+        sessions = GaugeMetricFamily("gpud_sessions", "Open device sessions, by tenant and worker.", labels=["tenant", "worker"])
+        per: dict[tuple[str, str], int] = {}
+        for sess in list(core.sessions.values()):
+            per[(sess.tenant, sess.worker)] = per.get((sess.tenant, sess.worker), 0) + 1
+        for (tenant, worker), n in sorted(per.items()):
+            sessions.add_metric([tenant, worker], n)
+        out.append(sessions)
+        tenant_now = GaugeMetricFamily("gpud_tenant_granted_gpus", "GPUs (in whole-GPU units) granted to a tenant now.", labels=["tenant"])
+        tenant_sec = CounterMetricFamily("gpud_tenant_gpu_seconds", "GPU-seconds granted to a tenant (a half GPU for 2 s is 1).", labels=["tenant"])
+        fair = core.fair
+        for tenant in sorted(list(fair.tenants)):
+            seconds = max(fair.served(tenant, now) / 1000.0, self._gpu_seconds.get(tenant, 0.0))
+            self._gpu_seconds[tenant] = seconds
+            tenant_sec.add_metric([tenant], seconds)
+            share = fair.tenants.get(tenant)
+            tenant_now.add_metric([tenant], share.granted / 1000.0 if share is not None else 0.0)
+        out += [tenant_now, tenant_sec]
+
+        # Requests.
+        stats = core.stats
+        requests = CounterMetricFamily("gpud_requests", "Requests accepted (queued or dispatched), by kind; retries and refusals are not counted.", labels=["kind"])
+        for kind, n in sorted(dict(stats.accepted).items()):
+            requests.add_metric([kind], n)
+        errors = CounterMetricFamily("gpud_errors", "Requests answered with an error, by error code.", labels=["code"])
+        for code, n in sorted(dict(stats.errors).items()):
+            errors.add_metric([code], n)
+        latency = HistogramMetricFamily("gpud_request_duration_seconds", "Seconds from accepting a request to its reply, by kind.", labels=["kind"])
+        for kind, h in sorted(dict(stats.latency).items()):
+            buckets, count, total_s = h.cumulative()
+            latency.add_metric([kind], [(_le(b), n) for b, n in buckets] + [("+Inf", count)], sum_value=total_s)
+        c = dict(core.counters)
+        out += [
+            requests,
+            errors,
+            latency,
+            CounterMetricFamily("gpud_request_messages", "REQUEST messages received from clients (with retries and refusals).", value=c.get("requests", 0)),
+            CounterMetricFamily("gpud_retries", "Requests resent with a known id (answered from the first one, never run again).", value=c.get("retries", 0)),
+            CounterMetricFamily("gpud_worker_losses", "Workers lost without a goodbye (silent, or reconnected under the same name).", value=c.get("worker_losses", 0)),
+            CounterMetricFamily("gpud_bad_messages", "Messages refused as malformed or not allowed.", value=c.get("bad_messages", 0)),
+            CounterMetricFamily("gpud_requests_finished", "Requests answered (replies kept for retries), all kinds.", value=core.tasks.finished_total),
+            # The standby pair does not exist yet: no failover has happened and nothing replicates.
+            CounterMetricFamily("gpud_failovers", "Times the active role moved between the broker pair.", value=0),
+        ]
+        return out
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+@dataclass
+class MetricsServer:
+    """A running endpoint: ``url`` to scrape, ``close()`` to stop it."""
+
+    url: str
+    server: Any
+    registry: CollectorRegistry
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:9464``; ``:9464`` for every address; port 0 picks a free one)."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"metrics address {listen!r}: use HOST:PORT, e.g. 127.0.0.1:9464")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port)
+
+
+def start(core: BrokerCore, listen: str, role: str = "standalone") -> MetricsServer:
+    """Serve ``/metrics`` for ``core`` on ``listen`` from a daemon thread; returns the real URL."""
+    host, port = parse_listen(listen)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(BrokerCollector(core, role=role))
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    server, _thread = start_http_server(port, host, registry=registry)
+    real_host, real_port = str(server.server_address[0]), int(server.server_address[1])
+    shown = f"[{real_host}]" if ":" in real_host else real_host
+    url = f"http://{shown}:{real_port}/metrics"
+    log.info("metrics at %s", url)
+    return MetricsServer(url=url, server=server, registry=registry)

@@ -1,0 +1,72 @@
+"""Request statistics the broker core keeps for its metrics: plain ints, updated on the hot path.
+
+Requests accepted by kind, errors answered by code, and a latency histogram per kind (seconds from
+acceptance to the reply). Each update is a dict lookup and an increment or a bisect, so the core
+can afford one per request; the Prometheus collector (``metrics.py``) reads them at scrape time.
+Pure: no I/O, no clock (the core passes durations).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+from gpud.errors import CODES
+
+# Upper bounds (seconds, "less than or equal") of the latency buckets: from an echo's sub-millisecond
+# round trip to jobs of minutes. The last bucket (+Inf) is implicit.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+)
+
+OTHER = "OTHER"  # the error code counted for codes outside the table (a worker's own strings)
+
+
+class Histogram:
+    """Observation counts per bucket (not cumulative) and their sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> tuple[list[tuple[float, int]], int, float]:
+        """``([(upper bound, count <= it), ...], total count, sum)``; the +Inf bucket is the total."""
+        counts = list(self.counts)  # one consistent copy (the broker thread keeps counting)
+        total = 0
+        out = []
+        for bound, n in zip(self.bounds, counts, strict=False):
+            total += n
+            out.append((bound, total))
+        return out, total + counts[-1], self.sum
+
+
+class RequestStats:
+    """What the broker counts per request: accepted by kind, errors by code, latency by kind."""
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.accepted: dict[str, int] = {}
+        self.errors: dict[str, int] = {}
+        self.latency: dict[str, Histogram] = {}
+
+    def accept(self, kind: str) -> None:
+        """A request of ``kind`` was accepted (queued or dispatched; not a retry, not refused)."""
+        self.accepted[kind] = self.accepted.get(kind, 0) + 1
+
+    def finish(self, kind: str, seconds: float) -> None:
+        """A request of ``kind`` was answered ``seconds`` after it was accepted."""
+        h = self.latency.get(kind)
+        if h is None:
+            h = self.latency[kind] = Histogram(self.bounds)
+        h.observe(seconds)
+
+    def error(self, code: object) -> None:
+        """A request was answered with error ``code`` (codes outside the table count as OTHER)."""
+        key = code if type(code) is str and code in CODES else OTHER
+        self.errors[key] = self.errors.get(key, 0) + 1

@@ -1,0 +1,208 @@
+"""The table of the broker's admin commands: names, docstrings (the help) and argument schemas.
+
+One table, three readers: the broker implements exactly these commands (``gpud_broker.commands``
+registers against it and checks the set at import), ``gpudctl`` builds one subcommand per entry with
+the docstring as its help, and ``docs/OPERATIONS.md`` carries the section ``markdown()`` renders
+(``python -m gpud.admin_commands`` prints it; a test keeps the document in step).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from gpud.admin import Arg, CommandSpec
+
+__all__ = ["COMMANDS", "markdown", "usage"]
+
+STATES = ("queued", "running", "done")
+TASK_KINDS = ("echo", "job", "session", "call")
+MAX_LIST = 10_000
+
+_WORKER = Arg("worker", str, "the worker's name (as `gpudctl workers` shows)", positional=True, metavar="WORKER")
+_GPU = Arg("gpu", str, "the GPU: its uuid, or WORKER/INDEX (as `gpudctl gpus` shows)", positional=True, metavar="GPU")
+
+_TABLE = (
+    CommandSpec(
+        "status",
+        """The broker: role, peer state, uptime, counts, counters, and every worker and GPU.
+
+        The human form is a summary line and one row per GPU; --json gives everything.
+
+        Example: gpudctl status
+        Example: gpudctl status --json
+        """,
+    ),
+    CommandSpec(
+        "workers",
+        """Connected workers: host, GPUs, slots in use, draining, running work, last heard.
+
+        Example: gpudctl workers
+        """,
+    ),
+    CommandSpec(
+        "gpus",
+        """Every GPU: model, memory, utilization, temperature, grants, running work, health.
+
+        Health is what the worker measured (ok, degraded, failed), or "cordoned"; SIM marks a
+        simulated GPU. GPU names are WORKER/INDEX; --json also gives each uuid.
+
+        Example: gpudctl gpus
+        Example: gpudctl gpus --worker w0 --json
+        """,
+        args=(Arg("worker", str, "only the GPUs of this worker", metavar="WORKER"),),
+    ),
+    CommandSpec(
+        "queue",
+        """Queued requests in placement order: id, kind, tenant, priority, seconds waited.
+
+        Example: gpudctl queue
+        """,
+    ),
+    CommandSpec(
+        "tasks",
+        """Requests the broker knows, newest first: queued, running, and done (kept for retries).
+
+        Each shows the chain tenant -> worker -> GPUs. Filters combine; done requests are kept for
+        the broker's result TTL (60 s by default).
+
+        Example: gpudctl tasks --state running
+        Example: gpudctl tasks --tenant default --kind echo --limit 20
+        """,
+        args=(
+            Arg("tenant", str, "only this tenant's requests", metavar="TENANT"),
+            Arg("state", str, "only requests in this state", choices=STATES),
+            Arg("kind", str, "only requests of this kind", choices=TASK_KINDS),
+            Arg("worker", str, "only requests placed on this worker", metavar="WORKER"),
+            Arg("limit", int, "show at most N (default 100)", default=100, min=1, max=MAX_LIST, metavar="N"),
+        ),
+    ),
+    CommandSpec(
+        "sessions",
+        """Open device sessions: tenant, worker, GPU, grant, age, and when their client was last heard.
+
+        Example: gpudctl sessions
+        Example: gpudctl sessions --tenant default --json
+        """,
+        args=(
+            Arg("tenant", str, "only this tenant's sessions", metavar="TENANT"),
+            Arg("worker", str, "only sessions on this worker", metavar="WORKER"),
+        ),
+    ),
+    CommandSpec(
+        "drain",
+        """Place no new work on a worker; the work running there finishes.
+
+        Queued and new requests go to other workers. The drain lasts until `undrain`, also across
+        a reconnection of the worker (not across a broker restart).
+
+        Example: gpudctl drain w0
+        """,
+        args=(_WORKER,),
+        mutating=True,
+    ),
+    CommandSpec(
+        "undrain",
+        """Let a drained worker take new work again; queued requests are placed at once.
+
+        Example: gpudctl undrain w0
+        """,
+        args=(_WORKER,),
+        mutating=True,
+    ),
+    CommandSpec(
+        "cordon",
+        """Place no new work on one GPU; the grants it holds run on.
+
+        The cordon lasts until `uncordon`, also across a reconnection of its worker. Health shows
+        "cordoned" meanwhile.
+
+        Example: gpudctl cordon w0/0
+        """,
+        args=(_GPU,),
+        mutating=True,
+    ),
+    CommandSpec(
+        "uncordon",
+        """Let a cordoned GPU take new work again; queued requests are placed at once.
+
+        Example: gpudctl uncordon w0/0
+        """,
+        args=(_GPU,),
+        mutating=True,
+    ),
+    CommandSpec(
+        "cancel",
+        """Cancel a queued request: its client gets CANCELLED.
+
+        ID is the request id in hex, or a unique prefix of at least 8 hex digits (`gpudctl queue`
+        and `tasks` show 12). Running work cannot be cancelled yet: it runs until it finishes or
+        reaches its time limit, and the error says so; `drain` keeps new work off a worker.
+
+        Example: gpudctl cancel 0123456789abcdef  # exit 1: no request with id 0123456789abcdef
+        """,
+        args=(Arg("id", str, "the request id (hex, or a unique prefix of 8+ digits)", positional=True, metavar="ID"),),
+        mutating=True,
+    ),
+    CommandSpec(
+        "failover",
+        """Hand the active role to the peer broker of the standby pair.
+
+        A standalone broker has no peer and refuses.
+
+        Example: gpudctl failover  # exit 1: this broker has no peer (standalone)
+        """,
+        mutating=True,
+    ),
+    CommandSpec(
+        "reload",
+        """Re-read the broker's configuration file, as SIGHUP does.
+
+        A broker started without a configuration file has nothing to re-read and says so.
+
+        Example: gpudctl reload
+        """,
+        mutating=True,
+    ),
+)
+
+COMMANDS: dict[str, CommandSpec] = {spec.name: spec for spec in _TABLE}
+"""Every admin command of the broker, by name, in the order ``gpudctl --help`` lists them."""
+
+
+def usage(spec: CommandSpec) -> str:
+    """``gpudctl NAME ARGS... [--json]`` for one command."""
+    parts = ["gpudctl", spec.name]
+    for a in spec.args:
+        if a.positional:
+            parts.append(a.metavar or a.name.upper())
+        else:
+            value = "|".join(a.choices) if a.choices else (a.metavar or a.name.upper())
+            parts.append(f"[{a.flag} {value}]")
+    parts.append("[--json]")
+    return " ".join(parts)
+
+
+def markdown() -> str:
+    """The "Admin commands" reference of docs/OPERATIONS.md, rendered from the table."""
+    out = [
+        "| command | changes state | what it does |",
+        "| --- | --- | --- |",
+    ]
+    for spec in COMMANDS.values():
+        out.append(f"| `{spec.name}` | {'yes' if spec.mutating else 'no'} | {spec.summary} |")
+    for spec in COMMANDS.values():
+        text = [line for line in spec.doc.splitlines() if not line.startswith("Example:")]
+        while text and not text[-1]:
+            text.pop()
+        out += ["", f"#### `{usage(spec)}`", "", *text, ""]
+        for a in spec.args:
+            name = (a.metavar or a.name.upper()) if a.positional else a.flag
+            out.append(f"- `{name}`: {a.help}")
+        for cmd, status, error in spec.examples:
+            outcome = f" (exit {status}: {error})" if status else ""
+            out.append(f"- example: `{cmd}`{outcome}")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown())

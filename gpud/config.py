@@ -1,0 +1,534 @@
+"""Configuration: one TOML file, ``GPUD_<SECTION>_<KEY>`` variables and flags, as frozen dataclasses.
+
+Precedence, highest first: command-line flags, the environment, the file, the defaults (the
+dataclass fields below). Every value is converted and checked in the layer it comes from, so a bad
+value is refused even where a higher layer overrides it, and every error names the key and where it
+came from (the file, the variable or the command line). ``load`` collects all errors of a file and
+raises one ``ConfigError`` listing them.
+
+The file (default ``/etc/gpud/gpud.toml``; ``systemd/gpud.toml.example`` documents every key) has
+one table per section: ``[broker]`` (with ``[broker.tenants.NAME]``), ``[standby]``, ``[worker]``,
+``[security]``, ``[metrics]``, ``[openstack]`` and ``[logging]``. In the environment, lists are
+comma-separated (``GPUD_WORKER_BROKERS=tcp://a:5556,tcp://b:5556``), tables are ``k=v,k2=v2``,
+booleans are true/false/1/0/yes/no, and tenants can only be set in the file.
+
+The ``[broker]`` and ``[worker]`` dataclasses are called sections: the daemons build their runtime
+configs (``gpud_broker.core.BrokerConfig``, ``gpud_worker.worker.WorkerConfig``) from them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tomllib
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar, cast, get_type_hints
+
+from gpud.errors import ConfigError
+from gpud.heartbeat import DEFAULT_INTERVAL_S, DEFAULT_LIVENESS
+
+DEFAULT_PATH = "/etc/gpud/gpud.toml"
+ENV_PREFIX = "GPUD_"
+ENV_ALIASES = {"GPUD_LOG_LEVEL": "GPUD_LOGGING_LEVEL"}
+"""Older variable names, used where the new name is not set."""
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DEFAULT_HEARTBEAT_MS = int(DEFAULT_INTERVAL_S * 1000)
+
+Check = Callable[[Any], "str | None"]
+"""A value check: says what is wrong with a value (``"must be >= 10"``), or None when it is good."""
+
+T = TypeVar("T")
+
+
+def _key(default: T, check: Check | None = None) -> T:
+    """A configuration key: its default, and the check every value of it must pass."""
+    if isinstance(default, dict):
+        return cast(T, field(default_factory=dict, metadata={"check": check}))
+    return field(default=default, metadata={"check": check})
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _at_least(lo: int | float) -> Check:
+    return lambda v: None if v >= lo else f"must be >= {lo}, got {v!r}"
+
+
+def _above(lo: int | float) -> Check:
+    return lambda v: None if v > lo else f"must be > {lo}, got {v!r}"
+
+
+def _one_of(*names: str) -> Check:
+    return lambda v: None if v in names else f"must be one of {', '.join(names)}; got {v!r}"
+
+
+def _nonempty(v: str) -> str | None:
+    return None if v else "must not be empty"
+
+
+_ENDPOINT_RE = re.compile(r"(tcp|ipc|inproc)://.+\Z")
+
+
+def _endpoint(v: str) -> str | None:
+    return None if _ENDPOINT_RE.match(v) else f"must be an endpoint like tcp://HOST:PORT or ipc:///PATH; got {v!r}"
+
+
+def _optional_endpoint(v: str) -> str | None:
+    return _endpoint(v) if v else None
+
+
+def _endpoints(v: tuple[str, ...]) -> str | None:
+    if not v:
+        return "must name at least one endpoint"
+    return next((p for p in map(_endpoint, v) if p), None)
+
+
+def _host_port(v: str) -> str | None:
+    host, _, port = v.rpartition(":")
+    if not v or (host and port.isdigit() and int(port) < 65536):
+        return None
+    return f"must be HOST:PORT (empty = off); got {v!r}"
+
+
+def _log_level(v: str) -> str | None:
+    return None if v.upper() in LOG_LEVELS else f"must be one of {', '.join(LOG_LEVELS)}; got {v!r}"
+
+
+def uid_range(text: str) -> range | None:
+    """``"FIRST-LAST"`` as a range of unprivileged uids; None for ``""``. ValueError if malformed."""
+    if not text:
+        return None
+    first_s, sep, last_s = text.partition("-")
+    if not (sep and first_s.isdigit() and last_s.isdigit()):
+        raise ValueError(f"must be FIRST-LAST, e.g. 61184-61199; got {text!r}")
+    first, last = int(first_s), int(last_s)
+    if not 1000 <= first <= last < 2**31:
+        raise ValueError(f"must be a range of unprivileged uids (>= 1000); got {text!r}")
+    return range(first, last + 1)
+
+
+def _uids(v: str) -> str | None:
+    try:
+        uid_range(v)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """``[broker.tenants.NAME]``: a tenant's fair-share weight and limits (0 = unlimited)."""
+
+    weight: float = _key(1.0, _above(0))
+    max_milli: int = _key(0, _at_least(0))  # milli-GPU granted at once
+    max_mem: int = _key(0, _at_least(0))  # bytes of device memory granted at once
+    max_sessions: int = _key(0, _at_least(0))
+    max_queued: int = _key(0, _at_least(0))
+
+
+_TENANT_RE = re.compile(r"[A-Za-z0-9._@-]{1,64}\Z")  # as a request's 'tenant' field (PROTOCOL.md)
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerSection:
+    """``[broker]``."""
+
+    name: str = _key("broker", _nonempty)
+    frontend: str = _key("tcp://127.0.0.1:5555", _endpoint)
+    backend: str = _key("tcp://127.0.0.1:5556", _endpoint)
+    admin: str = _key("", _optional_endpoint)  # empty: no admin socket
+    policy: str = _key("balanced", _nonempty)  # load(policies=...) checks the name
+    heartbeat_ms: int = _key(DEFAULT_HEARTBEAT_MS, _at_least(10))
+    liveness: int = _key(DEFAULT_LIVENESS, _at_least(1))
+    max_queue: int = _key(10_000, _at_least(1))
+    session_lease: float = _key(30.0, _above(0))
+    result_ttl: float = _key(60.0, _above(0))
+    aging: float = _key(60.0, _above(0))
+    reserve_after: float = _key(30.0, _at_least(0))
+    tenants: Mapping[str, TenantLimits] = _key({})
+
+
+@dataclass(frozen=True, slots=True)
+class StandbyConfig:
+    """``[standby]``: the broker pair (checked here; used by the high-availability work)."""
+
+    role: str = _key("standalone", _one_of("standalone", "primary", "backup"))
+    peer: str = _key("", _optional_endpoint)  # the peer's state endpoint
+    peer_bind: str = _key("", _optional_endpoint)  # where this broker publishes its state
+    peer_heartbeat_ms: int = _key(DEFAULT_HEARTBEAT_MS, _at_least(10))
+    peer_expiry_ms: int = _key(2 * DEFAULT_HEARTBEAT_MS, _at_least(10))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSection:
+    """``[worker]``."""
+
+    name: str = _key("")  # empty: the host name
+    brokers: tuple[str, ...] = _key(("tcp://127.0.0.1:5556",), _endpoints)
+    simulate: int = _key(0, _at_least(0))
+    gpu_model: str = _key("SIM-GPU", _nonempty)
+    gpu_mem: int = _key(16 << 30, _at_least(1))
+    slots: int = _key(64, _at_least(1))
+    heartbeat_ms: int = _key(DEFAULT_HEARTBEAT_MS, _at_least(10))
+    liveness: int = _key(DEFAULT_LIVENESS, _at_least(1))
+    workdir: str = _key("")  # empty: /var/lib/gpud/jobs as root, else under $TMPDIR
+    job_user_prefix: str = _key("gpud-job", _nonempty)
+    job_uids: str = _key("", _uids)  # "FIRST-LAST": dynamic uids instead of pool users
+    session_idle: float = _key(600.0, _above(0))
+    drain_timeout: float = _key(30.0, _at_least(0))
+
+
+@dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    """``[security]``. Empty key paths are derived from ``keys_dir`` by ``parse_security``."""
+
+    mode: str = _key("curve", _one_of("curve", "none"))
+    allow_public_bind: bool = _key(False)  # with mode "none": bind beyond loopback
+    keys_dir: str = _key("/etc/gpud/keys", _nonempty)
+    secret_key_file: str = _key("")
+    public_key_file: str = _key("")
+    broker_public_key_file: str = _key("")
+    worker_keys_dir: str = _key("")
+    client_keys_dir: str = _key("")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """``[metrics]``."""
+
+    listen: str = _key("127.0.0.1:9464", _host_port)  # empty: no metrics endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class OpenStackConfig:
+    """``[openstack]``: worker VMs (checked here; not used yet)."""
+
+    cloud: str = _key("")
+    image: str = _key("")
+    flavor: str = _key("")
+    network: str = _key("")
+    key_name: str = _key("")
+    worker_metadata: Mapping[str, str] = _key({})
+    min_workers: int = _key(0, _at_least(0))
+    max_workers: int = _key(0, _at_least(0))
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    """``[logging]``."""
+
+    level: str = _key("INFO", _log_level)
+    file: str = _key("")  # a path, or "syslog"; empty: stderr
+
+
+@dataclass(frozen=True, slots=True)
+class GpudConfig:
+    """The whole configuration. ``path`` is the file that was read ("" when none was)."""
+
+    path: str = ""
+    broker: BrokerSection = field(default_factory=BrokerSection)
+    standby: StandbyConfig = field(default_factory=StandbyConfig)
+    worker: WorkerSection = field(default_factory=WorkerSection)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    openstack: OpenStackConfig = field(default_factory=OpenStackConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+SECTIONS: dict[str, type[Any]] = {
+    "broker": BrokerSection,
+    "standby": StandbyConfig,
+    "worker": WorkerSection,
+    "security": SecurityConfig,
+    "metrics": MetricsConfig,
+    "openstack": OpenStackConfig,
+    "logging": LoggingConfig,
+}
+"""Section name -> its dataclass (and its field in GpudConfig), in file order."""
+
+ROLE_SECTIONS = {
+    "broker": ("broker", "standby", "security", "metrics", "openstack", "logging"),
+    "worker": ("worker", "security", "logging"),
+}
+"""The sections each daemon reads."""
+
+_TENANTS = Mapping[str, TenantLimits]
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def _typed(hint: object, value: object) -> object:
+    """``value`` as TOML or argparse gives it, as type ``hint``; ValueError says what is wrong."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and number and isinstance(value, int):
+        return value
+    if hint is float and number and math.isfinite(cast(float, value)):
+        return float(cast(float, value))
+    if hint is str and isinstance(value, str):
+        return value
+    if hint == tuple[str, ...] and isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    if hint == Mapping[str, str] and isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+        return dict(value)
+    want: dict[object, str] = {bool: "true or false", int: "an integer", float: "a finite number",
+                               str: "a string", tuple[str, ...]: "a list of strings",
+                               Mapping[str, str]: "a table of strings"}
+    raise ValueError(f"must be {want.get(hint, 'a table')}, got {value!r}")
+
+
+def _from_text(hint: object, text: str) -> object:
+    """An environment variable's ``text`` as type ``hint``."""
+    if hint is bool:
+        words = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+        if text.strip().lower() not in words:
+            raise ValueError(f"must be true or false, got {text!r}")
+        return words[text.strip().lower()]
+    if hint is int or hint is float:
+        try:
+            return _typed(hint, int(text) if hint is int else float(text))
+        except ValueError:
+            raise ValueError(f"must be {'an integer' if hint is int else 'a number'}, got {text!r}") from None
+    if hint == tuple[str, ...]:
+        return tuple(s.strip() for s in text.split(",") if s.strip())
+    if hint == Mapping[str, str]:
+        pairs = [p.partition("=") for p in text.split(",") if p.strip()]
+        if not all(sep and k.strip() for k, sep, _ in pairs):
+            raise ValueError(f"must be KEY=VALUE,KEY=VALUE; got {text!r}")
+        return {k.strip(): v.strip() for k, _, v in pairs}
+    if hint == _TENANTS:
+        raise ValueError("tenants can be set only in the file ([broker.tenants.NAME])")
+    return text
+
+
+Where = Callable[[str], str]
+"""Key -> how an error names it and its origin, e.g. ``/etc/gpud/gpud.toml: [broker] policy``."""
+
+
+def _named(prefix: str, suffix: str = "") -> Where:
+    return lambda key: f"{prefix}{key}{suffix}"
+
+
+def _check_table(cls: type[Any], table: Mapping[str, object], where: Where, errors: list[str],
+                 text: bool = False, extra: Mapping[str, Check] | None = None) -> dict[str, Any]:
+    """The good values of ``table`` for dataclass ``cls``; what is wrong goes to ``errors``.
+    ``text``: the values are strings from the environment. ``extra``: more checks by key."""
+    hints = get_type_hints(cls)
+    checks = {f.name: f.metadata.get("check") for f in fields(cls)}
+    good: dict[str, Any] = {}
+    for key, raw in table.items():
+        if key not in hints:
+            errors.append(f"{where(key)}: unknown key (known: {', '.join(hints)})")
+            continue
+        try:
+            value = _from_text(hints[key], raw) if text and isinstance(raw, str) else _typed(hints[key], raw)
+        except ValueError as exc:
+            errors.append(f"{where(key)}: {exc}")
+            continue
+        problem = next((p for c in (checks[key], (extra or {}).get(key)) if c and (p := c(value))), None)
+        if problem:
+            errors.append(f"{where(key)}: {problem}")
+        else:
+            good[key] = value
+    return good
+
+
+def parse_security(table: Mapping[str, object], where: Where | None = None) -> SecurityConfig:
+    """``[security]`` as a SecurityConfig, with key paths left empty derived from ``keys_dir``:
+    ``broker.key_secret``, ``broker.key`` (also the broker's public key as the workers and clients
+    know it), ``workers/`` and ``clients/`` (the allow-lists)."""
+    errors: list[str] = []
+    values = _check_table(SecurityConfig, table, where or _named("[security] "), errors)
+    if errors:
+        raise ConfigError("\n".join(errors))
+    keys_dir = values.setdefault("keys_dir", SecurityConfig().keys_dir)
+    derived = {
+        "secret_key_file": "broker.key_secret",
+        "public_key_file": "broker.key",
+        "broker_public_key_file": "broker.key",
+        "worker_keys_dir": "workers",
+        "client_keys_dir": "clients",
+    }
+    for key, name in derived.items():
+        values[key] = values.get(key) or os.path.join(keys_dir, name)
+    return SecurityConfig(**values)
+
+
+# --------------------------------------------------------------------------- layers
+
+Layer = dict[str, dict[str, tuple[object, str]]]
+"""Section -> key -> (checked value, where it came from)."""
+
+
+def _put(layer: Layer, section: str, good: Mapping[str, object], where: Where) -> None:
+    layer[section].update({k: (v, where(k)) for k, v in good.items()})
+
+
+def _read(path: str, explicit: bool) -> dict[str, Any] | None:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        if explicit:
+            raise ConfigError(f"{path}: no such configuration file") from None
+        return None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+def _file_layer(path: str, doc: Mapping[str, object], errors: list[str], extra: Mapping[str, Mapping[str, Check]]) -> Layer:
+    layer: Layer = {s: {} for s in SECTIONS}
+    for section, table in doc.items():
+        if section not in SECTIONS:
+            errors.append(f"{path}: unknown section [{section}] (known: {', '.join(SECTIONS)})")
+            continue
+        if not isinstance(table, dict):
+            errors.append(f"{path}: {section} must be a table [{section}]")
+            continue
+        table = dict(table)
+        tenants = table.pop("tenants", None) if section == "broker" else None
+        where = _named(f"{path}: [{section}] ")
+        _put(layer, section, _check_table(SECTIONS[section], table, where, errors, extra=extra.get(section)), where)
+        if tenants is not None:
+            _put(layer, "broker", {"tenants": _tenants(path, tenants, errors)}, where)
+    return layer
+
+
+def _tenants(path: str, tables: object, errors: list[str]) -> dict[str, TenantLimits]:
+    if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
+        errors.append(f"{path}: [broker] tenants: must be tables [broker.tenants.NAME]")
+        return {}
+    out: dict[str, TenantLimits] = {}
+    for name, table in tables.items():
+        where = _named(f"{path}: [broker.tenants.{name}] ")
+        if not _TENANT_RE.match(name):
+            errors.append(f"{path}: [broker.tenants.{name}]: a tenant name is 1-64 of [A-Za-z0-9._@-]")
+        else:
+            out[name] = TenantLimits(**_check_table(TenantLimits, table, where, errors))
+    return out
+
+
+def _env_layer(env: Mapping[str, str], errors: list[str], extra: Mapping[str, Mapping[str, Check]]) -> Layer:
+    layer: Layer = {s: {} for s in SECTIONS}
+    names = {**{new: old for old, new in ENV_ALIASES.items() if old in env and new not in env},
+             **{n: n for n in env if n.startswith(ENV_PREFIX)}}
+    for name, source in sorted(names.items()):
+        section, _, key = name[len(ENV_PREFIX):].lower().partition("_")
+        if section not in SECTIONS or not key:
+            continue  # not ours (GPUD_ADMIN, GPUD_JOB_ID, ...)
+        where = _named(f"environment {source} ([{section}] ", ")")
+        good = _check_table(SECTIONS[section], {key: env[source]}, where, errors, text=True, extra=extra.get(section))
+        _put(layer, section, good, where)
+    return layer
+
+
+def _flag_layer(flags: Mapping[str, Mapping[str, object]], errors: list[str],
+                extra: Mapping[str, Mapping[str, Check]]) -> Layer:
+    layer: Layer = {s: {} for s in SECTIONS}
+    for section, values in flags.items():
+        where = _named(f"command line ([{section}] ", ")")
+        given = {k: v for k, v in values.items() if v is not None}
+        _put(layer, section, _check_table(SECTIONS[section], given, where, errors, extra=extra.get(section)), where)
+    return layer
+
+
+def _cross_checks(cfg: GpudConfig, origin: Callable[[str, str], str]) -> list[str]:
+    """Checks that involve more than one key."""
+    errors = []
+    s = cfg.standby
+    if s.role != "standalone" and not (s.peer and s.peer_bind):
+        errors.append(f"{origin('standby', 'role')}: role {s.role!r} needs [standby] peer and peer_bind")
+    if s.peer_expiry_ms <= s.peer_heartbeat_ms:
+        errors.append(f"{origin('standby', 'peer_expiry_ms')}: must be more than peer_heartbeat_ms ({s.peer_heartbeat_ms})")
+    o = cfg.openstack
+    if o.max_workers < o.min_workers:
+        errors.append(f"{origin('openstack', 'max_workers')}: must be >= min_workers ({o.min_workers})")
+    return errors
+
+
+def load(path: str | None = None, env: Mapping[str, str] = os.environ, *,
+         flags: Mapping[str, Mapping[str, object]] | None = None,
+         policies: Collection[str] | None = None, default_path: str = DEFAULT_PATH) -> GpudConfig:
+    """The configuration from ``flags``, then ``env``, then the file, then the defaults.
+
+    Args:
+        path: the file; None reads ``default_path`` where it exists (a missing ``path`` is an error).
+        env: the environment; ``GPUD_<SECTION>_<KEY>`` variables set keys.
+        flags: section -> key -> value from the command line; None values count as not given.
+        policies: the placement policy names ``[broker] policy`` may take (None: not checked).
+    Raises:
+        ConfigError: listing every unknown section or key and bad value, each with its origin.
+    """
+    read = path or default_path
+    doc = _read(read, explicit=path is not None)
+    extra = {"broker": {"policy": _one_of(*sorted(policies))}} if policies is not None else {}
+    errors: list[str] = []
+    layers = [_file_layer(read, doc or {}, errors, extra), _env_layer(env, errors, extra),
+              _flag_layer(flags or {}, errors, extra)]
+    merged = {s: {k: v for layer in layers for k, v in layer[s].items()} for s in SECTIONS}
+    if errors:
+        raise ConfigError("\n".join(errors))
+    built: dict[str, Any] = {s: cls(**{k: v for k, (v, _) in merged[s].items()}) for s, cls in SECTIONS.items()}
+    built["security"] = parse_security({k: v for k, (v, _) in merged["security"].items()})
+    cfg = GpudConfig(path=read if doc is not None else "", **built)
+
+    def origin(section: str, key: str) -> str:
+        return merged[section][key][1] if key in merged[section] else f"[{section}] {key} (default)"
+
+    errors = _cross_checks(cfg, origin)
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return cfg
+
+
+def flag_values(namespace: object, names: Mapping[str, str] | Iterable[str]) -> dict[str, object]:
+    """Key -> flag value from an argparse namespace, for ``load(flags=...)``. ``names`` maps keys
+    to argparse dests (or lists keys that are their own dests); flags left at None are not given."""
+    dests = names if isinstance(names, Mapping) else {n: n for n in names}
+    return {key: getattr(namespace, dest, None) for key, dest in dests.items()}
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def dump(cfg: GpudConfig, sections: Iterable[str] = SECTIONS) -> str:
+    """``cfg`` (the named sections) as TOML that ``load`` reads back to the same values."""
+    lines: list[str] = []
+    for name in sections:
+        section = getattr(cfg, name)
+        lines.append(f"[{name}]")
+        tables: list[tuple[str, TenantLimits]] = []
+        for f in fields(section):
+            value = getattr(section, f.name)
+            if f.name == "tenants":
+                tables += [(f"{name}.tenants.{json.dumps(t)}", limits) for t, limits in value.items()]
+            else:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+        for header, table in tables:
+            lines += ["", f"[{header}]", *(f"{f.name} = {_toml_value(getattr(table, f.name))}" for f in fields(table))]
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,240 @@
+"""Tenants in gpud_broker.core: the authenticated tenant wins, ids of other tenants behave as unknown,
+and per-tenant limits (queue or BUSY). Driven directly with a fake clock, lists as sockets."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from gpud import protocol as P
+from gpud.clock import FakeClock
+from gpud.heartbeat import HeartbeatPolicy
+from gpud.protocol import Command, Message, Peer
+from gpud.resources import TenantLimits
+from gpud_broker.core import ID_IN_USE, BrokerConfig, BrokerCore
+
+GiB = 1 << 30
+A, B = b"client-a", b"client-b"
+W1 = b"conn-w1"
+
+
+def rid(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+class H:
+    def __init__(self, **config: Any) -> None:
+        self.clock = FakeClock(1000.0)
+        self.to_client: list[tuple[bytes, list[Any]]] = []
+        self.to_worker: list[tuple[bytes, list[Any]]] = []
+        self.core = BrokerCore(BrokerConfig(**config), self.clock.monotonic(),
+                               lambda i, f: self.to_client.append((i, list(f))),
+                               lambda i, f: self.to_worker.append((i, list(f))))
+
+    def client(self, ident: bytes, cmd: Command, header: dict[str, Any], tenant: str | None,
+               frames: Sequence[Any] = ()) -> None:
+        self.core.now = self.clock.monotonic()
+        self.core.on_client(ident, P.decode(P.encode(Peer.CLIENT, cmd, header, frames), Peer.CLIENT), tenant)
+
+    def request(self, ident: bytes, r: bytes, tenant: str | None, kind: str = "echo", **fields: Any) -> None:
+        self.client(ident, Command.REQUEST, {"id": r, "kind": kind, **fields}, tenant)
+
+    def ready(self, ngpus: int = 1) -> None:
+        gpus = [{"uuid": f"GPU-{i}", "index": i, "model": "A100", "mem": 16 * GiB, "cc": [8, 0]} for i in range(ngpus)]
+        enc = P.encode(Peer.WORKER, Command.READY, {"name": "w1", "gpus": gpus, "slots": 64})
+        self.core.on_worker(W1, P.decode(enc, Peer.WORKER), enc[2])
+        self.to_worker.clear()
+
+    def result(self, r: bytes, **fields: Any) -> None:
+        self.core.now = self.clock.monotonic()
+        enc = P.encode(Peer.WORKER, Command.RESULT, {"id": r, "ok": True, **fields})
+        self.core.on_worker(W1, P.decode(enc, Peer.WORKER), enc[2])
+
+    def replies(self) -> list[tuple[bytes, Message]]:
+        out = [(i, P.decode(f, Peer.CLIENT)) for i, f in self.to_client]
+        self.to_client.clear()
+        return out
+
+    def dispatched(self) -> list[dict[str, Any]]:
+        out = [P.decode(f, Peer.WORKER) for _, f in self.to_worker]
+        self.to_worker.clear()
+        return [m.header for m in out if m.command is Command.DISPATCH]
+
+
+def code(msg: Message) -> str | None:
+    return msg.header.get("code") if msg.header.get("ok") is False else None
+
+
+def open_session(h: H, sid: bytes, ident: bytes, tenant: str) -> None:
+    h.request(ident, sid, tenant, kind="session", need={"gpu_milli": 100, "mem": GiB})
+    [d] = h.dispatched()
+    assert d["id"] == sid
+    h.result(sid, session=sid, gpu={})
+    [(who, msg)] = h.replies()
+    assert who == ident and msg.header["ok"] is True
+
+
+# ----------------------------------------------------------------------------- the tenant
+
+
+def test_authenticated_tenant_overrides_the_declared_one() -> None:
+    h = H()
+    h.ready()
+    h.request(A, rid(1), "alice", need={"tenant": "bob", "gpu_milli": 10})
+    [d] = h.dispatched()
+    assert d["tenant"] == "alice"
+    assert h.core.tasks.get(rid(1)).tenant == "alice"  # type: ignore[union-attr]
+    h.request(A, rid(2), "alice")  # no declaration: still alice
+    assert h.dispatched()[0]["tenant"] == "alice"
+
+
+def test_without_authentication_the_declared_tenant_is_used() -> None:
+    h = H()
+    h.ready()
+    h.request(A, rid(1), None, need={"tenant": "bob"})
+    assert h.dispatched()[0]["tenant"] == "bob"
+
+
+# ----------------------------------------------------------------------------- ids of other tenants
+
+
+def test_retry_of_another_tenants_id_never_returns_its_reply() -> None:
+    h = H()
+    h.ready()
+    h.request(A, rid(1), "alice", frames=())
+    h.dispatched()
+    # B sends A's id while A's request runs: refused, and A's reply still goes to A.
+    h.request(B, rid(1), "bob")
+    [(who, msg)] = h.replies()
+    assert who == B and code(msg) == "INVALID_REQUEST" and msg.header["message"] == ID_IN_USE
+    h.result(rid(1), worker="w1")
+    [(who, msg)] = h.replies()
+    assert who == A and msg.header["ok"] is True
+    # Finished: B's retry still gets nothing of A's; A's own retry gets the cached reply.
+    h.request(B, rid(1), "bob")
+    [(who, msg)] = h.replies()
+    assert who == B and code(msg) == "INVALID_REQUEST" and "worker" not in msg.header
+    h.request(A, rid(1), "alice")
+    [(who, msg)] = h.replies()
+    assert who == A and msg.header["ok"] is True and msg.header["worker"] == "w1"
+
+
+def test_cancel_of_another_tenants_request_is_ignored() -> None:
+    h = H()  # no worker: requests queue
+    h.request(A, rid(1), "alice")
+    h.client(B, Command.CANCEL, {"id": rid(1)}, "bob")
+    assert h.replies() == [] and len(h.core.queue) == 1
+    h.client(A, Command.CANCEL, {"id": rid(1)}, "alice")
+    [(who, msg)] = h.replies()
+    assert who == A and code(msg) == "CANCELLED" and len(h.core.queue) == 0
+
+
+def test_call_on_another_tenants_session_is_session_lost_like_an_unknown_one() -> None:
+    h = H()
+    h.ready()
+    sid = rid(7)
+    open_session(h, sid, A, "alice")
+    h.client(B, Command.CALL, {"id": rid(8), "session": sid, "op": "info"}, "bob")
+    [(who, lost)] = h.replies()
+    h.client(B, Command.CALL, {"id": rid(9), "session": rid(99), "op": "info"}, "bob")
+    [(_, unknown)] = h.replies()
+    assert who == B and code(lost) == code(unknown) == "SESSION_LOST"
+    assert lost.header["message"] == unknown.header["message"].replace(P.id_text(rid(99)), P.id_text(sid))
+    assert h.dispatched() == []
+    # A's own call goes through; B reusing that call's id gets nothing of it.
+    h.client(A, Command.CALL, {"id": rid(10), "session": sid, "op": "info"}, "alice")
+    assert [d["op"] for d in h.dispatched()] == ["info"]
+    h.client(B, Command.CALL, {"id": rid(10), "session": sid, "op": "info"}, "bob")
+    [(who, msg)] = h.replies()
+    assert who == B and msg.header["message"] == ID_IN_USE
+
+
+def test_ping_renews_only_the_senders_own_sessions() -> None:
+    h = H(session_lease=10.0, heartbeat=HeartbeatPolicy(60.0, 3))
+    h.ready()
+    sid = rid(7)
+    open_session(h, sid, A, "alice")
+    for _ in range(3):
+        h.clock.advance(4.0)
+        h.client(B, Command.PING, {"sessions": [sid]}, "bob")
+        h.core.tick(h.clock.monotonic())
+    assert h.core.sessions[sid].closing  # expired: bob's pings did not count
+    h2 = H(session_lease=10.0, heartbeat=HeartbeatPolicy(60.0, 3))
+    h2.ready()
+    open_session(h2, sid, A, "alice")
+    for _ in range(3):
+        h2.clock.advance(4.0)
+        h2.client(A, Command.PING, {"sessions": [sid]}, "alice")
+        h2.core.tick(h2.clock.monotonic())
+    assert not h2.core.sessions[sid].closing
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+def test_max_sessions_makes_the_next_session_wait() -> None:
+    h = H(tenant_limits={"alice": TenantLimits(max_sessions=1)})
+    h.ready()
+    open_session(h, rid(1), A, "alice")
+    h.request(A, rid(2), "alice", kind="session", need={"gpu_milli": 100, "mem": GiB})
+    assert h.dispatched() == [] and h.replies() == [] and len(h.core.queue) == 1
+    h.request(B, rid(3), "bob", kind="session", need={"gpu_milli": 100, "mem": GiB})  # bob has no limit
+    assert [d["id"] for d in h.dispatched()] == [rid(3)]
+    # Closing alice's first session lets the second one through.
+    h.client(A, Command.CALL, {"id": rid(4), "session": rid(1), "op": "close"}, "alice")
+    h.dispatched()
+    h.result(rid(4))
+    assert [d["id"] for d in h.dispatched()] == [rid(2)]
+    assert h.core.usage["alice"].sessions == 1
+
+
+def test_max_queued_gives_busy_and_max_milli_queues() -> None:
+    h = H(tenant_limits={"alice": TenantLimits(max_milli=500, max_queued=1)})
+    h.ready()
+    h.request(A, rid(1), "alice", need={"gpu_milli": 300})
+    h.request(A, rid(2), "alice", need={"gpu_milli": 300})  # over max_milli: waits
+    h.request(A, rid(3), "alice", need={"gpu_milli": 300})  # the queue holds 1 of alice's: BUSY
+    assert [d["id"] for d in h.dispatched()] == [rid(1)]
+    [(who, msg)] = h.replies()
+    assert who == A and code(msg) == "BUSY" and msg.header["id"] == rid(3)
+    h.request(B, rid(4), "bob", need={"gpu_milli": 300})  # others are not held back
+    assert [d["id"] for d in h.dispatched()] == [rid(4)]
+    h.result(rid(1))
+    assert [d["id"] for d in h.dispatched()] == [rid(2)]
+    h.result(rid(2))
+    h.result(rid(4))
+    assert h.core.usage["alice"].milli == 0 and h.core.usage["bob"].milli == 0
+
+
+def test_max_mem_and_a_request_over_the_limit_alone() -> None:
+    h = H(tenant_limits={"alice": TenantLimits(max_mem=2 * GiB, max_milli=1000)})
+    h.ready(ngpus=2)
+    h.request(A, rid(1), "alice", kind="job", argv=["true"], need={"gpus": 2})  # 2000 milli > 1000
+    [(_, msg)] = h.replies()
+    assert code(msg) == "NO_CAPACITY" and "alice" in msg.header["message"]
+    h.request(A, rid(2), "alice", need={"gpu_milli": 10, "mem": 2 * GiB})
+    h.request(A, rid(3), "alice", need={"gpu_milli": 10, "mem": GiB})
+    assert [d["id"] for d in h.dispatched()] == [rid(2)]
+    h.result(rid(2))
+    assert [d["id"] for d in h.dispatched()] == [rid(3)]
+
+
+def test_reload_recounts_usage() -> None:
+    h = H()
+    h.ready()
+    open_session(h, rid(1), A, "alice")
+    h.request(A, rid(2), "alice", need={"gpu_milli": 200})
+    assert h.dispatched() and h.core.usage == {}  # no limits: nothing tracked
+    h.core.set_tenant_limits({"alice": TenantLimits(max_sessions=1)})
+    u = h.core.usage["alice"]
+    assert (u.sessions, u.milli, u.mem) == (1, 300, GiB)
+    h.request(A, rid(3), "alice", kind="session", need={"gpu_milli": 100, "mem": GiB})
+    assert h.dispatched() == []
+
+
+@pytest.mark.parametrize("bad", [{"max_milli": -1}, {"max_sessions": 1.5}])
+def test_limits_are_checked(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        TenantLimits(**bad)

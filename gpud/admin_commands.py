@@ -26,7 +26,8 @@ _TABLE = (
         "status",
         """The broker: role, peer state, uptime, counts, counters, and every worker and GPU.
 
-        The human form is a summary line and one row per GPU; --json gives everything.
+        The human form is a summary line and one row per GPU; --json gives everything, with
+        how long placement decisions take (placement: count, p50_us, p99_us, max_us).
 
         Example: gpudctl status
         Example: gpudctl status --json

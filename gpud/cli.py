@@ -1,4 +1,4 @@
-"""The ``gpud`` command: ``broker``, ``worker``, ``up`` (a local all-in-one cluster), ``config check``, ``keygen`` and ``version``.
+"""The ``gpud`` command: ``broker``, ``worker``, ``up`` (a local all-in-one cluster), ``config check``, ``keygen``, ``replay`` and ``version``.
 
 Subcommands import their component lazily, so ``gpud version`` works on a host with only the core.
 """
@@ -100,6 +100,7 @@ def _config_check(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from gpud_broker.__main__ import add_arguments as broker_args
+    from gpud_broker.replay import add_arguments as replay_args
     from gpud_worker.__main__ import add_arguments as worker_args
 
     p = argparse.ArgumentParser(prog="gpud", description="gpud: a shared GPU service for OpenStack clouds.")
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--dir", default="/etc/gpud/keys", help="where to write the pair (default %(default)s)")
     keys.add_argument("--name", required=True, help="broker, worker, or a client's name (the files' stem)")
     keys.add_argument("--force", action="store_true", help="replace an existing pair of that name")
+    replay_args(sub.add_parser("replay", help="replay a GPU trace through the scheduler (static or dynamic)"))
     sub.add_parser("version", help="print the version")
     config = sub.add_parser("config", help="configuration tools")
     check = config.add_subparsers(dest="config_command", required=True).add_parser(
@@ -143,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         return _config_check(args)
     if args.command == "keygen":
         return _keygen(args)
+    if args.command == "replay":
+        from gpud_broker.replay import run as run_replay
+
+        return run_replay(args)
     return _up(args)
 
 

@@ -32,7 +32,10 @@ def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) ->
 
 def recv_frames(sock: zmq.Socket[Any], flags: int = 0, copy_first: int = 1 << 30) -> list[Any]:
     """Receive one multipart message: the first ``copy_first`` frames as bytes (routing id,
-    signature, command, header: always small), the rest as zmq.Frame without a copy (payload).
+    signature, command, header: always small), the rest as zmq.Frame without a copy (payload),
+    except frames under ZERO_COPY_BYTES, which come as bytes too: a small zmq.Frame pins the
+    kilobytes-large receive buffer libzmq read it into for as long as it is kept (the broker keeps
+    finished replies for a minute: about 8 KiB held per 64-byte echo before this).
 
     Frames are taken without a copy and their ``more`` flag read from the frame, which is
     cheaper than ``getsockopt(RCVMORE)`` per frame even when the bytes are wanted."""
@@ -41,7 +44,7 @@ def recv_frames(sock: zmq.Socket[Any], flags: int = 0, copy_first: int = 1 << 30
     parts = [f.bytes if copy_first > 0 else f]
     while f.more:
         f = recv(flags, copy=False)
-        parts.append(f.bytes if len(parts) < copy_first else f)
+        parts.append(f.bytes if len(parts) < copy_first or len(f) < ZERO_COPY_BYTES else f)
     return parts
 
 
@@ -59,5 +62,5 @@ def recv_frames_user(sock: zmq.Socket[Any], flags: int = 0, copy_first: int = 1 
     parts = [f.bytes if copy_first > 0 else f]
     while f.more:
         f = recv(flags, copy=False)
-        parts.append(f.bytes if len(parts) < copy_first else f)
+        parts.append(f.bytes if len(parts) < copy_first or len(f) < ZERO_COPY_BYTES else f)
     return parts, user

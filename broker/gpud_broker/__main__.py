@@ -148,8 +148,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpud broker: {exc}", file=sys.stderr)
         return 2
     try:
+        def reloader() -> BrokerConfig:
+            # The same layers as at start: the file and GPUD_* variables again, flags still win.
+            return broker_config(load_config(args), weights, limits)
+
         return serve(broker_config(cfg, weights, limits), Endpoints(b.frontend, b.backend, b.admin or None),
-                     args.ready_file, security, metrics=args.metrics)
+                     args.ready_file, security, metrics=args.metrics, reloader=reloader)
     except ConfigError as exc:  # keys missing or unreadable, a public bind without CURVE
         print(f"gpud broker: {exc}", file=sys.stderr)
         return 2

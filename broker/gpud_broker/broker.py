@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,7 @@ class Broker:
         self.security = security or SecuritySettings(mode="none")
         self.zap: zmq.Socket[bytes] | None = None
         self.zap_handler: ZapHandler | None = None
+        self.reloader: Callable[[], BrokerConfig] | None = None  # re-reads the configuration
         self._monitors: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes], HandshakeLog]] = []
         keys: CurveKeys | None = None
         admin_tcp = bool(endpoints.admin) and not str(endpoints.admin).startswith(("ipc://", "inproc://"))
@@ -182,14 +184,29 @@ class Broker:
         self._reload_requested = True
 
     def reload(self) -> dict[str, Any]:
-        """Re-read the configuration: the hook for SIGHUP and ``gpudctl reload``, called in the
-        broker's thread between two rounds of the loop. Nothing is re-read yet: the broker keeps
-        its start-up configuration (the configuration work fills this in). Tells systemd
-        RELOADING=1, then READY=1 when done."""
+        """Re-read the configuration (SIGHUP, ``gpudctl reload``), in the broker's thread between
+        two rounds of the loop: the file and GPUD_* variables again, flags still winning. What can
+        change live is applied (``BrokerCore.apply_config``); the rest is named as needing a
+        restart; a bad file raises ConfigError and changes nothing. Key directories are re-read
+        too. Tells systemd RELOADING=1, then READY=1."""
         notify.reloading()
-        log.info("reload requested: nothing is re-read yet; the broker keeps its start-up configuration")
-        notify.ready()
-        return {"changed": []}
+        try:
+            if self.reloader is None:
+                log.info("reload requested: this broker was started without a configuration to re-read")
+                return {"changed": [], "restart_needed": []}
+            try:
+                new = self.reloader()
+            except GpudError as exc:
+                log.error("reload refused, the running configuration stays: %s", exc.message)
+                raise
+            applied, kept = self.core.apply_config(new)
+            if self.zap_handler is not None:
+                self.zap_handler.keys.refresh()
+            log.warning("configuration re-read: applied %s%s", ", ".join(applied) or "no changes",
+                        f"; needs a restart: {', '.join(kept)}" if kept else "")
+            return {"changed": applied, "restart_needed": kept}
+        finally:
+            notify.ready()
 
     def close(self) -> None:
         for sock, monitor, _ in self._monitors:
@@ -249,7 +266,10 @@ class Broker:
                     next_ping = now + ping_every
                 if self._reload_requested:
                     self._reload_requested = False
-                    self.reload()
+                    try:
+                        self.reload()
+                    except GpudError:
+                        pass  # logged by reload(); the running configuration stays
                 if self._draining:
                     if drain_until is None:
                         drain_until = now + self.config.drain_timeout
@@ -387,7 +407,8 @@ def _on_stop_signal(broker: Broker) -> None:
 
 
 def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = None,
-          security: SecuritySettings | None = None, metrics: str | None = None) -> int:
+          security: SecuritySettings | None = None, metrics: str | None = None,
+          reloader: Callable[[], BrokerConfig] | None = None) -> int:
     """Run a broker in this process until SIGTERM/SIGINT (which drain; a second one stops).
 
     SIGHUP calls ``Broker.reload``. Under systemd (``$NOTIFY_SOCKET``) it sends READY=1 once its
@@ -402,6 +423,7 @@ def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = N
             raise ConfigError("--metrics needs prometheus-client: pip install 'gpud[metrics]'") from None
         parse_listen(metrics)  # a bad address is refused before anything is bound
     broker = Broker(config, endpoints, security=security)
+    broker.reloader = reloader
     metrics_server = None
     if metrics:
         try:

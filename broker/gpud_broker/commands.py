@@ -135,6 +135,8 @@ def status(target: Any, args: dict[str, Any]) -> dict[str, Any]:
             "done": core.tasks.finished_total,
         },
         "counters": dict(core.counters),
+        # How long placement decisions take: count and max since start, p50/p99 of recent ones.
+        "placement": core.placement_times.summary(),
         "workers": worker_rows,
         "gpus": gpu_rows,
     }
@@ -242,7 +244,7 @@ def drain(target: Any, args: dict[str, Any]) -> dict[str, Any]:
     core = _core(target)
     w = _worker(core, args["worker"])
     was = w.draining
-    w.draining = True
+    core.set_draining(w, True)
     core.registry.drained.add(w.name)
     n = len(w.assigned)
     if was:
@@ -262,7 +264,7 @@ def undrain(target: Any, args: dict[str, Any]) -> dict[str, Any]:
                 "message": f"worker {name} is not connected; it takes work when it connects"}
     w = _worker(core, name)
     core.registry.drained.discard(name)
-    w.draining = False
+    core.set_draining(w, False)
     placed = core.place_queued()
     return {"worker": name, "draining": False, "placed": placed,
             "message": f"worker {name} takes new work again; {placed} queued request(s) placed"}

@@ -3,13 +3,26 @@
 The socket shell (``broker.py``) decodes frames and calls ``on_client``/``on_worker``/``tick``; the
 core answers through the two send functions it was given. Everything here is driven by the time the
 caller passes, so tests run it with a fake clock and plain lists as sockets.
+
+Placement at scale. Each decision (the policy call) is timed into ``placement_times`` (admin
+``status`` shows its p50/p99). With the ``balanced`` policy and more than ``SAMPLE_ABOVE``
+workers, the policy is first offered ``SAMPLE_K`` workers drawn at random from the registry
+(power-of-k-choices: the least-loaded GPU of the sample, not of the cluster), and the whole
+cluster only when none of the sample can take the request; so one decision costs about the same
+with 1,000 workers as with 16, and a request that only a few workers can take still finds them.
+Other policies (packing, fragmentation-aware) always see every worker. ``open_workers`` counts the
+workers with a free slot (not draining, fewer requests in flight than slots), kept at every
+dispatch, result, worker arrival and loss, and drain change: while it is 0 nothing can be placed,
+and placing returns at once instead of asking the policy to scan every worker.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable, Set
 from dataclasses import dataclass, field, replace
+from time import perf_counter
 from typing import Any
 
 from gpud import protocol as P
@@ -32,7 +45,7 @@ from gpud_broker import ledger
 from gpud_broker.policies import POLICIES, could_ever_fit
 from gpud_broker.queue import DEFAULT_AGING_S, DEFAULT_RESERVE_AFTER_S, FairShare, PendingQueue
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
-from gpud_broker.stats import RequestStats
+from gpud_broker.stats import PlacementTimes, RequestStats
 from gpud_broker.tasks import Session, State, Task, TaskTable
 
 log = logging.getLogger(__name__)
@@ -41,6 +54,8 @@ Send = Callable[[bytes, list[Any]], object]
 
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
 MAX_SLOTS = 100_000
+SAMPLE_ABOVE = 64  # workers: above this many, ``balanced`` looks at a random sample first
+SAMPLE_K = 16  # workers in that sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +117,9 @@ class BrokerCore:
         self.policy = POLICIES[config.policy]
         self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0, "worker_losses": 0}
         self.stats = RequestStats()  # by kind and by error code, for the metrics endpoint
+        self.placement_times = PlacementTimes()  # seconds per placement decision (admin status)
+        self.open_workers = 0  # registered workers with a free slot (see the module docstring)
+        self.rng = random.Random()
         self._needs: dict[Any, Need] = {}
         self._fits: dict[Need, bool] = {}  # could_ever_fit by need; cleared when workers change
         # Per-tenant limits; usage is tracked only while some tenant has limits (placement of
@@ -332,10 +350,21 @@ class BrokerCore:
         """Place and dispatch ``task`` now if some GPU can take it (never on ``excluded`` workers)."""
         need = task.need
         assert need is not None  # only placed kinds reach here
+        if self.open_workers <= 0:
+            return False  # no worker has a free slot: nothing could be placed anywhere
         if self.limits and not self._within_limits(task, need):
             return False  # it waits until its tenant holds less
         avoid = task.avoid | excluded if excluded else task.avoid
-        placement = self.policy(need, self.registry.by_identity.values(), avoid)
+        reg = self.registry
+        t0 = perf_counter()
+        # Sampling keeps the intent of a load-spreading policy only (the policy may change on reload).
+        if len(reg.workers) > SAMPLE_ABOVE and self.config.policy == "balanced":
+            placement = self.policy(need, reg.sample(SAMPLE_K, self.rng), avoid)
+            if placement is None:  # none of the sample can take it: ask the whole cluster
+                placement = self.policy(need, reg.by_identity.values(), avoid)
+        else:
+            placement = self.policy(need, reg.by_identity.values(), avoid)
+        self.placement_times.record(perf_counter() - t0)
         if placement is None:
             return False
         worker = placement.worker
@@ -355,11 +384,33 @@ class BrokerCore:
         header: dict[str, Any] = {"id": task.id, "kind": task.kind, "tenant": task.tenant}
         g = task.grant
         if g is not None:
+            had = worker.has_slot
             worker.inflight += 1
+            if had and not worker.has_slot:
+                self._open_changed(worker, had)
             header["grant"] = {"gpus": list(g.gpus), "gpu_milli": g.gpu_milli, "mem": g.mem}
         if task.body:
             header.update(task.body)
         self.send_worker(worker.identity, [_WORKER_SIG, _DISPATCH, _packb(header), *task.frames])
+
+    # ------------------------------------------------------------------ free slots
+
+    def _open_changed(self, worker: WorkerRecord, had: bool) -> None:
+        """Keep ``open_workers`` after ``worker``'s inflight or draining changed (``had``: whether
+        it had a free slot before). Workers no longer registered do not count."""
+        has = worker.has_slot
+        if has is not had and worker.pos >= 0:
+            self.open_workers += 1 if has else -1
+
+    def set_draining(self, worker: WorkerRecord, draining: bool) -> None:
+        """Mark ``worker`` draining (no new work) or not; the one way to change ``draining``."""
+        had = worker.has_slot
+        worker.draining = draining
+        self._open_changed(worker, had)
+
+    def count_open_workers(self) -> int:
+        """``open_workers`` recomputed from scratch (tests check that the two agree)."""
+        return sum(1 for w in self.registry.workers if w.has_slot)
 
     # ------------------------------------------------------------------ tenant limits
 
@@ -392,6 +443,34 @@ class BrokerCore:
         if session:
             u.sessions += sign
 
+    # Fields a running broker can take from a reloaded configuration; the rest need a restart.
+    RELOADABLE = ("policy", "max_queue", "default_deadline_ms", "result_ttl", "result_bytes",
+                  "session_lease", "max_attempts", "tenant_weights", "tenant_limits", "aging_s",
+                  "reserve_after", "drain_timeout")
+
+    def apply_config(self, new: BrokerConfig) -> tuple[list[str], list[str]]:
+        """Take a reloaded configuration: returns (fields applied, fields that need a restart)."""
+        old = self.config
+        changed = [f for f in BrokerConfig.__slots__ if getattr(old, f) != getattr(new, f)]
+        applied = [f for f in changed if f in self.RELOADABLE]
+        kept = [f for f in changed if f not in self.RELOADABLE]
+        # Keep the running values of what cannot change live, take the rest.
+        self.config = replace(new, **{f: getattr(old, f) for f in kept})
+        cfg = self.config
+        if "policy" in applied:
+            self.policy = POLICIES[cfg.policy]
+        self.queue.max_len = cfg.max_queue
+        self.queue.aging_s = cfg.aging_s
+        self.queue.reserve_after = cfg.reserve_after
+        self.tasks.result_ttl = cfg.result_ttl
+        self.tasks.max_bytes = cfg.result_bytes
+        if "tenant_weights" in applied:
+            self.fair.set_weights(cfg.tenant_weights)
+        if "tenant_limits" in applied:
+            self.set_tenant_limits(cfg.tenant_limits)
+        self.place_queued()
+        return applied, kept
+
     def set_tenant_limits(self, limits: dict[str, TenantLimits]) -> None:
         """Replace the limits (configuration reload) and recount what every tenant holds now."""
         self.limits = dict(limits)
@@ -407,7 +486,7 @@ class BrokerCore:
         self.place_queued()
 
     def place_queued(self) -> int:
-        if not len(self.queue):
+        if not len(self.queue) or self.open_workers <= 0:
             return 0
         return self.queue.place(self._try_dispatch, self.now, self._reserve)
 
@@ -520,6 +599,8 @@ class BrokerCore:
             now=self.now,
             simulated=bool(h.get("simulated", False)),
         )
+        if worker.has_slot:
+            self.open_workers += 1
         self._fits.clear()
         log.info(
             "worker %s ready: %d GPU(s)%s, %d slots, heartbeat %.3fs x %d",
@@ -551,7 +632,7 @@ class BrokerCore:
             worker.running = [r for r in running[:1000] if type(r) is dict]
         if h.get("draining") is True and not worker.draining:
             log.info("worker %s is draining: no new work goes to it", worker.name)
-            worker.draining = True
+            self.set_draining(worker, True)
 
     def _on_result(self, worker: WorkerRecord, msg: Message, raw_header: bytes) -> None:
         h = msg.header
@@ -567,10 +648,13 @@ class BrokerCore:
             raw_header = _packb(P.error_header(rid, ProtocolError(f"worker {worker.name} sent a malformed result")))
         kind = task.kind
         if task.grant is not None:
+            had = worker.has_slot
             worker.inflight -= 1
+            if not had:
+                self._open_changed(worker, had)
         if ok is False and h.get("code") == "SHUTTING_DOWN" and kind != "call":
             # The worker is stopping and did not start it: place it elsewhere.
-            worker.draining = True
+            self.set_draining(worker, True)
             self._release(worker, task)
             self._replace(task, worker.name, "the worker is shutting down")
             return
@@ -622,6 +706,8 @@ class BrokerCore:
         if not graceful:
             self.counters["worker_losses"] += 1
         log.warning("worker %s lost (%s): %d task(s) were on it", worker.name, why, len(worker.assigned))
+        if worker.pos >= 0 and worker.has_slot:
+            self.open_workers -= 1
         self.registry.remove(worker)
         self._fits.clear()
         self.queue.drop_reservations_on(worker.name)

@@ -58,6 +58,12 @@ class FairShare:
         self.default_weight = default_weight
         self.tenants: dict[str, _Share] = {}
 
+    def set_weights(self, weights: dict[str, float]) -> None:
+        """New weights (configuration reload); GPU-time already granted is kept."""
+        self.weights = dict(weights)
+        for tenant, share in self.tenants.items():
+            share.weight = self.weights.get(tenant, self.default_weight)
+
     def _get(self, tenant: str, now: float) -> _Share:
         s = self.tenants.get(tenant)
         if s is None:

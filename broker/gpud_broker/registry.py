@@ -7,6 +7,7 @@ no sockets, the caller passes the time.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,7 @@ class WorkerRecord:
     assigned: dict[bytes, object] = field(default_factory=dict)  # task id -> task dispatched to it
     grants: dict[int, object] = field(default_factory=dict)  # id(grant) -> live grant (the ledger's)
     connected_at: float = 0.0
+    pos: int = -1  # index in WorkerRegistry.workers while registered (O(1) removal)
 
     @property
     def free_cpu(self) -> int:
@@ -90,6 +92,9 @@ class WorkerRegistry:
         self.by_identity: dict[bytes, WorkerRecord] = {}
         self.by_name: dict[str, WorkerRecord] = {}
         self.gpus: dict[str, GpuRecord] = {}
+        # Every registered worker once, in no particular order: what ``sample`` draws from
+        # (kept by add/remove with swap-removal, so neither copies nor scans it).
+        self.workers: list[WorkerRecord] = []
         # Operator decisions (admin drain/cordon) by worker name and GPU uuid: they outlast a
         # reconnection, so a worker that comes back is still drained and its GPUs still cordoned.
         self.drained: set[str] = set()
@@ -133,19 +138,45 @@ class WorkerRegistry:
             draining=name in self.drained,
         )
         worker.gpus = [GpuRecord(info=g, worker=worker, cordoned=g.uuid in self.cordoned) for g in gpus]
+        stale = self.by_identity.get(identity)
+        if stale is not None:  # a caller that did not remove it: its list entry goes too
+            self._unlist(stale)
         self.by_identity[identity] = worker
         self.by_name[name] = worker
+        worker.pos = len(self.workers)
+        self.workers.append(worker)
         for g in worker.gpus:
             self.gpus[g.uuid] = g
         return worker
 
     def remove(self, worker: WorkerRecord) -> None:
-        self.by_identity.pop(worker.identity, None)
+        if self.by_identity.get(worker.identity) is worker:
+            del self.by_identity[worker.identity]
+        self._unlist(worker)
         if self.by_name.get(worker.name) is worker:
             del self.by_name[worker.name]
         for g in worker.gpus:
             if self.gpus.get(g.uuid) is g:
                 del self.gpus[g.uuid]
+
+    def _unlist(self, worker: WorkerRecord) -> None:
+        """Take ``worker`` out of ``workers`` in O(1): the last entry moves into its place."""
+        pos = worker.pos
+        workers = self.workers
+        if 0 <= pos < len(workers) and workers[pos] is worker:
+            last = workers.pop()
+            if last is not worker:
+                workers[pos] = last
+                last.pos = pos
+        worker.pos = -1
+
+    def sample(self, k: int, rng: random.Random | None = None) -> list[WorkerRecord]:
+        """``k`` distinct workers drawn uniformly at random (all of them when there are no more
+        than ``k``); O(k), the registry is not copied."""
+        workers = self.workers
+        if len(workers) <= k:
+            return list(workers)
+        return rng.sample(workers, k) if rng is not None else random.sample(workers, k)
 
     def update_state(self, worker: WorkerRecord, states: dict[str, GpuState]) -> bool:
         """Apply a heartbeat's measurements; grants since the previous beat are now visible.

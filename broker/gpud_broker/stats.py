@@ -70,3 +70,34 @@ class RequestStats:
         """A request was answered with error ``code`` (codes outside the table count as OTHER)."""
         key = code if type(code) is str and code in CODES else OTHER
         self.errors[key] = self.errors.get(key, 0) + 1
+
+
+class PlacementTimes:
+    """How long placement decisions take: the most recent ``size`` samples in a ring, plus the
+    count and the maximum since start. ``record`` is two stores and a compare; percentiles are
+    computed when asked (admin ``status``), over the ring."""
+
+    __slots__ = ("count", "max", "samples", "size")
+
+    def __init__(self, size: int = 8192) -> None:
+        self.size = size
+        self.samples = [0.0] * size
+        self.count = 0
+        self.max = 0.0
+
+    def record(self, seconds: float) -> None:
+        self.samples[self.count % self.size] = seconds
+        self.count += 1
+        if seconds > self.max:
+            self.max = seconds
+
+    def summary(self) -> dict[str, float | int]:
+        """``{"count", "p50_us", "p99_us", "max_us"}``: count and max since start, the percentiles
+        over the most recent samples (0 before the first decision)."""
+        recent = sorted(self.samples[: min(self.count, self.size)])
+        n = len(recent)
+
+        def pct(q: float) -> float:
+            return round(recent[min(n - 1, int(q * n))] * 1e6, 1) if n else 0.0
+
+        return {"count": self.count, "p50_us": pct(0.50), "p99_us": pct(0.99), "max_us": round(self.max * 1e6, 1)}

@@ -104,3 +104,54 @@ def test_daemons_refuse_a_missing_file_and_bad_environment(tmp_path: Path) -> No
     r = subprocess.run([*GPUD, "broker", "--config", os.devnull], capture_output=True, text=True, timeout=60,
                        env={**_env(), "GPUD_BROKER_LIVENESS": "none"})
     assert r.returncode == 2 and "GPUD_BROKER_LIVENESS" in r.stderr and "[broker] liveness" in r.stderr
+
+
+def test_sighup_and_gpudctl_reload_re_read_the_file(tmp_path: Path) -> None:
+    """Reload applies what can change live (policy, queue bound, tenant weights), names what needs
+    a restart, and keeps the running configuration when the new file is bad."""
+    admin = f"ipc://{tmp_path}/admin.sock"
+    conf = tmp_path / "gpud.toml"
+    base = f"""
+[broker]
+name = "reloading"
+frontend = "tcp://127.0.0.1:*"
+backend = "tcp://127.0.0.1:*"
+admin = "{admin}"
+policy = "{{policy}}"
+max_queue = {{max_queue}}
+
+[security]
+mode = "none"
+"""
+    conf.write_text(base.format(policy="balanced", max_queue=100))
+    ready, log = tmp_path / "broker.json", tmp_path / "broker.log"
+    with open(log, "ab") as out:
+        broker = subprocess.Popen([*GPUD, "broker", "--config", str(conf), "--ready-file", str(ready)],
+                                  stdout=subprocess.DEVNULL, stderr=out, env=_env())
+    try:
+        _wait_ready(broker, ready, log)
+        assert admin_call(admin, "status", timeout=5)["broker"]["policy"] == "balanced"
+        # gpudctl reload: applied at once, and it says what changed.
+        conf.write_text(base.format(policy="best-fit", max_queue=100))
+        result = admin_call(admin, "reload", timeout=5)
+        assert "policy" in json.dumps(result)
+        assert admin_call(admin, "status", timeout=5)["broker"]["policy"] == "best-fit"
+        # SIGHUP does the same.
+        conf.write_text(base.format(policy="spread", max_queue=100))
+        broker.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while admin_call(admin, "status", timeout=5)["broker"]["policy"] != "spread":
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        # A bad file is refused and the running configuration stays.
+        conf.write_text(base.format(policy="no-such-policy", max_queue=100))
+        try:
+            admin_call(admin, "reload", timeout=5)
+            raise AssertionError("a bad configuration was accepted on reload")
+        except Exception as exc:  # the admin error names the key
+            assert "policy" in str(exc)
+        assert admin_call(admin, "status", timeout=5)["broker"]["policy"] == "spread"
+        assert broker.poll() is None
+    finally:
+        broker.send_signal(signal.SIGTERM)
+        broker.wait(timeout=30)

@@ -291,7 +291,7 @@ def test_broker_ready_watchdog_reload_stopping(tmp_path: Path, notify_socket: No
     finally:
         _stop(proc)
     log = (tmp_path / "broker.log").read_text()
-    assert "reload requested" in log and "stopped" in log
+    assert "configuration re-read" in log and "stopped" in log
 
 
 def test_broker_without_watchdog_sends_no_pings(tmp_path: Path, notify_socket: NotifySocket) -> None:

@@ -84,10 +84,10 @@ def _keygen(args: argparse.Namespace) -> int:
 def _config_check(args: argparse.Namespace) -> int:
     from gpud import config
     from gpud.errors import ConfigError
-    from gpud_broker.policies import POLICIES
+    from gpud_broker.policies import FACTORIES
 
     try:
-        cfg = config.load(args.config, os.environ, policies=POLICIES)
+        cfg = config.load(args.config, os.environ, policies=FACTORIES)
     except ConfigError as exc:
         for line in str(exc).splitlines():
             print(f"gpud config check: {line}", file=sys.stderr)

@@ -12,7 +12,7 @@ from gpud.errors import ConfigError
 from gpud.heartbeat import HeartbeatPolicy
 from gpud.log import setup_logging
 from gpud.security import SecuritySettings, add_security_arguments, security_flags
-from gpud_broker.policies import POLICIES
+from gpud_broker.policies import FACTORIES
 
 if TYPE_CHECKING:
     from gpud.resources import TenantLimits
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", help=f"endpoint workers connect to (default {_D.backend})")
     p.add_argument("--admin", help="admin endpoint for gpudctl, e.g. ipc:///run/gpud/admin.sock (default none)")
     p.add_argument("--name", help=f"this broker's name in logs and status (default {_D.name})")
-    p.add_argument("--policy", choices=sorted(POLICIES), help=f"placement policy (default {_D.policy})")
+    p.add_argument("--policy", choices=sorted(FACTORIES), help=f"placement policy (default {_D.policy})")
     p.add_argument("--heartbeat-ms", type=int, help=f"heartbeat interval proposed to workers, ms (default {_D.heartbeat_ms})")
     p.add_argument("--liveness", type=int, help=f"heartbeats missed before a worker is gone (default {_D.liveness})")
     p.add_argument("--max-queue", type=int, help=f"queued requests at most, then BUSY (default {_D.max_queue})")
@@ -92,7 +92,7 @@ def load_config(args: argparse.Namespace) -> config.GpudConfig:
     """The configuration: flags, then GPUD_* variables, then the file, then the defaults."""
     flags = {"broker": config.flag_values(args, FLAGS), "logging": config.flag_values(args, LOG_FLAGS),
              "security": config.flag_values(args, security_flags(worker=False))}
-    return config.load(args.config, os.environ, flags=flags, policies=POLICIES)
+    return config.load(args.config, os.environ, flags=flags, policies=FACTORIES)
 
 
 def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | None = None,

@@ -42,7 +42,8 @@ from gpud.heartbeat import HeartbeatPolicy
 from gpud.protocol import Command, Message, Peer
 from gpud.resources import GpuInfo, Grant, Need, TenantLimits
 from gpud_broker import ledger
-from gpud_broker.policies import POLICIES, could_ever_fit
+from gpud_broker.mix import TaskMix
+from gpud_broker.policies import FACTORIES, could_ever_fit, make_policy
 from gpud_broker.queue import DEFAULT_AGING_S, DEFAULT_RESERVE_AFTER_S, FairShare, PendingQueue
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
 from gpud_broker.stats import PlacementTimes, RequestStats
@@ -77,8 +78,8 @@ class BrokerConfig:
     drain_timeout: float = 10.0  # seconds dispatched work may take to finish after SIGTERM (the shell's)
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        if self.policy not in FACTORIES:
+            raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(FACTORIES)}")
 
 
 # The answer to a REQUEST or CALL whose id belongs to another tenant's work: it says nothing about
@@ -114,7 +115,11 @@ class BrokerCore:
         self.fair = FairShare(config.tenant_weights)
         self.queue: PendingQueue[Task] = PendingQueue(config.max_queue, self.fair, config.aging_s, config.reserve_after)
         self.sessions: dict[bytes, Session] = {}
-        self.policy = POLICIES[config.policy]
+        # The running mix of requests the fragmentation-aware policies judge against: fed with
+        # every accepted request's need, only when such a policy is configured.
+        self.mix = TaskMix()
+        self.policy = make_policy(config.policy, mix=self.mix)
+        self._observe = self.mix.observe if config.policy.startswith("fgd") else None
         self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0, "worker_losses": 0}
         self.stats = RequestStats()  # by kind and by error code, for the metrics endpoint
         self.placement_times = PlacementTimes()  # seconds per placement decision (admin status)
@@ -183,6 +188,8 @@ class BrokerCore:
             if limits is not None and not limits.could_ever_admit(need, kind == "session"):
                 self._refuse(identity, rid, NoCapacity(f"the request is over tenant {need.tenant}'s limits"))
                 return
+        if self._observe is not None:
+            self._observe(need)
         now = self.now
         task = Task(
             id=rid,
@@ -458,7 +465,8 @@ class BrokerCore:
         self.config = replace(new, **{f: getattr(old, f) for f in kept})
         cfg = self.config
         if "policy" in applied:
-            self.policy = POLICIES[cfg.policy]
+            self.policy = make_policy(cfg.policy, mix=self.mix)
+            self._observe = self.mix.observe if cfg.policy.startswith("fgd") else None
         self.queue.max_len = cfg.max_queue
         self.queue.aging_s = cfg.aging_s
         self.queue.reserve_after = cfg.reserve_after

@@ -657,6 +657,20 @@ def peak_demand(tasks: Sequence[TraceTask], passthrough: bool = False) -> float:
     return peak / 1000.0
 
 
+def split_unfit(nodes: Sequence[TraceNode], tasks: Sequence[TraceTask]) -> tuple[list[TraceTask], list[TraceTask]]:
+    """(tasks some node of the list could take if idle, tasks none could: those never run)."""
+    workers = list(build_registry(nodes).by_identity.values())
+    fit: list[TraceTask] = []
+    unfit: list[TraceTask] = []
+    shapes: dict[Need, bool] = {}
+    for t in tasks:
+        ok = shapes.get(t.need)
+        if ok is None:
+            ok = shapes[t.need] = could_ever_fit(t.need, workers)
+        (fit if ok else unfit).append(t)
+    return fit, unfit
+
+
 def compare_dynamic(
     nodes: Sequence[TraceNode],
     tasks: Sequence[TraceTask],
@@ -667,7 +681,9 @@ def compare_dynamic(
     seed: int = DEFAULT_SEED,
 ) -> dict[str, Any]:
     """gpud's sharing against exclusive passthrough: GPUs needed within ``max_wait`` for each, and
-    both on the smaller of the two clusters with no wait limit (the waits the other one sees)."""
+    both on the smaller of the two clusters with no wait limit (the waits the other one sees).
+    Tasks that no node of the whole list could take are left out (``never_fit``)."""
+    tasks, unfit = split_unfit(nodes, tasks)
     rows = [
         gpus_needed(nodes, tasks, policy, max_wait=max_wait, seed=seed),
         gpus_needed(nodes, tasks, passthrough_policy, passthrough=True, max_wait=max_wait, seed=seed),
@@ -693,6 +709,8 @@ def compare_dynamic(
     return {
         "max_wait_s": max_wait,
         "seed": seed,
+        "tasks": len(tasks),
+        "never_fit": [t.name for t in unfit],
         "peak_gpus": {"sharing": peak_demand(tasks), "passthrough": peak_demand(tasks, passthrough=True)},
         "rows": [r.as_dict() for r in rows],
         "same_cluster": same,
@@ -701,7 +719,10 @@ def compare_dynamic(
 
 def format_compare(result: dict[str, Any]) -> str:
     peak = result["peak_gpus"]
-    lines = [
+    lines = []
+    if result.get("never_fit"):
+        lines.append(f"  left out, no node could ever take them: {', '.join(result['never_fit'])}")
+    lines += [
         f"  GPUs the tasks hold at the busiest moment: {peak['sharing']:.1f} shared, {peak['passthrough']:.0f} as whole GPUs",
         f"  smallest cluster with no task waiting more than {result['max_wait_s']:g}s:",
         format_dynamic(result["rows"]),

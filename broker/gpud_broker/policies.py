@@ -400,7 +400,8 @@ class FragmentationGradientDescent:
     milli-GPU``, and the same for memory, when positive), weighted by ``shortfall_weight``. The
     paper's measure only sees CPU through the next request; the shortfall sees GPUs that will be
     stranded once the CPU is spent, whatever comes next. On the published trace it is worth about
-    0.7 points of unallocated GPU share (BENCHMARKS.md). ``shortfall_weight=0`` is the paper's FGD.
+    one point of unallocated GPU share (BENCHMARKS.md). ``shortfall_weight=0`` is the paper's
+    measure alone (``fgd-classic``).
 
     FGD takes the feasible (worker, GPUs) whose placement increases the score least; ties go to
     the worker Best-fit would take, then to the first seen; inside a worker to the lowest index.

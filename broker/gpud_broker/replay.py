@@ -21,10 +21,11 @@ Dynamic mode (tasks arrive and leave)
     ``- creation_time`` when they were never scheduled) of simulated time. A task that does not fit
     waits in the broker's ``PendingQueue`` (backfill; after ``reserve_after`` seconds it reserves a
     worker) and is offered again whenever a task leaves. The cluster is the first N nodes of the node
-    list reordered so that every prefix has its node kinds in proportion (``proportional_order``);
-    the smallest N with no task waiting longer than ``max_wait`` is found by bisection, for gpud's GPU sharing and for exclusive passthrough (each GPU task takes
-    whole GPUs: a VM of its own). Reported: GPUs needed, mean GPU allocation over the trace, and the
-    wait-time percentiles at that size.
+    list reordered so that every prefix has one node of every kind and then the kinds in proportion
+    (``proportional_order``); tasks no node of the whole list could take are left out. The smallest
+    N with no task waiting longer than ``max_wait`` is found by galloping and bisection, for gpud's
+    GPU sharing and for exclusive passthrough (each GPU task takes whole GPUs: a VM of its own).
+    Reported: GPUs needed, mean GPU allocation over the trace, and the wait-time percentiles.
 
 Trace conversion: ``num_gpu > 1`` -> ``Need(gpus=N)``; ``num_gpu == 1`` -> a share of ``gpu_milli``
 (``Need(gpus=1)`` when it is 1000); ``num_gpu == 0`` -> a need without GPU (``gpu_milli=0``) that
@@ -583,18 +584,20 @@ class DynamicResult:
 
 
 def proportional_order(nodes: Sequence[TraceNode]) -> list[TraceNode]:
-    """The GPU nodes in an order whose every prefix has the node kinds of the whole list in
-    proportion: each next node is of the kind furthest behind its share (ties: the kind seen first).
-    A kind is (model, GPUs, CPU, memory); within a kind the list order is kept."""
+    """The GPU nodes in the order a cluster grows: one node of every kind first (the most common
+    kinds first), then each next node of the kind furthest behind its share of the list. Every
+    prefix past the first round has every kind, in proportion. A kind is (model, GPUs, CPU,
+    memory); within a kind the list order is kept."""
     kinds: dict[tuple[str, int, int, int], list[TraceNode]] = {}
     for n in nodes:
         if n.gpus > 0:
             kinds.setdefault((n.model, n.gpus, n.cpu_milli, n.memory_mib), []).append(n)
     total = sum(len(v) for v in kinds.values())
-    taken = dict.fromkeys(kinds, 0)
-    out: list[TraceNode] = []
-    for i in range(1, total + 1):
-        kind = max(kinds, key=lambda k: len(kinds[k]) * i / total - taken[k])
+    order = sorted(kinds, key=lambda k: -len(kinds[k]))
+    out = [kinds[k][0] for k in order]
+    taken = dict.fromkeys(kinds, 1)
+    for i in range(len(out) + 1, total + 1):
+        kind = max(order, key=lambda k: len(kinds[k]) * i / total - taken[k])
         out.append(kinds[kind][taken[kind]])
         taken[kind] += 1
     return out

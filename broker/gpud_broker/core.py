@@ -155,12 +155,7 @@ class BrokerCore:
         h = msg.header
         rid = P.get_id(h)
         self.counters["requests"] += 1
-        known = self.tasks.tasks.get(rid)
-        if known is not None:
-            if tenant is not None and known.tenant != tenant:
-                self._foreign_id(identity, rid, tenant)
-            else:
-                self._attach(identity, known)
+        if self._retry(identity, rid, tenant):
             return
         try:
             kind = h.get("kind")
@@ -275,15 +270,22 @@ class BrokerCore:
         log.info("refused %s: %s %s", P.id_text(rid), exc.code, exc.message)
         self.send_client(identity, [_CLIENT_SIG, _REPLY, _packb(P.error_header(rid, exc))])
 
+    def _retry(self, identity: bytes, rid: bytes, tenant: str | None) -> bool:
+        """A REQUEST or CALL whose id is known: attach it (never run twice), or, when the id is
+        another tenant's, refuse it without saying anything about that work. False if unknown."""
+        known = self.tasks.tasks.get(rid)
+        if known is None:
+            return False
+        if tenant is not None and known.tenant != tenant:
+            self._foreign_id(identity, rid, tenant)
+        else:
+            self._attach(identity, known)
+        return True
+
     def _on_call(self, identity: bytes, msg: Message, tenant: str | None = None) -> None:
         h = msg.header
         rid = P.get_id(h)
-        known = self.tasks.tasks.get(rid)
-        if known is not None:
-            if tenant is not None and known.tenant != tenant:
-                self._foreign_id(identity, rid, tenant)
-            else:
-                self._attach(identity, known)
+        if self._retry(identity, rid, tenant):
             return
         try:
             sid = P.get_id(h, "session")

@@ -84,6 +84,18 @@ class ShuttingDown(GpudError):
     code = "SHUTTING_DOWN"
 
 
+class NotActive(GpudError):
+    """This broker is the passive one of a Binary Star pair: the client should use the other."""
+
+    code = "NOT_ACTIVE"
+
+
+class GpuFault(GpudError):
+    """The GPU failed (XID, ECC, fell off the bus) while running the work."""
+
+    code = "GPU_FAULT"
+
+
 class InternalError(GpudError):
     code = "INTERNAL"
 
@@ -118,6 +130,8 @@ CODES: dict[str, tuple[type[GpudError], int]] = {
     "OUT_OF_MEMORY": (OutOfMemory, errno.ENOMEM),
     "REMOTE_ERROR": (RemoteError, errno.EREMOTEIO),
     "SHUTTING_DOWN": (ShuttingDown, errno.ESHUTDOWN),
+    "NOT_ACTIVE": (NotActive, errno.EAGAIN),
+    "GPU_FAULT": (GpuFault, errno.ENODEV),
     "INTERNAL": (InternalError, errno.ENOTRECOVERABLE),
 }
 

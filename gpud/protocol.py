@@ -40,6 +40,7 @@ class Peer(bytes, enum.Enum):
     CLIENT = b"GPUDC1"
     WORKER = b"GPUDW1"
     ADMIN = b"GPUDA1"
+    BROKER = b"GPUDB1"  # the other broker of a Binary Star pair (PROTOCOL.md §9)
 
 
 class Command(enum.IntEnum):
@@ -57,7 +58,12 @@ class Command(enum.IntEnum):
     DISPATCH = 0x13
     RESULT = 0x14
     DISCONNECT = 0x15
+    ACK = 0x16
     ADMIN = 0x20
+    STATE = 0x30
+    SYNC = 0x31
+    SNAPSHOT = 0x32
+    UPDATES = 0x33
     ERROR = 0x7F
 
 
@@ -68,6 +74,7 @@ SENDABLE: dict[Peer, frozenset[Command]] = {
         {Command.READY, Command.HEARTBEAT, Command.RESULT, Command.DISCONNECT}
     ),
     Peer.ADMIN: frozenset({Command.ADMIN}),
+    Peer.BROKER: frozenset({Command.STATE, Command.SYNC, Command.SNAPSHOT, Command.UPDATES}),
 }
 
 _PEER_BY_SIG: dict[bytes, Peer] = {p.value: p for p in Peer}
@@ -129,7 +136,7 @@ def decode(
     sig = _as_bytes(frames[0])
     peer = _PEER_BY_SIG.get(sig)
     if peer is None:
-        if len(sig) == 6 and sig[:4] == SIGNATURE_PREFIX and sig[4:5] in b"CWA":
+        if len(sig) == 6 and sig[:4] == SIGNATURE_PREFIX and sig[4:5] in b"CWAB":
             raise VersionError(
                 f"unsupported protocol version {sig[5:6]!r}; this peer speaks {PROTOCOL_VERSION}"
             )

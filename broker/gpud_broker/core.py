@@ -574,6 +574,8 @@ class BrokerCore:
             hb_ms = P.opt(h, "heartbeat_ms", int, 0)
             liveness = P.opt(h, "liveness", int, 0)
             hostname = P.opt(h, "hostname", str, "")[:255]
+            instance_id = P.opt(h, "instance_id", str, "")[:64]
+            replica_of = P.opt(h, "replica_of", str, "")[:128]
             if not (0 <= cpu and 0 <= host_mem and 1 <= slots <= MAX_SLOTS and 0 <= hb_ms <= 600_000 and 0 <= liveness <= 100):
                 raise ProtocolError("READY has a value out of range")
         except GpudError as exc:
@@ -608,6 +610,8 @@ class BrokerCore:
             policy=policy,
             now=self.now,
             simulated=bool(h.get("simulated", False)),
+            instance_id=instance_id,
+            replica_of=replica_of,
         )
         if worker.has_slot:
             self.open_workers += 1

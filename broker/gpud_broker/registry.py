@@ -62,6 +62,8 @@ class WorkerRecord:
     slots: int
     liveness: Liveness
     simulated: bool = False
+    instance_id: str = ""  # its Nova server id, as it reported in READY ("" if unknown)
+    replica_of: str = ""  # the worker whose work it takes first when that one is lost (READY)
     granted_cpu: int = 0
     granted_host_mem: int = 0
     inflight: int = 0  # dispatched requests not yet answered (counts against slots)
@@ -122,6 +124,8 @@ class WorkerRegistry:
         policy: HeartbeatPolicy,
         now: float,
         simulated: bool = False,
+        instance_id: str = "",
+        replica_of: str = "",
     ) -> WorkerRecord:
         """Register a worker. The caller removes any earlier worker of the same name first."""
         worker = WorkerRecord(
@@ -134,6 +138,8 @@ class WorkerRegistry:
             slots=slots,
             liveness=Liveness(policy, now),
             simulated=simulated,
+            instance_id=instance_id,
+            replica_of=replica_of,
             connected_at=now,
             draining=name in self.drained,
         )

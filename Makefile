@@ -14,7 +14,7 @@ UNITDIR    ?= build/systemd
 $(STAMP): setup.cfg pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[worker,test,daemon,metrics]'
+	$(BIN)/pip install -q -e '.[worker,test,daemon,metrics,openstack]'
 	@touch $(STAMP)
 
 run: $(STAMP)

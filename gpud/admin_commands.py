@@ -166,7 +166,42 @@ _TABLE = (
     ),
 )
 
-COMMANDS: dict[str, CommandSpec] = {spec.name: spec for spec in _TABLE}
+# openstack (issue 7): GPU VMs through Nova (gpud_broker.openstack), one command with an ACTION.
+OPENSTACK_ACTIONS = ("list", "boot", "replace", "retire", "actions")
+_OPENSTACK = CommandSpec(
+    "openstack",
+    """GPU VMs on OpenStack: list them, boot, replace or retire one, and the actions taken.
+
+    ACTION is one of:
+
+        list            Nova's gpud servers (status, host, addresses, the flavor's PCI alias or
+                        vGPU) matched to the connected workers by the Nova instance id each worker
+                        reports; servers without a worker and workers without a server as well
+        boot [N]        boot N new GPU VMs (default 1), up to [openstack] max_workers
+        replace WORKER  a new GPU VM instead of WORKER (a worker, or a server's name or id): the
+                        new one boots first and the old one is then retired; a dead one is
+                        deleted first
+        retire WORKER   drain WORKER, let its work finish, then delete its server
+        actions         what runs and what ran (also healing and scaling), newest first, with why
+
+    Changes answer at once; `gpudctl openstack actions` follows them. One action at a time per
+    worker. Needs [openstack] enabled (docs/OPERATIONS.md, OpenStack); every request, reading ones
+    too, is logged with who asked.
+
+    Example: gpudctl openstack list  # exit 1: OpenStack is not enabled on this broker
+    Example: gpudctl openstack boot 2  # exit 1: OpenStack is not enabled on this broker
+    """,
+    args=(
+        Arg("action", str, "what to do: " + ", ".join(OPENSTACK_ACTIONS), positional=True, choices=OPENSTACK_ACTIONS,
+            metavar="ACTION"),
+        Arg("worker", str, "replace, retire: the worker, or a server's name or id (or give it after ACTION)",
+            metavar="WORKER"),
+        Arg("count", int, "boot: how many servers, default 1 (or give N after ACTION)", min=1, max=100, metavar="N"),
+    ),
+    mutating=True,
+)
+
+COMMANDS: dict[str, CommandSpec] = {spec.name: spec for spec in (*_TABLE, _OPENSTACK)}
 """Every admin command of the broker, by name, in the order ``gpudctl --help`` lists them."""
 
 

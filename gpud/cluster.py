@@ -1,4 +1,5 @@
-"""A local cluster: one broker and N workers as child processes on loopback (``gpud up``, tests).
+"""A local cluster: one broker (or a Binary Star pair) and N workers as child processes on loopback
+(``gpud up``, tests).
 
 Endpoints are bound by the broker itself (``tcp://127.0.0.1:*``) and read back from its ready file;
 readiness has a deadline and fails fast, with the child's log, when a child exits early.
@@ -79,12 +80,37 @@ class LocalCluster:
     # made by ``client_keys(tenant)``.
     security: str = "none"
     keys_dir: Path | None = None
+    # A Binary Star pair ("primary" and "backup") instead of one broker: workers connect to both,
+    # ``frontends`` lists both for clients; ``kill_broker``/``restart_broker`` act on one.
+    pair: bool = False
+    # Per broker role: a network namespace to run it in (``ip netns exec``), the address its
+    # frontend and backend bind, and the address of its peer socket (tests that cut the link
+    # between the two brokers). Default: this namespace, loopback.
+    broker_netns: dict[str, str] = field(default_factory=dict)
+    broker_hosts: dict[str, str] = field(default_factory=dict)
+    peer_hosts: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.broker: subprocess.Popen[bytes] | None = None
+        self.brokers: dict[str, subprocess.Popen[bytes]] = {}  # by role ("broker" when not a pair)
+        self.broker_endpoints: dict[str, dict[str, Any]] = {}  # by role, from the ready files
+        self._broker_argv: dict[str, list[str]] = {}
         self.worker_procs: dict[str, subprocess.Popen[bytes]] = {}
         self.endpoints: dict[str, Any] = {}
+
+    @property
+    def roles(self) -> list[str]:
+        return ["primary", "backup"] if self.pair else ["broker"]
+
+    @property
+    def frontends(self) -> list[str]:
+        """Every broker's frontend (primary first): what a client is given."""
+        return [str(self.broker_endpoints[r]["frontend"]) for r in self.roles]
+
+    def admin_of(self, role: str) -> str:
+        assert self.rundir is not None
+        return f"ipc://{self.rundir}/admin-{role}.sock" if self.pair else self.admin
 
     @property
     def frontend(self) -> str:
@@ -111,8 +137,10 @@ class LocalCluster:
         if self.env:
             env.update(self.env)
         fd = os.open(self.rundir / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        ns = self.broker_netns.get(name)
+        prefix = ["ip", "netns", "exec", ns] if ns else []
         try:
-            return subprocess.Popen([sys.executable, "-m", "gpud.cli", *args], stdout=fd,
+            return subprocess.Popen([*prefix, sys.executable, "-m", "gpud.cli", *args], stdout=fd,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         finally:
             os.close(fd)
@@ -130,23 +158,86 @@ class LocalCluster:
             self.rundir = Path(self._tmp.name)
         # Pool users must reach their job directories below it; nobody may list it.
         os.chmod(self.rundir, 0o711)
-        ready = self.rundir / "broker.json"
-        self.broker = self._spawn("broker", [
-            "broker", "--frontend", "tcp://127.0.0.1:*", "--backend", "tcp://127.0.0.1:*",
-            "--admin", f"ipc://{self.rundir}/admin.sock", "--ready-file", str(ready),
-            "--heartbeat-ms", str(self.heartbeat_ms), "--liveness", str(self.liveness),
-            *self._security_args("broker"), *self.broker_args,
-        ])
         deadline = time.monotonic() + timeout
-        while not ready.exists():
-            self._check_alive("broker", self.broker)
-            if time.monotonic() > deadline:
-                raise RuntimeError("the broker did not become ready in time:\n" + self.log_tail("broker"))
-            time.sleep(0.02)
-        self.endpoints = json.loads(ready.read_text())
+        if self.pair:
+            peers = {role: f"tcp://{self.peer_hosts[role]}:5557" if role in self.peer_hosts
+                     else f"tcp://127.0.0.1:{_free_port()}" for role in self.roles}
+            for role, other in (("primary", "backup"), ("backup", "primary")):
+                self._broker_argv[role] = [
+                    "broker", "--name", role, "--admin", f"ipc://{self.rundir}/admin-{role}.sock",
+                    "--role", role, "--peer", peers[other], "--peer-bind", peers[role]]
+        else:
+            self._broker_argv["broker"] = ["broker", "--admin", f"ipc://{self.rundir}/admin.sock"]
+        for role in self.roles:
+            host = self.broker_hosts.get(role, "127.0.0.1")
+            self._start_broker(role, f"tcp://{host}:*", f"tcp://{host}:*")
+        for role in self.roles:
+            self._wait_broker(role, deadline)
+        self.endpoints = self.broker_endpoints[self.roles[0]]
         for i in range(self.workers):
             self.add_worker(f"w{i}")
         self.wait_workers(self.workers, timeout=max(1.0, deadline - time.monotonic()))
+
+    def _start_broker(self, role: str, frontend: str, backend: str) -> None:
+        assert self.rundir is not None
+        ready = self.rundir / f"{role}.json"
+        ready.unlink(missing_ok=True)
+        proc = self._spawn(role, [
+            *self._broker_argv[role], "--frontend", frontend, "--backend", backend, "--ready-file", str(ready),
+            "--heartbeat-ms", str(self.heartbeat_ms), "--liveness", str(self.liveness),
+            *self._security_args("broker"), *self.broker_args,
+        ])
+        self.brokers[role] = proc
+        if role in ("broker", "primary"):
+            self.broker = proc
+
+    def _wait_broker(self, role: str, deadline: float) -> None:
+        assert self.rundir is not None
+        ready = self.rundir / f"{role}.json"
+        while not ready.exists():
+            self._check_alive(role, self.brokers[role])
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {role} broker did not become ready in time:\n" + self.log_tail(role))
+            time.sleep(0.02)
+        self.broker_endpoints[role] = json.loads(ready.read_text())
+
+    def kill_broker(self, role: str, sig: int = signal.SIGKILL) -> None:
+        """Signal broker ``role`` (default SIGKILL) and wait for it to exit."""
+        proc = self.brokers[role]
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+
+    def restart_broker(self, role: str, timeout: float = 30.0) -> None:
+        """Start broker ``role`` again on the same endpoints (after ``kill_broker``)."""
+        ep = self.broker_endpoints[role]
+        self._start_broker(role, str(ep["frontend"]), str(ep["backend"]))
+        self._wait_broker(role, time.monotonic() + timeout)
+
+    def pair_state(self, role: str, timeout: float = 2.0) -> dict[str, Any]:
+        """The ``pair`` part of broker ``role``'s status (state, epoch, peer...)."""
+        st = admin_call(self.admin_of(role), "status", timeout=timeout)
+        assert isinstance(st, dict)
+        return dict(st.get("pair") or {})
+
+    def wait_active(self, timeout: float = 30.0) -> str:
+        """Wait until exactly one broker of the pair says it is active (and has settled); its role."""
+        deadline = time.monotonic() + timeout
+        while True:
+            active = []
+            for role in self.roles:
+                if self.brokers[role].poll() is not None:
+                    continue
+                try:
+                    p = self.pair_state(role)
+                except GpudError:
+                    continue
+                if p.get("state") == "active" and not p.get("settling"):
+                    active.append(role)
+            if len(active) == 1:
+                return active[0]
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no single active broker in time (active: {active})")
+            time.sleep(0.05)
 
     # ------------------------------------------------------------------ keys (security "curve")
 
@@ -192,7 +283,8 @@ class LocalCluster:
         """Start worker ``name``. With CURVE it gets a key pair of its own, in the broker's
         allow-list unless not ``allowed``."""
         assert self.rundir is not None
-        args = ["worker", "--broker", self.backend, "--name", name, "--workdir", str(self.rundir / f"jobs-{name}"),
+        brokers = [a for role in self.roles for a in ("--broker", str(self.broker_endpoints[role]["backend"]))]
+        args = ["worker", *brokers, "--name", name, "--workdir", str(self.rundir / f"jobs-{name}"),
                 "--heartbeat-ms", str(self.heartbeat_ms), "--liveness", str(self.liveness)]
         if self.security == "curve":
             args += self._security_args("worker", str(self._pair(f"worker-{name}", self.keys / "workers" if allowed else None)))
@@ -213,8 +305,8 @@ class LocalCluster:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode}:\n" + self.log_tail(name))
 
-    def status(self, timeout: float = 5.0) -> dict[str, Any]:
-        result = admin_call(self.admin, "status", timeout=timeout)
+    def status(self, timeout: float = 5.0, role: str | None = None) -> dict[str, Any]:
+        result = admin_call(self.admin_of(role) if role else self.admin, "status", timeout=timeout)
         assert isinstance(result, dict)
         return result
 
@@ -224,12 +316,13 @@ class LocalCluster:
         while True:
             for name, proc in self.worker_procs.items():
                 self._check_alive(name, proc)
-            assert self.broker is not None
-            self._check_alive("broker", self.broker)
+            live = [r for r, proc in self.brokers.items() if proc.poll() is None]
+            if not live:
+                self._check_alive(self.roles[0], self.brokers[self.roles[0]])
             try:
-                st = self.status(timeout=2.0)
-                if st["counts"]["workers"] == n:
-                    return st
+                sts = [self.status(timeout=2.0, role=r) for r in live]
+                if all(st["counts"]["workers"] == n for st in sts):
+                    return sts[0]
             except GpudError:
                 pass
             if time.monotonic() > deadline:
@@ -245,7 +338,7 @@ class LocalCluster:
     def stop(self, timeout: float = 15.0) -> dict[str, int | None]:
         """SIGTERM every child (workers first), wait, SIGKILL stragglers; returns exit codes."""
         codes: dict[str, int | None] = {}
-        procs = list(self.worker_procs.items()) + ([("broker", self.broker)] if self.broker else [])
+        procs = list(self.worker_procs.items()) + list(self.brokers.items())
         for _, proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -258,9 +351,20 @@ class LocalCluster:
                 proc.wait()
             codes[name] = proc.returncode
         self.worker_procs.clear()
+        self.brokers.clear()
         self.broker = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
             self.rundir = None
         return codes
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for the pair's peer endpoints, which each broker must
+    know of the other before either starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -97,6 +97,12 @@ def _log_level(v: str) -> str | None:
     return None if v.upper() in LOG_LEVELS else f"must be one of {', '.join(LOG_LEVELS)}; got {v!r}"
 
 
+def _instance_id(v: str) -> str | None:
+    """A Nova server id as a worker reports it in READY (at most 64 characters), or "auto"."""
+    ok = len(v) <= 64 and all(c.isalnum() or c in "-_." for c in v)
+    return None if ok else f"must be a Nova server id (at most 64 of [A-Za-z0-9._-]), \"auto\" or empty; got {v!r}"
+
+
 def uid_range(text: str) -> range | None:
     """``"FIRST-LAST"`` as a range of unprivileged uids; None for ``""``. ValueError if malformed."""
     if not text:
@@ -156,13 +162,13 @@ class BrokerSection:
 
 @dataclass(frozen=True, slots=True)
 class StandbyConfig:
-    """``[standby]``: the broker pair (checked here; used by the high-availability work)."""
+    """``[standby]``: the broker pair (Binary Star, PROTOCOL.md §9)."""
 
     role: str = _key("standalone", _one_of("standalone", "primary", "backup"))
     peer: str = _key("", _optional_endpoint)  # the peer's state endpoint
     peer_bind: str = _key("", _optional_endpoint)  # where this broker publishes its state
-    peer_heartbeat_ms: int = _key(DEFAULT_HEARTBEAT_MS, _at_least(10))
-    peer_expiry_ms: int = _key(2 * DEFAULT_HEARTBEAT_MS, _at_least(10))
+    peer_heartbeat_ms: int = _key(250, _at_least(10))  # a failover in about a second
+    peer_expiry_ms: int = _key(750, _at_least(10))
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +188,10 @@ class WorkerSection:
     job_uids: str = _key("", _uids)  # "FIRST-LAST": dynamic uids instead of pool users
     session_idle: float = _key(600.0, _above(0))
     drain_timeout: float = _key(30.0, _at_least(0))
+    replica_of: str = _key("")  # the worker whose work this one takes first when it is lost
+    probation_s: float = _key(300.0, _at_least(0))  # a failed GPU's checks pass this long before it serves
+    fault_file: str = _key("")  # SIMULATED GPU faults, read on SIGUSR2; empty: none
+    instance_id: str = _key("", _instance_id)  # its Nova server id; "auto": the metadata service
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,18 +215,61 @@ class MetricsConfig:
     listen: str = _key("127.0.0.1:9464", _host_port)  # empty: no metrics endpoint
 
 
+_SERVER_PREFIX_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,39}\Z")
+
+
+def _server_metadata(v: Mapping[str, str]) -> str | None:
+    """Nova's limits on server metadata: keys 1-255 characters, values at most 255."""
+    bad = next((k for k, val in v.items() if not 0 < len(k) <= 255 or len(val) > 255), None)
+    return None if bad is None else f"keys must be 1-255 characters and values at most 255; see {bad!r}"
+
+
+def _server_tags(v: tuple[str, ...]) -> str | None:
+    """Nova's rules for server tags: 1-60 characters, neither ',' nor '/'."""
+    bad = next((t for t in v if not 0 < len(t) <= 60 or "," in t or "/" in t), None)
+    return None if bad is None else f"a tag is 1-60 characters without ',' or '/'; got {bad!r}"
+
+
+def _server_prefix(v: str) -> str | None:
+    return None if _SERVER_PREFIX_RE.match(v) else f"must be 1-40 of [A-Za-z0-9-], not starting with '-'; got {v!r}"
+
+
+def _optional_endpoints(v: tuple[str, ...]) -> str | None:
+    return _endpoints(v) if v else None
+
+
 @dataclass(frozen=True, slots=True)
 class OpenStackConfig:
-    """``[openstack]``: worker VMs (checked here; not used yet)."""
+    """``[openstack]``: GPU VMs through Nova (``gpud_broker.openstack``). The broker talks to Nova
+    only when ``enabled``; healing and scaling are off unless ``heal`` and ``scale`` are on."""
 
-    cloud: str = _key("")
-    image: str = _key("")
-    flavor: str = _key("")
-    network: str = _key("")
+    enabled: bool = _key(False)
+    cloud: str = _key("")  # a cloud of clouds.yaml; empty: the OS_* variables
+    region: str = _key("")  # empty: the cloud's (or $OS_REGION_NAME)
+    image: str = _key("")  # name or id
+    flavor: str = _key("")  # name or id; one with a pci_passthrough:alias (or vGPU) extra spec
+    network: str = _key("")  # name or id; empty: Nova's automatic network
     key_name: str = _key("")
-    worker_metadata: Mapping[str, str] = _key({})
+    worker_metadata: Mapping[str, str] = field(default_factory=lambda: {"gpud:role": "worker"},
+                                               metadata={"check": _server_metadata})
+    worker_tags: tuple[str, ...] = _key((), _server_tags)
+    name_prefix: str = _key("gpud-worker", _server_prefix)  # booted servers: PREFIX-RANDOM
+    brokers: tuple[str, ...] = _key((), _optional_endpoints)  # backend endpoints booted workers use
+    install: str = _key("gpud[worker,daemon]", _nonempty)  # what booted workers pip install
+    user_data: str = _key("")  # a cloud-init template file; empty: the built-in one
     min_workers: int = _key(0, _at_least(0))
     max_workers: int = _key(0, _at_least(0))
+    heal: bool = _key(False)
+    heal_after: float = _key(120.0, _above(0))  # seconds without a worker, server ERROR/SHUTOFF
+    reboot_timeout: float = _key(300.0, _above(0))  # seconds to come back, or it is replaced
+    scale: bool = _key(False)
+    grow_after: float = _key(300.0, _above(0))  # seconds of a backlogged queue per extra worker
+    shrink_after: float = _key(1800.0, _above(0))  # seconds idle before a worker is retired
+    boot_timeout: float = _key(900.0, _above(0))  # seconds from boot to a connected worker
+    retire_timeout: float = _key(600.0, _at_least(0))  # seconds a draining worker may finish its work
+    poll_interval: float = _key(30.0, _above(0))  # seconds between two server lists
+    api_timeout: float = _key(30.0, _above(0))  # seconds per Nova request
+    api_retries: int = _key(3, _at_least(0))  # retries of a failed Nova request that may succeed later
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,6 +506,11 @@ def _cross_checks(cfg: GpudConfig, origin: Callable[[str, str], str]) -> list[st
     o = cfg.openstack
     if o.max_workers < o.min_workers:
         errors.append(f"{origin('openstack', 'max_workers')}: must be >= min_workers ({o.min_workers})")
+    if o.enabled and not (o.worker_metadata or o.worker_tags):
+        errors.append(f"{origin('openstack', 'worker_metadata')}: with [openstack] enabled, worker_metadata "
+                      "or worker_tags must say which servers are gpud workers")
+    if o.enabled and o.scale and o.max_workers < 1:
+        errors.append(f"{origin('openstack', 'max_workers')}: [openstack] scale needs max_workers >= 1")
     return errors
 
 

@@ -450,6 +450,8 @@ def gpu_info_to_wire(g: GpuInfo) -> dict[str, Any]:
 
 
 HEALTH_STATES = ("ok", "degraded", "failed")
+MAX_HEALTH_REASON = 200  # characters of a GPU state's health_reason kept
+MAX_PROBATION_S = 7 * 86400.0  # a GPU state's probation_left_s is clamped to this
 
 
 def parse_gpu_state(raw: Any) -> tuple[str, GpuState]:
@@ -462,17 +464,22 @@ def parse_gpu_state(raw: Any) -> tuple[str, GpuState]:
     health = raw.get("health", "ok")
     if health not in HEALTH_STATES:
         health = "failed"
+    reason = raw.get("health_reason", "")
+    if type(reason) is not str:
+        reason = ""
     return uuid_, GpuState(
         util=_num(raw.get("util"), 0.0, 100.0),
         mem_used=int(_num(raw.get("mem_used"), 0, MAX_MEM)),
         temp=_num(raw.get("temp"), -50.0, 200.0, 0.0),
         power=_num(raw.get("power"), 0.0, 10000.0),
         health=health,
+        health_reason=reason[:MAX_HEALTH_REASON],
+        probation_left_s=_num(raw.get("probation_left_s"), 0.0, MAX_PROBATION_S),
     )
 
 
 def gpu_state_to_wire(uuid_: str, s: GpuState) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "uuid": uuid_,
         "util": s.util,
         "mem_used": s.mem_used,
@@ -480,6 +487,11 @@ def gpu_state_to_wire(uuid_: str, s: GpuState) -> dict[str, Any]:
         "power": s.power,
         "health": s.health,
     }
+    if s.health_reason:
+        out["health_reason"] = s.health_reason
+    if s.probation_left_s > 0:
+        out["probation_left_s"] = s.probation_left_s
+    return out
 
 
 def _num(v: Any, lo: float, hi: float, default: float | None = None) -> float:

@@ -28,6 +28,8 @@ class GpuState:
     temp: float = 0.0  # degrees C
     power: float = 0.0  # watts
     health: str = "ok"  # ok | degraded | failed
+    health_reason: str = ""  # why it is failed (its last fault: "xid 79", "lost"); empty when ok
+    probation_left_s: float = 0.0  # failed but passing its checks again: seconds until it serves
 
 
 @dataclass(frozen=True, slots=True)

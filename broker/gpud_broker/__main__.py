@@ -16,6 +16,7 @@ from gpud_broker.policies import FACTORIES
 
 if TYPE_CHECKING:
     from gpud.resources import TenantLimits
+    from gpud_standby.pair import PairConfig
     from gpud_broker.core import BrokerConfig
 
 _D = config.BrokerSection()  # the defaults, for the help texts
@@ -25,6 +26,8 @@ FLAGS = ("name", "frontend", "backend", "admin", "policy", "heartbeat_ms", "live
          "session_lease", "result_ttl", "aging", "reserve_after")
 """The [broker] keys that have a flag of the same name (--heartbeat-ms for heartbeat_ms)."""
 LIMIT_KEYS = ("max_milli", "max_mem", "max_sessions", "max_queued")
+STANDBY_FLAGS = ("role", "peer", "peer_bind", "peer_heartbeat_ms", "peer_expiry_ms")
+"""The [standby] keys that have a flag of the same name."""
 LOG_FLAGS = {"level": "log_level", "file": "log_file"}
 """[logging] key -> its flag's argparse dest (a flag that this parser lacks counts as not given)."""
 
@@ -51,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenant-limit", action="append", default=[], metavar="TENANT:KEY=N[,KEY=N]",
                    help=f"limits of a tenant, KEY one of {', '.join(LIMIT_KEYS)} (0: none); repeat for each tenant")
     add_security_arguments(p, worker=False)
+    p.add_argument("--role", choices=("standalone", "primary", "backup"),
+                   help="standalone, or this broker's role in a Binary Star pair (default standalone)")
+    p.add_argument("--peer", help="the other broker's peer endpoint, e.g. tcp://control-2:5557 (pair only)")
+    p.add_argument("--peer-bind", help="where the other broker reaches this one, e.g. tcp://0.0.0.0:5557 (pair only)")
+    p.add_argument("--peer-heartbeat-ms", type=int, help="ms between state messages to the peer (default 250)")
+    p.add_argument("--peer-expiry-ms", type=int, help="ms of peer silence before it counts as gone (default 750)")
     p.add_argument("--ready-file", default=None, help="write the bound endpoints as JSON here once serving")
     p.add_argument("--metrics", default=None, metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free one, see --ready-file; "
@@ -91,6 +100,7 @@ def tenant_limits(tenants: dict[str, object], flags: dict[str, dict[str, int]]) 
 def load_config(args: argparse.Namespace) -> config.GpudConfig:
     """The configuration: flags, then GPUD_* variables, then the file, then the defaults."""
     flags = {"broker": config.flag_values(args, FLAGS), "logging": config.flag_values(args, LOG_FLAGS),
+             "standby": config.flag_values(args, STANDBY_FLAGS),
              "security": config.flag_values(args, security_flags(worker=False))}
     return config.load(args.config, os.environ, flags=flags, policies=FACTORIES)
 
@@ -114,6 +124,22 @@ def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | Non
         aging_s=b.aging,
         reserve_after=b.reserve_after,
     )
+
+
+def pair_config(cfg: config.GpudConfig) -> PairConfig | None:
+    """The Binary Star settings from [standby]; None for a standalone broker."""
+    from gpud_standby.pair import PairConfig
+
+    s = cfg.standby
+    if s.role == "standalone":
+        return None
+    if not s.peer or not s.peer_bind:
+        raise ConfigError(f"role {s.role} needs both peer and peer_bind ([standby] or --peer/--peer-bind)")
+    try:
+        return PairConfig(role=s.role, peer=s.peer, bind=s.peer_bind, heartbeat=s.peer_heartbeat_ms / 1000.0,
+                          expiry=s.peer_expiry_ms / 1000.0, settle=max(2.0, 2 * cfg.broker.heartbeat_ms / 1000.0))
+    except ValueError as exc:
+        raise ConfigError(f"[standby]: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
             return broker_config(load_config(args), weights, limits)
 
         return serve(broker_config(cfg, weights, limits), Endpoints(b.frontend, b.backend, b.admin or None),
-                     args.ready_file, security, metrics=args.metrics, reloader=reloader)
+                     args.ready_file, security, metrics=args.metrics, reloader=reloader, pair=pair_config(cfg),
+                     openstack=cfg.openstack)
     except ConfigError as exc:  # keys missing or unreadable, a public bind without CURVE
         print(f"gpud broker: {exc}", file=sys.stderr)
         return 2

@@ -39,6 +39,7 @@ from gpud.security import (
 from gpud.sockets import NOBLOCK, recv_frames, recv_frames_user, send_frames
 from gpud_broker.commands import ADMIN
 from gpud_broker.core import BrokerConfig, BrokerCore
+from gpud_standby.pair import Pair, PairConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,10 @@ def bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
 
 
 class Broker:
+    openstack: Any = None  # openstack (issue 7): its Controller when [openstack] is enabled (serve)
+
     def __init__(self, config: BrokerConfig, endpoints: Endpoints, ctx: zmq.Context[Any] | None = None,
-                 security: SecuritySettings | None = None) -> None:
+                 security: SecuritySettings | None = None, pair: PairConfig | None = None) -> None:
         self.config = config
         self.ctx = ctx or zmq.Context.instance()
         # Without a SecuritySettings (tests, embedding): no CURVE, and loopback binds only.
@@ -117,6 +120,27 @@ class Broker:
         self._stop = threading.Event()
         self._draining = False
         self._reload_requested = False
+        self.pair: Pair | None = None
+        if pair is not None:
+            if not self.security.curve:
+                check_bind(pair.bind, self.security, "peer")
+            self.pair = Pair(self.core, pair, self.ctx, keys, serve=lambda frames, tenant: Broker._on_client(self, frames, tenant),
+                             set_serving=self._set_serving, send_client=lambda frames: send_frames(front, frames))
+            self._set_serving(False)
+
+    def _set_serving(self, serving: bool) -> None:
+        """Serve clients (the active broker of a pair) or hand them to the pair's vote."""
+        if serving:
+            self.__dict__.pop("_on_client", None)
+        else:
+            assert self.pair is not None
+            self._on_client = self.pair.on_client  # type: ignore[method-assign]
+
+    def failover(self) -> dict[str, Any]:
+        """``gpudctl failover``: hand the active role to the passive peer."""
+        if self.pair is None:
+            raise ConfigError("this broker has no peer (standalone)")
+        return self.pair.failover()
 
     def _router(self, domain: str = "", keys: CurveKeys | None = None) -> zmq.Socket[bytes]:
         s: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
@@ -213,6 +237,8 @@ class Broker:
             sock.disable_monitor()
             monitor.close(0)
         self._monitors.clear()
+        if self.pair is not None:
+            self.pair.close()
         for s in (self.frontend, self.backend, self.admin, self.zap):
             if s is not None:
                 s.close(0)
@@ -228,6 +254,10 @@ class Broker:
         side = [s for s in (self.zap, *(m for _, m, _ in self._monitors)) if s is not None]
         for s in side:
             poller.register(s, zmq.POLLIN)
+        pair = self.pair
+        if pair is not None:
+            poller.register(pair.inbound, zmq.POLLIN)
+        ack = [Peer.WORKER.value, P.CMD_BYTES[Command.ACK]]
         curve = self.zap is not None
         core = self.core
         front, back, admin = self.frontend, self.backend, self.admin
@@ -252,12 +282,23 @@ class Broker:
                 busy = bool(self._drain(back, self._on_worker) + self._drain_tenants(front))
             else:
                 busy = bool(self._drain(back, self._on_worker) + self._drain(front, self._on_client))
+            if pair is not None:
+                if self._drain(pair.inbound, pair.on_peer):
+                    busy = True
+                pair.flush()
+            if core.acks or core._ack_hold:
+                for ident, ids in core.take_acks().items():
+                    send_frames(back, [ident, *ack, P.packb({"ids": ids})])
             if now >= next_tick:
                 if side:
                     self._serve_security()
                 if admin is not None:
                     self._drain(admin, self._on_admin)
                 core.tick(now)
+                if self.openstack is not None:  # openstack (issue 7): results in, decisions out; never waits
+                    self.openstack.on_tick(core, now)
+                if pair is not None:
+                    pair.tick(now)
                 next_tick = now + TICK_S
                 # The shell's own timers, once per tick. The watchdog ping is sent from here
                 # only: a loop that stops turning stops pinging, and systemd restarts it.
@@ -408,7 +449,8 @@ def _on_stop_signal(broker: Broker) -> None:
 
 def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = None,
           security: SecuritySettings | None = None, metrics: str | None = None,
-          reloader: Callable[[], BrokerConfig] | None = None) -> int:
+          reloader: Callable[[], BrokerConfig] | None = None, pair: PairConfig | None = None,
+          openstack: Any = None) -> int:
     """Run a broker in this process until SIGTERM/SIGINT (which drain; a second one stops).
 
     SIGHUP calls ``Broker.reload``. Under systemd (``$NOTIFY_SOCKET``) it sends READY=1 once its
@@ -422,7 +464,7 @@ def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = N
         except ImportError:
             raise ConfigError("--metrics needs prometheus-client: pip install 'gpud[metrics]'") from None
         parse_listen(metrics)  # a bad address is refused before anything is bound
-    broker = Broker(config, endpoints, security=security)
+    broker = Broker(config, endpoints, security=security, pair=pair)
     broker.reloader = reloader
     metrics_server = None
     if metrics:
@@ -451,14 +493,21 @@ def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = N
         tmp = ready_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"frontend": ep.frontend, "backend": ep.backend, "admin": ep.admin, "pid": os.getpid(),
-                       "metrics": metrics_url}, f)
+                       "metrics": metrics_url, "peer": broker.pair.bound if broker.pair else None}, f)
         os.replace(tmp, ready_file)
     notify.ready(f"serving: frontend {ep.frontend}, backend {ep.backend}")
+    # openstack (issue 7): with [openstack] enabled, a controller whose threads make the Nova calls
+    # (imported only then: a broker without OpenStack never loads novaclient).
+    if openstack is not None and getattr(openstack, "enabled", False):
+        from gpud_broker.openstack.controller import start as start_openstack
+        broker.openstack = start_openstack(broker, openstack)
     try:
         broker.run()
     finally:
         if metrics_server is not None:
             metrics_server.close()
+        if broker.openstack is not None:
+            broker.openstack.stop()
         broker.close()
         log.info("broker %s stopped", config.name)
     return 0

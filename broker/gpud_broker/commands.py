@@ -73,6 +73,8 @@ def _gpu_row(g: GpuRecord, work: dict[str, dict[str, int]]) -> dict[str, Any]:
         "power": s.power,
         "health": "cordoned" if g.cordoned else s.health,
         "measured_health": s.health,
+        "health_reason": s.health_reason,  # why the worker counts it failed; empty when ok
+        "probation_left_s": s.probation_left_s,  # failed, passing its checks: seconds until it serves
         "cordoned": g.cordoned,
         "granted_milli": g.granted_milli,
         "granted_mem": g.granted_mem,
@@ -93,6 +95,7 @@ def _worker_row(core: BrokerCore, w: WorkerRecord) -> dict[str, Any]:
         "host_mem": w.host_mem,
         "simulated": w.simulated,
         "draining": w.draining,
+        "replica_of": w.replica_of or None,
         "connected_s": round(now - w.connected_at, 3),
         "last_heard_s": round(w.liveness.silence(now), 3),
         "running": [
@@ -116,16 +119,19 @@ def status(target: Any, args: dict[str, Any]) -> dict[str, Any]:
         running += len(w.assigned)
         worker_rows.append(_worker_row(core, w))
         gpu_rows.extend(_gpu_row(g, work) for g in w.gpus)
+    pair = getattr(target, "pair", None)
     return {
         "broker": {
             "name": core.config.name,
             "version": gpud.__version__,
             "uptime_s": round(now - core.started, 3),
-            # No standby pair yet: every broker is standalone and has no peer.
-            "role": "standalone",
-            "peer": None,
+            "role": pair.cfg.role if pair is not None else "standalone",
+            "state": pair.state.value if pair is not None else "active",
+            "epoch": core.epoch,
+            "peer": pair.cfg.peer if pair is not None else None,
             "policy": core.config.policy,
         },
+        "pair": pair.status(now) if pair is not None else None,
         "counts": {
             "workers": len(worker_rows),
             "gpus": len(gpu_rows),
@@ -370,6 +376,19 @@ def reload(target: Any, args: dict[str, Any]) -> dict[str, Any]:
     else:
         message = "configuration re-read"
     return {"reloaded": True, "result": result, "message": message}
+
+
+# openstack (issue 7) ------------------------------------------------------------------------------
+
+
+@ADMIN.command("openstack")
+def openstack(target: Any, args: dict[str, Any]) -> dict[str, Any]:
+    controller = getattr(target, "openstack", None)
+    if controller is None:
+        raise ConflictError("OpenStack is not enabled on this broker: set [openstack] enabled = true and "
+                            "restart it (docs/OPERATIONS.md, OpenStack)")
+    result: dict[str, Any] = controller.admin(_core(target), args)
+    return result
 
 
 ADMIN.verify()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import deque
 from collections.abc import Callable, Set
 from dataclasses import dataclass, field, replace
 from time import perf_counter
@@ -32,6 +33,7 @@ from gpud.errors import (
     GpudError,
     InvalidRequest,
     NoCapacity,
+    NotActive,
     ProtocolError,
     SessionLost,
     Timeout,
@@ -48,6 +50,7 @@ from gpud_broker.queue import DEFAULT_AGING_S, DEFAULT_RESERVE_AFTER_S, FairShar
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
 from gpud_broker.stats import PlacementTimes, RequestStats
 from gpud_broker.tasks import Session, State, Task, TaskTable
+from gpud_standby import replica as R
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +135,30 @@ class BrokerCore:
         self.limits: dict[str, TenantLimits] = dict(config.tenant_limits)
         self.usage: dict[str, TenantUsage] = {}
         self._tenant_needs: dict[tuple[Need, str], Need] = {}
+        # The broker pair (PROTOCOL.md §9). Standalone: always active, epoch 1, no journal.
+        self.active = True
+        self.epoch = 1
+        self.max_epoch_seen = 1  # the largest epoch any worker or the peer has shown us
+        self.fenced = False  # a worker showed a larger epoch while we were active: step down
+        self.hold = False  # place nothing (passive, or settling after a takeover)
+        self.settling_until: float | None = None
+        self.settle_wait: set[str] = set()  # workers not yet heard at the new epoch
+        self.takeover_at = 0.0
+        self.journal: list[list[Any]] | None = None  # replication updates not yet sent (pair only)
+        self.seq = 0  # seq of the last update put in the journal
+        self.durable_seq = 0  # updates up to here are held by the passive peer (set by the shell)
+        self.acking = False  # in a pair: workers keep results until ACKed (standalone: no ACKs)
+        self.acks: dict[bytes, list[bytes]] = {}  # worker identity -> RESULT ids to ACK
+        self.lost_sessions: dict[bytes, str] = {}  # session id -> the worker it was lost with (recent)
+        self._ack_hold: deque[tuple[int, bytes, bytes]] = deque()  # (seq, worker, id) until durable
+
+    # ------------------------------------------------------------------ replication
+
+    def _rep(self, update: list[Any]) -> None:
+        """Journal one replication update (only while ``journal`` is a list)."""
+        assert self.journal is not None
+        self.seq += 1
+        self.journal.append(update)
 
     # ------------------------------------------------------------------ client dialog
 
@@ -200,21 +227,30 @@ class BrokerCore:
             retryable=retryable,
         )
         self.tasks.add(task)
-        if self._try_dispatch(task):
+        if self.journal is not None:
+            self._rep([R.TASK, R.task_to_wire(task, now)])
+        replaces = h.get("replaces") if kind == "session" else None
+        lost = self.lost_sessions.get(replaces) if type(replaces) is bytes else None
+        if (lost is not None and self._try_replica(task, lost)) or self._try_dispatch(task):
             self.stats.accept(kind)
             return
         if len(self.registry) and not self._could_ever_fit(need):
-            self.tasks.forget(task)
+            self._forget(task)
             self._refuse(identity, rid, NoCapacity("no connected worker has GPUs that could satisfy this request"))
         elif self.limits and self._queue_limit_reached(task.tenant):
-            self.tasks.forget(task)
+            self._forget(task)
             self._refuse(identity, rid, Busy(f"tenant {task.tenant} has as many requests queued as its limit allows; try later"))
         elif self.queue.push(task):
             self.stats.accept(kind)
             self.fair.activate(task.tenant, now)
         else:
-            self.tasks.forget(task)
+            self._forget(task)
             self._refuse(identity, rid, Busy(f"the queue is full ({self.config.max_queue} requests); try later"))
+
+    def _forget(self, task: Task) -> None:
+        self.tasks.forget(task)
+        if self.journal is not None:
+            self._rep([R.FORGET, task.id])
 
     def _need(self, kind: str, raw: Any) -> Need:
         """parse_need, memoized: clients send the same few need maps over and over."""
@@ -323,6 +359,8 @@ class BrokerCore:
             session=sid,
         )
         self.tasks.add(task)
+        if self.journal is not None:
+            self._rep([R.TASK, R.task_to_wire(task, now)])
         self.stats.accept("call")
         self._send_dispatch(worker, task)
 
@@ -359,8 +397,8 @@ class BrokerCore:
         """Place and dispatch ``task`` now if some GPU can take it (never on ``excluded`` workers)."""
         need = task.need
         assert need is not None  # only placed kinds reach here
-        if self.open_workers <= 0:
-            return False  # no worker has a free slot: nothing could be placed anywhere
+        if self.open_workers <= 0 or self.hold:
+            return False  # no worker has a free slot (or placing is held): nothing can be placed
         if self.limits and not self._within_limits(task, need):
             return False  # it waits until its tenant holds less
         avoid = task.avoid | excluded if excluded else task.avoid
@@ -390,7 +428,9 @@ class BrokerCore:
         task.worker = worker.name
         task.dispatched_at = self.now
         worker.assigned[task.id] = task
-        header: dict[str, Any] = {"id": task.id, "kind": task.kind, "tenant": task.tenant}
+        if self.journal is not None:
+            self._rep([R.RUN, task.id, worker.name, R.grant_to_wire(task.grant)])
+        header: dict[str, Any] = {"id": task.id, "kind": task.kind, "tenant": task.tenant, "epoch": self.epoch}
         g = task.grant
         if g is not None:
             had = worker.has_slot
@@ -496,7 +536,7 @@ class BrokerCore:
         self.place_queued()
 
     def place_queued(self) -> int:
-        if not len(self.queue) or self.open_workers <= 0:
+        if not len(self.queue) or self.open_workers <= 0 or self.hold:
             return 0
         return self.queue.place(self._try_dispatch, self.now, self._reserve)
 
@@ -522,6 +562,8 @@ class BrokerCore:
 
     def _finish(self, task: Task, reply: list[Any]) -> None:
         self.tasks.finish(task, reply, self.now)
+        if self.journal is not None:
+            self._rep([R.DONE, task.id, R._bytes(reply)])
         self.stats.finish(task.kind, self.now - task.created)
         if task.route is not None:
             self.send_client(task.route, reply)
@@ -547,7 +589,10 @@ class BrokerCore:
             return
         worker.liveness.heard(self.now)
         if cmd is Command.RESULT:
-            self._on_result(worker, msg, raw_header)
+            # A passive broker leaves results unacknowledged: the active one takes them. The ACK
+            # waits for what the result changed to be durable (its updates are journalled now).
+            if self.active and self._on_result(worker, msg, raw_header):
+                self._ack(worker, P.get_id(msg.header))
         elif cmd is Command.HEARTBEAT:
             self._on_heartbeat(worker, msg.header)
         elif cmd is Command.DISCONNECT:
@@ -622,7 +667,7 @@ class BrokerCore:
         )
         self.send_worker(
             identity,
-            [_WORKER_SIG, P.CMD_BYTES[Command.WELCOME], _packb({"heartbeat_ms": round(policy.interval * 1000), "liveness": policy.liveness, "broker": self.config.name})],
+            [_WORKER_SIG, P.CMD_BYTES[Command.WELCOME], _packb({"heartbeat_ms": round(policy.interval * 1000), "liveness": policy.liveness, "broker": self.config.name, "active": self.active, "epoch": self.epoch, "acks": self.acking})],
         )
         self.place_queued()
 
@@ -647,14 +692,59 @@ class BrokerCore:
         if h.get("draining") is True and not worker.draining:
             log.info("worker %s is draining: no new work goes to it", worker.name)
             self.set_draining(worker, True)
+        age = h.get("active_age_ms")
+        if type(age) is int and age >= 0:
+            worker.other_active_at = self.now - age / 1000.0
+        epoch = h.get("epoch")
+        if type(epoch) is int and epoch > self.max_epoch_seen:
+            self.max_epoch_seen = epoch
+            if self.active and epoch > self.epoch:
+                log.error("worker %s has seen epoch %d, later than ours (%d): another broker is active", worker.name, epoch, self.epoch)
+                self.fenced = True
+        if self.settling_until is not None and worker.name in self.settle_wait and type(epoch) is int and epoch >= self.epoch:
+            self.settle_wait.discard(worker.name)
+            if type(running) is list:
+                self._reconcile(worker, running)
+            if not self.settle_wait:
+                self._settled()
 
-    def _on_result(self, worker: WorkerRecord, msg: Message, raw_header: bytes) -> None:
+    def _ack(self, worker: WorkerRecord, rid: bytes) -> None:
+        """ACK a RESULT once it is durable: at once without a peer, else when the peer has it.
+        A standalone broker sends no ACKs (its workers keep nothing)."""
+        if not self.acking:
+            return
+        if self.journal is None or self.durable_seq >= self.seq:
+            acks = self.acks.get(worker.identity)
+            if acks is None:
+                self.acks[worker.identity] = [rid]
+            else:
+                acks.append(rid)
+        else:
+            self._ack_hold.append((self.seq, worker.identity, rid))
+
+    def take_acks(self) -> dict[bytes, list[bytes]]:
+        """The ACKs due now, by worker identity (the shell sends one ACK message per worker)."""
+        held = self._ack_hold
+        durable = self.seq if self.journal is None else self.durable_seq
+        while held and held[0][0] <= durable:
+            _, ident, rid = held.popleft()
+            self.acks.setdefault(ident, []).append(rid)
+        acks, self.acks = self.acks, {}
+        return acks
+
+    def _on_result(self, worker: WorkerRecord, msg: Message, raw_header: bytes) -> bool:
+        """Take a RESULT; returns whether to ACK it (False: the worker must keep it)."""
         h = msg.header
         rid = P.get_id(h)
         task = worker.assigned.pop(rid, None)
         if not isinstance(task, Task) or task.state is not State.RUNNING:
-            log.debug("stale RESULT %s from %s dropped", P.id_text(rid), worker.name)
-            return
+            self._on_other_result(worker, rid, msg, raw_header)
+            return True
+        if h.get("code") == "NOT_ACTIVE":
+            log.error("worker %s refused %s: a broker with a later epoch is active", worker.name, P.id_text(rid))
+            worker.assigned[rid] = task
+            self.fenced = True
+            return False
         ok = h.get("ok")
         if ok is not True and (ok is not False or type(h.get("code")) is not str or type(h.get("message")) is not str):
             log.warning("malformed RESULT %s from %s", P.id_text(rid), worker.name)
@@ -671,7 +761,12 @@ class BrokerCore:
             self.set_draining(worker, True)
             self._release(worker, task)
             self._replace(task, worker.name, "the worker is shutting down")
-            return
+            return True
+        if ok is False and h.get("code") == "GPU_FAULT" and kind not in ("call", "session") and task.retryable:
+            # Its GPU failed under it: place it again, never on this worker.
+            self._release(worker, task)
+            self._replace(task, worker.name, "its GPU failed")
+            return True
         if ok:
             reply = [_CLIENT_SIG, _REPLY, raw_header, *msg.frames]
         else:
@@ -680,20 +775,26 @@ class BrokerCore:
         if kind == "session":
             if ok:
                 assert task.grant is not None
-                self.sessions[rid] = Session(
+                s = self.sessions[rid] = Session(
                     id=rid, worker=worker.name, gpu=task.grant.gpus[0], grant=task.grant,
                     tenant=task.tenant, route=task.route or b"", last_seen=self.now, opened=self.now,
                 )
+                if self.journal is not None:
+                    self._rep([R.SESSION, R.session_to_wire(s)])
             else:
                 self._release(worker, task)
         elif kind == "call":
             sid = task.session
-            if sid is not None and (task.body.get("op") == "close" or h.get("code") == "SESSION_LOST"):
+            code = h.get("code")
+            if sid is not None and (task.body.get("op") == "close" or code in ("SESSION_LOST", "GPU_FAULT")):
+                if code is not None:
+                    self.lost_sessions[sid] = worker.name  # its replacement goes to the replica first
                 self._end_session(sid)
         else:
             self._release(worker, task)
         self._finish(task, reply)
         self.place_queued()
+        return True
 
     def _release(self, worker: WorkerRecord, task: Task) -> None:
         g = task.grant
@@ -703,8 +804,30 @@ class BrokerCore:
             if self.limits:
                 self._charge(task.tenant, g, task.kind == "session", -1)
 
+    def _on_other_result(self, worker: WorkerRecord, rid: bytes, msg: Message, raw_header: bytes) -> None:
+        """A RESULT for a task not running on this worker: after a failover, the answer to work
+        the old active broker dispatched. Kept (never lost); a duplicate is dropped."""
+        task = self.tasks.tasks.get(rid)
+        ok = msg.header.get("ok") is True
+        reply = [_CLIENT_SIG, _REPLY, raw_header, *msg.frames] if ok else [_CLIENT_SIG, _REPLY, raw_header]
+        if task is None:
+            tenant = msg.header.get("tenant")
+            task = Task(id=rid, kind="echo", need=None, body={}, frames=[], route=None, created=self.now,
+                        deadline=self.now, tenant=tenant if type(tenant) is str else "default")
+            self.tasks.add(task)
+            log.info("RESULT %s from %s for work this broker did not dispatch: kept for its client", P.id_text(rid), worker.name)
+            self._finish(task, reply)
+        elif task.state is State.QUEUED:
+            log.info("RESULT %s from %s for a queued request: it ran already; answered", P.id_text(rid), worker.name)
+            self.queue.remove(task)
+            self._finish(task, reply)
+        else:
+            log.debug("stale RESULT %s from %s dropped", P.id_text(rid), worker.name)
+
     def _end_session(self, sid: bytes) -> None:
         s = self.sessions.pop(sid, None)
+        if self.journal is not None:
+            self._rep([R.END, sid])
         if s is None:
             return
         self.fair.release(s.tenant, s.grant.gpu_milli, self.now)
@@ -724,9 +847,15 @@ class BrokerCore:
             self.open_workers -= 1
         self.registry.remove(worker)
         self._fits.clear()
+        self.settle_wait.discard(worker.name)
+        if not self.active:  # the passive broker keeps the tables as replicated; the active one decides
+            return
         self.queue.drop_reservations_on(worker.name)
         for sid in [sid for sid, s in self.sessions.items() if s.worker == worker.name]:
             s = self.sessions.pop(sid)
+            self.lost_sessions[sid] = worker.name
+            if self.journal is not None:
+                self._rep([R.END, sid])
             self.fair.release(s.tenant, s.grant.gpu_milli, self.now)
             if self.limits:
                 self._charge(s.tenant, s.grant, True, -1)
@@ -749,14 +878,203 @@ class BrokerCore:
             self._replace(task, worker.name, why)
 
     def _replace(self, task: Task, worker_name: str, why: str) -> None:
-        """Place a task again, never on ``worker_name``; fail it when that is not possible."""
+        """Place a task again, never on ``worker_name`` (on its replica first, when it has one
+        that can take it now); fail it when that is not possible."""
         task.grant = None
         task.state = State.QUEUED
         task.avoid.add(worker_name)
         if task.attempts >= self.config.max_attempts:
             self._fail(task, WorkerLost(f"worker {worker_name} failed it ({why}) after {task.attempts} attempts"))
-        elif not self._try_dispatch(task) and not self.queue.push(task, front=True):
+        elif self._try_replica(task, worker_name) or self._try_dispatch(task):
+            return
+        elif self.queue.push(task, front=True):
+            if self.journal is not None:
+                self._rep([R.QUEUE, task.id, sorted(task.avoid)])
+        else:
             self._fail(task, WorkerLost(f"worker {worker_name} failed it ({why}) and the queue is full"))
+
+    def _try_replica(self, task: Task, lost: str) -> bool:
+        """Dispatch ``task`` on a replica of worker ``lost`` (``--replica-of``) if one can take it."""
+        replicas = {w.name for w in self.registry.by_identity.values() if w.replica_of == lost}
+        if not replicas:
+            return False
+        others = frozenset(w.name for w in self.registry.by_identity.values() if w.name not in replicas)
+        return self._try_dispatch(task, others)
+
+    # ------------------------------------------------------------------ the broker pair
+
+    def witness(self, within: float) -> bool:
+        """Does some connected worker still hear another broker that says it is active?"""
+        since = self.now - within
+        return any(w.other_active_at > since for w in self.registry.by_identity.values())
+
+    def clear_work(self) -> None:
+        """Forget every task, session, grant and queued request (a passive broker's tables are
+        the snapshot it loads next). Workers stay registered."""
+        self.tasks = TaskTable(self.config.result_ttl, self.config.result_bytes)
+        self.fair = FairShare(self.config.tenant_weights)
+        self.queue = PendingQueue(self.config.max_queue, self.fair, self.config.aging_s, self.config.reserve_after)
+        self.sessions = {}
+        self.usage = {}
+        self.acks = {}
+        self._ack_hold.clear()
+        for w in self.registry.by_identity.values():
+            w.assigned.clear()
+            w.grants.clear()
+            w.inflight = 0
+            w.granted_cpu = w.granted_host_mem = 0
+            for g in w.gpus:
+                g.granted_milli = g.granted_mem = g.tasks = 0
+                g.exclusive = False
+        self.open_workers = self.count_open_workers()
+
+    def step_down(self) -> int:
+        """Stop being active (another broker is): clients of unfinished work are told NOT_ACTIVE
+        so they send it, same ids, to the other broker; the tables are dropped. Returns how many
+        clients were told."""
+        told = 0
+        exc = NotActive(f"broker {self.config.name} is no longer the active one; use its peer")
+        for task in self.tasks.tasks.values():
+            if task.state is not State.DONE and task.route is not None:
+                self.send_client(task.route, [_CLIENT_SIG, _REPLY, _packb(P.error_header(task.id, exc))])
+                told += 1
+        self.active = False
+        self.hold = True
+        self.fenced = False
+        self.settling_until = None
+        self.settle_wait = set()
+        self.journal = None
+        self.clear_work()
+        self.beat_workers()
+        log.warning("broker %s stepped down to passive; %d client(s) sent to the peer", self.config.name, told)
+        return told
+
+    def become_passive(self) -> None:
+        """Passive from the start (or after a restart): accept no work, hold no tables yet."""
+        self.active = False
+        self.hold = True
+        self.journal = None
+
+    def take_over(self, epoch: int, settle: float) -> None:
+        """Become the active broker at ``epoch`` with the replicated tables: rebuild the ledger
+        from the running work and sessions on connected workers, queue what was queued, tell
+        every worker, and settle (place nothing) until each has answered at the new epoch or
+        ``settle`` seconds pass (PROTOCOL.md §9.4)."""
+        now = self.now
+        self.active = True
+        self.epoch = epoch
+        self.max_epoch_seen = max(self.max_epoch_seen, epoch)
+        self.fenced = False
+        self.takeover_at = now
+        reg = self.registry
+        for sid, s in list(self.sessions.items()):
+            w = reg.by_name.get(s.worker)
+            if w is None or s.gpu not in reg.gpus:
+                del self.sessions[sid]
+                self.lost_sessions[sid] = s.worker
+                continue
+            s.last_seen = now
+            ledger.restore(w, [reg.gpus[s.gpu]], s.grant)
+            self.fair.grant(s.tenant, s.grant.gpu_milli, now)
+        lost: list[Task] = []
+        queued: list[Task] = []
+        for task in self.tasks.tasks.values():
+            if task.state is State.QUEUED:
+                queued.append(task)
+            elif task.state is State.RUNNING:
+                w = reg.by_name.get(task.worker or "")
+                if w is None:
+                    lost.append(task)
+                    continue
+                w.assigned[task.id] = task
+                g = task.grant
+                if g is not None and all(u in reg.gpus for u in g.gpus):
+                    ledger.restore(w, [reg.gpus[u] for u in g.gpus], g)
+                    self.fair.grant(task.tenant, g.gpu_milli * len(g.gpus), now)
+                    w.inflight += 1
+        for task in sorted(queued, key=lambda t: t.created):
+            if not self.queue.push(task):
+                self._fail(task, Busy("the queue is full"))
+        self.open_workers = self.count_open_workers()
+        self.hold = True
+        self.settle_wait = {w.name for w in reg.by_identity.values()}
+        self.settling_until = now + settle
+        log.warning("broker %s is active at epoch %d: %d queued, %d running, %d session(s); settling with %d worker(s)",
+                    self.config.name, epoch, len(queued), sum(len(w.assigned) for w in reg.by_identity.values()),
+                    len(self.sessions), len(self.settle_wait))
+        self.beat_workers()
+        for task in lost:
+            name = task.worker or "?"
+            task.state = State.QUEUED  # so that _fail/_replace treat it as not running anywhere
+            if task.kind == "call":
+                self._fail(task, SessionLost(f"the session's worker {name} is gone"))
+            elif task.retryable:
+                self._replace(task, name, "not connected after the failover")
+            else:
+                self._fail(task, WorkerLost(f"worker {name} was lost during a broker failover while running it"))
+        if not self.settle_wait:
+            self._settled()
+
+    def _reconcile(self, worker: WorkerRecord, running: list[Any]) -> None:
+        """A worker's first heartbeat at our new epoch lists what it runs: work our tables had
+        queued is running there; work we never heard of is kept as running there, so that its
+        client's retry attaches to it instead of running it again."""
+        for entry in running[:10_000]:
+            if type(entry) is not dict:
+                continue
+            rid = entry.get("id")
+            if type(rid) is not bytes or len(rid) != P.ID_BYTES:
+                continue
+            task = self.tasks.tasks.get(rid)
+            if task is not None and task.state is not State.QUEUED:
+                continue
+            if task is None:
+                kind, tenant = entry.get("kind"), entry.get("tenant")
+                if kind == "session":
+                    continue  # a session the tables lack: its open was never answered; it is the worker's to reclaim
+                task = Task(id=rid, kind=kind if type(kind) is str else "job", need=None, body={}, frames=[], route=None,
+                            created=self.now, deadline=self.now, tenant=tenant if type(tenant) is str else "default",
+                            dispatched_at=float("inf"))  # not ours to dispatch again: we lack its content
+                self.tasks.add(task)
+                if self.journal is not None:
+                    self._rep([R.TASK, R.task_to_wire(task, self.now)])
+            else:
+                self.queue.remove(task)
+            task.state = State.RUNNING
+            task.worker = worker.name
+            task.dispatched_at = float("inf")  # it runs there already: never dispatched again
+            worker.assigned[rid] = task
+            if self.journal is not None:
+                self._rep([R.RUN, rid, worker.name, None])
+            log.info("after the failover: %s runs on %s (dispatched by the previous broker)", P.id_text(rid), worker.name)
+
+    def _settled(self) -> None:
+        """Settling is over: dispatch again what ran before the takeover (a worker that has it
+        running or answered ignores or re-answers it; one that never got it runs it), then place."""
+        self.settling_until = None
+        self.settle_wait = set()
+        self.hold = False
+        again = 0
+        for w in self.registry.by_identity.values():
+            for task in list(w.assigned.values()):
+                if isinstance(task, Task) and task.state is State.RUNNING and task.dispatched_at <= self.takeover_at:
+                    header: dict[str, Any] = {"id": task.id, "kind": task.kind, "tenant": task.tenant, "epoch": self.epoch}
+                    g = task.grant
+                    if g is not None:
+                        header["grant"] = {"gpus": list(g.gpus), "gpu_milli": g.gpu_milli, "mem": g.mem}
+                    if task.body:
+                        header.update(task.body)
+                    self.send_worker(w.identity, [_WORKER_SIG, _DISPATCH, _packb(header), *task.frames])
+                    again += 1
+        log.info("settled: %d dispatch(es) repeated for the workers to confirm; placing the queue", again)
+        self.place_queued()
+
+    def beat_workers(self) -> None:
+        """A HEARTBEAT to every worker now (our state changed: they must know at once)."""
+        for worker in self.registry:
+            seq = worker.liveness.sent(self.now)
+            self.send_worker(worker.identity, [_WORKER_SIG, P.CMD_BYTES[Command.HEARTBEAT],
+                                               _packb({"seq": seq, "active": self.active, "epoch": self.epoch, "acks": self.acking})])
 
     # ------------------------------------------------------------------ timers
 
@@ -768,7 +1086,17 @@ class BrokerCore:
                 self.worker_lost(worker, f"silent for {worker.liveness.silence(now):.1f}s")
             elif worker.liveness.beat_due(now):
                 seq = worker.liveness.sent(now)
-                self.send_worker(worker.identity, [_WORKER_SIG, P.CMD_BYTES[Command.HEARTBEAT], _packb({"seq": seq})])
+                self.send_worker(worker.identity, [_WORKER_SIG, P.CMD_BYTES[Command.HEARTBEAT],
+                                                   _packb({"seq": seq, "active": self.active, "epoch": self.epoch, "acks": self.acking})])
+        if self.settling_until is not None and now >= self.settling_until:
+            log.warning("settling timed out; %d worker(s) did not answer at epoch %d: %s",
+                        len(self.settle_wait), self.epoch, ", ".join(sorted(self.settle_wait)))
+            self._settled()
+        if len(self.lost_sessions) > 10_000:
+            self.lost_sessions.clear()
+        if not self.active:
+            self.tasks.evict(now)
+            return
         for task in self.queue.expire(now):
             self._fail(task, Timeout("no GPU could take the request before its deadline"))
         lease = self.config.session_lease

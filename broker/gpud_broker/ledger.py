@@ -49,6 +49,20 @@ def grant(worker: WorkerRecord, gpus: list[GpuRecord], need: Need) -> Grant:
     return made
 
 
+def restore(worker: WorkerRecord, gpus: list[GpuRecord], g: Grant) -> None:
+    """Record a grant made earlier (by the other broker of the pair, before a takeover) as it is:
+    these are facts to account for, not requests to fit."""
+    for r in gpus:
+        r.granted_milli += g.gpu_milli
+        r.granted_mem += g.mem
+        r.tasks += 1
+        if g.exclusive:
+            r.exclusive = True
+    worker.granted_cpu += g.cpu_milli
+    worker.granted_host_mem += g.host_mem
+    worker.grants[id(g)] = g
+
+
 def release(worker: WorkerRecord, gpus: list[GpuRecord], g: Grant) -> None:
     """Give back a grant made by ``grant()`` on the same records (exactly once)."""
     if worker.grants.pop(id(g), None) is not g:

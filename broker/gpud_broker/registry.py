@@ -64,6 +64,7 @@ class WorkerRecord:
     simulated: bool = False
     instance_id: str = ""  # its Nova server id, as it reported in READY ("" if unknown)
     replica_of: str = ""  # the worker whose work it takes first when that one is lost (READY)
+    other_active_at: float = float("-inf")  # when it last heard another broker say it was active
     granted_cpu: int = 0
     granted_host_mem: int = 0
     inflight: int = 0  # dispatched requests not yet answered (counts against slots)

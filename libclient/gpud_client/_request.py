@@ -73,11 +73,13 @@ class DevicePtr:
     Attributes
     ----------
     handle:
-        The allocation handle the worker chose (scoped to its session).
+        The allocation's handle as the caller knows it: the one the worker chose (scoped to its
+        session), which stays valid when the session is replayed on another worker (the
+        :class:`~gpud_client.client.Session` then maps it to the new session's handle).
     nbytes:
         Size of the allocation in bytes.
     session:
-        Id of the session that owns it.
+        Id the session that owns it had when it was opened (``Session.id`` may change on replay).
     """
 
     handle: int

@@ -3,8 +3,12 @@
 This module owns the client's conversation with a broker pair: sending requests, matching replies to
 them by id, the liveness check while waiting (lazy pirate: PING after ``ping_interval`` of silence,
 then give the broker up after another one), the failover across the endpoint list with every
-outstanding request re-sent under its original id (the client half of Binary Star), and the
-background keepalive that renews the lease of open sessions.
+outstanding request re-sent under its original id (the client half of Binary Star, PROTOCOL.md §9:
+a broker that answers NOT_ACTIVE is the passive one of its pair, and the client moves to the next
+endpoint after a ``settle`` delay without the caller ever seeing that answer), the background
+keepalive that renews the lease of open sessions, and session replay: a session lost with its
+worker or GPU is opened again and rebuilt from its journal (:mod:`gpud_client.journal`) inside the
+call that found it lost, so the caller sees only a delay.
 
 A :class:`Client` is not thread-safe: use one Client per thread. The only thread it starts is the
 session keepalive, which has a socket of its own and never touches the Client's socket.
@@ -28,10 +32,12 @@ from gpud.errors import (
     Busy,
     ConfigError,
     GpudError,
+    GpuFault,
     InternalError,
     InvalidRequest,
     SessionLost,
     Timeout,
+    WorkerLost,
 )
 from gpud.protocol import (
     Command,
@@ -47,13 +53,17 @@ from gpud.security import CurveKeys, apply_client_keys
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
 from gpud_client import _request as rq
 from gpud_client._request import DevicePtr, JobResult
+from gpud_client.journal import Entry, Journal
 
 if TYPE_CHECKING:
     from gpud_client._request import BytesLike
 
 __all__ = [
+    "DEFAULT_JOURNAL_BYTES",
     "DEFAULT_KEEPALIVE_S",
     "DEFAULT_PING_INTERVAL_S",
+    "DEFAULT_SESSION_REPLAYS",
+    "DEFAULT_SETTLE_S",
     "DEFAULT_TIMEOUT_S",
     "Client",
     "Job",
@@ -65,12 +75,27 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 """Seconds a call may take, overall, unless a timeout is given."""
-DEFAULT_PING_INTERVAL_S = 2.0
-"""Seconds of broker silence, while waiting, before a PING; as long again and the broker is gone."""
+DEFAULT_PING_INTERVAL_S = 0.5
+"""Seconds of broker silence, while waiting, before a PING; as long again and the broker is gone
+(so a dead broker is left within about a second; the broker pair's peer expiry is 0.75 s)."""
+DEFAULT_SETTLE_S = 0.25
+"""Seconds to wait after a NOT_ACTIVE answer before sending to the next endpoint (the vote), so
+that the passive broker has seen its peer expire by then."""
+DEFAULT_JOURNAL_BYTES = 64 << 20
+"""Bytes each session's journal may hold (copied buffers included) for session replay."""
+DEFAULT_SESSION_REPLAYS = 3
+"""Times one session may be opened again and replayed before its loss reaches the caller."""
 DEFAULT_KEEPALIVE_S = 5.0
 """Seconds between the keepalive PINGs that renew open sessions' lease (the broker's is 30 s)."""
 KEEPALIVE_MISSES = 3
-"""Keepalive intervals without any answer before the keepalive turns to the next endpoint."""
+"""Keepalive intervals without any answer from the client's broker before the keepalive PINGs the
+other endpoints too (a vote there, PROTOCOL.md §9.1), until the client's broker answers again."""
+TRANSFER_RATE_FLOOR = 10 << 20
+"""Bytes per second a transfer to or from the broker is assumed to reach at least: while payloads
+are in flight, the broker may look silent for as long as they take at this rate (a PING waits
+behind them), on top of ``ping_interval``, before the client PINGs it or gives it up."""
+KEEPALIVE_HWM = 4
+"""PINGs a keepalive socket queues for a broker it is not connected to; more are not sent."""
 
 T = TypeVar("T")
 _Converter = Callable[[Message], T]
@@ -82,6 +107,7 @@ class _Outstanding:
 
     frames: list[Any]
     what: str
+    nbytes: int = 0  # payload bytes sent, plus those expected back
     reply: Message | None = None
 
 
@@ -195,7 +221,7 @@ class Client:
     endpoints:
         Broker frontend endpoint(s), e.g. ``["tcp://primary:5555", "tcp://backup:5555"]`` or one
         string, comma-separated. The client fails over to the next one when the current one falls
-        silent.
+        silent or answers NOT_ACTIVE (it is the passive broker of its pair).
     timeout:
         Default overall deadline of each call, in seconds.
     tenant:
@@ -205,6 +231,15 @@ class Client:
     ping_interval:
         Seconds of silence, while waiting for a reply, after which the client PINGs the broker;
         after as long again without an answer it fails over and re-sends what is outstanding.
+    settle:
+        Seconds to wait after a broker answered NOT_ACTIVE before re-sending what is outstanding,
+        same ids, to the next endpoint. NOT_ACTIVE never reaches the caller: when every broker
+        answers it, the client keeps alternating until the call's deadline (then Timeout).
+    journal_bytes:
+        Bytes each session's journal may hold for session replay (see :class:`Session`); 0 turns
+        replay off, so that a session lost with its worker or GPU raises SessionLost at once.
+    session_replays:
+        Times one session may be opened again and replayed; its next loss raises SessionLost.
     context:
         A zmq context to use; by default the client makes its own and terminates it on close.
     curve:
@@ -226,6 +261,9 @@ class Client:
         keepalive: float = DEFAULT_KEEPALIVE_S,
         *,
         ping_interval: float = DEFAULT_PING_INTERVAL_S,
+        settle: float = DEFAULT_SETTLE_S,
+        journal_bytes: int = DEFAULT_JOURNAL_BYTES,
+        session_replays: int = DEFAULT_SESSION_REPLAYS,
         context: zmq.Context[Any] | None = None,
         curve: CurveKeys | None = None,
     ) -> None:
@@ -240,6 +278,11 @@ class Client:
         ):
             if not value > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not settle >= 0:
+            raise ConfigError(f"settle must be a non-negative number of seconds, got {settle!r}")
+        for name, count in (("journal_bytes", journal_bytes), ("session_replays", session_replays)):
+            if type(count) is not int or count < 0:
+                raise ConfigError(f"{name} must be a non-negative int, got {count!r}")
         self.timeout = float(timeout)
         try:
             parse_need("echo", {"tenant": tenant})
@@ -248,14 +291,20 @@ class Client:
         self.tenant = tenant
         self._keepalive = float(keepalive)
         self._ping_interval = float(ping_interval)
+        self._settle = float(settle)
+        self._journal_bytes = journal_bytes
+        self._session_replays = session_replays
         self._own_context = context is None
         self._ctx: zmq.Context[Any] = zmq.Context() if context is None else context
         self._index = 0
         self._table: dict[bytes, _Outstanding] = {}
         self._awaiting = 0  # entries of _table still without a reply
+        self._inflight = 0  # their payload bytes (sent and expected back)
         self._quiet_since = monotonic()  # last time the broker was heard, or we began to expect it
         self._ping_at: float | None = None  # when the unanswered PING went out
         self._last_dropped = ""  # why the last unusable message from the broker was dropped
+        self._switch_at: float | None = None  # when to leave a broker that answered NOT_ACTIVE
+        self._passive = ""  # the last endpoint that answered NOT_ACTIVE, for Timeout messages
         self._closed = False
         self._lock = threading.Lock()  # guards _sessions and _ka_thread against the keepalive
         self._sessions: weakref.WeakValueDictionary[bytes, Session] = weakref.WeakValueDictionary()
@@ -327,6 +376,7 @@ class Client:
         self._sock.close(linger=linger)
         self._table.clear()
         self._awaiting = 0
+        self._inflight = 0
         if self._own_context:
             if thread is not None and thread.is_alive():
                 log.error("session keepalive thread did not stop; leaving the zmq context open")
@@ -363,7 +413,7 @@ class Client:
             rid, "echo", need, _ms(limit), payload=[rq.as_view(payload, "payload")]
         )
         what = f"echo {id_text(rid)}"
-        self._submit(rid, frames, what)
+        self._submit(rid, frames, what, expect=_payload_bytes(frames))
         return Pending(self, rid, rq.parse_echo, limit, what, cancellable=True)
 
     def run(
@@ -523,7 +573,8 @@ class Client:
         Returns
         -------
         Session
-            A context manager; leaving it closes the session.
+            A context manager; leaving it closes the session. Its journal holds up to the client's
+            ``journal_bytes``, so that it survives the loss of its worker or GPU (see Session).
         """
         need = rq.build_need(
             tenant=self.tenant,
@@ -537,25 +588,34 @@ class Client:
         )
         rq.check_need("session", need)
         limit = self.timeout if timeout is None else timeout
-        rid = new_id()
-        frames = rq.request_frames(rid, "session", need, _ms(limit))
+        sid, worker, gpu = self._open_session(need, limit)
+        session = Session(self, sid, worker, gpu, need=need, journal=Journal(self._journal_bytes))
+        self._register_session(session)
+        return session
 
-        def convert(msg: Message) -> Session:
-            sid, worker, gpu = rq.parse_session_open(msg, rid)
-            return Session(self, sid, worker, gpu)
+    def _open_session(
+        self, need: dict[str, Any], limit: float, replaces: bytes | None = None
+    ) -> tuple[bytes, str, dict[str, Any]]:
+        """Send a session REQUEST and wait for it: ``(session id, worker, gpu)``. ``replaces``
+        names a lost session that this one replaces (the broker prefers the lost worker's
+        replica for it, PROTOCOL.md §9.4)."""
+        rid = new_id()
+        body = {"replaces": replaces} if replaces is not None else None
+        frames = rq.request_frames(rid, "session", need, _ms(limit), body)
+
+        def convert(msg: Message) -> tuple[bytes, str, dict[str, Any]]:
+            return rq.parse_session_open(msg, rid)
 
         what = f"session request {id_text(rid)}"
         self._submit(rid, frames, what)
         pending = Pending(self, rid, convert, limit, what, cancellable=True)
-        session = self._sync(pending, None)
-        self._register_session(session)
-        return session
+        return self._sync(pending, None)
 
     # ------------------------------------------------------------------ request table
 
-    def _submit(self, rid: bytes, frames: list[Any], what: str) -> None:
+    def _submit(self, rid: bytes, frames: list[Any], what: str, expect: int = 0) -> None:
         """Send a REQUEST or CALL and record it for matching and re-sending (the caller then
-        makes its Pending)."""
+        makes its Pending). ``expect``: payload bytes the reply is known to carry."""
         if self._closed:
             raise GpudError("the client is closed")
         if not self._awaiting:
@@ -563,8 +623,10 @@ class Client:
             self._quiet_since = monotonic()
             self._ping_at = None
         self._send(frames)
-        self._table[rid] = _Outstanding(frames, what)
+        nbytes = _payload_bytes(frames) + expect
+        self._table[rid] = _Outstanding(frames, what, nbytes)
         self._awaiting += 1
+        self._inflight += nbytes
 
     def _sync(self, pending: Pending[T], timeout: float | None) -> T:
         """Wait for a Pending of a synchronous call; on Timeout forget it (and cancel it)."""
@@ -579,6 +641,7 @@ class Client:
         entry = self._table.pop(rid, None)
         if entry is not None and entry.reply is None:
             self._awaiting -= 1
+            self._inflight -= entry.nbytes
 
     def _has_reply(self, rid: bytes) -> bool:
         entry = self._table.get(rid)
@@ -612,6 +675,8 @@ class Client:
             self._pump(min(deadline, wake) - now, entry)
             if entry.reply is None and monotonic() >= deadline:
                 hint = f"; last dropped message: {self._last_dropped}" if self._last_dropped else ""
+                if self._passive:
+                    hint += f"; {self._passive} answered NOT_ACTIVE (the passive broker)"
                 raise Timeout(f"{what}: no reply within {timeout:g}s from {self.endpoint}{hint}")
         del self._table[rid]
         return entry.reply
@@ -619,12 +684,21 @@ class Client:
     # ------------------------------------------------------------------ broker liveness
 
     def _watch_broker(self, now: float) -> float:
-        """PING a silent broker, give up on one that stays silent. Returns when to look again."""
-        interval = self._ping_interval
+        """PING a silent broker, give up on one that stays silent, leave a passive one once the
+        settle delay has passed. Returns when to look again.
+
+        Silence is ``ping_interval`` plus the time the payloads in flight take at
+        TRANSFER_RATE_FLOOR: a broker busy receiving or sending a large buffer is not silent."""
+        if self._switch_at is not None:
+            if now < self._switch_at:
+                return self._switch_at  # it answers: no PING while the settle delay runs
+            self._failover(now, f"broker {self.endpoint} is passive (NOT_ACTIVE)")
+            return now + self._ping_interval
+        interval = self._ping_interval + self._inflight / TRANSFER_RATE_FLOOR
         if self._ping_at is not None:
             if now - self._ping_at < interval:
                 return self._ping_at + interval
-            self._failover(now)
+            self._failover(now, f"broker {self.endpoint} silent for {now - self._quiet_since:.1f}s")
             return now + interval
         if now - self._quiet_since < interval:
             return self._quiet_since + interval
@@ -640,8 +714,11 @@ class Client:
         self._ping_at = now
         return now + interval
 
-    def _failover(self, now: float) -> None:
-        """Drop the socket, connect to the next endpoint, re-send what is outstanding (same ids)."""
+    def _failover(self, now: float, why: str) -> None:
+        """Drop the socket, connect to the next endpoint, re-send what is outstanding (same ids).
+        Logged once per switch: a WARNING for a silent broker, INFO for a passive one (which is
+        how a broker pair normally tells its clients where to go)."""
+        passive = self._switch_at is not None
         old = self.endpoint
         count = len(self._endpoints)
         for step in range(1, count + 1):
@@ -659,10 +736,10 @@ class Client:
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         resend = [e for e in list(self._table.values()) if e.reply is None]
-        log.warning(
-            "broker %s silent for %.1fs; %s %s and re-sending %d request(s)",
-            old,
-            now - self._quiet_since,
+        log.log(
+            logging.INFO if passive else logging.WARNING,
+            "%s; %s %s and re-sending %d request(s)",
+            why,
             "reconnecting to" if self.endpoint == old else "failing over to",
             self.endpoint,
             len(resend),
@@ -671,13 +748,14 @@ class Client:
             self._send(entry.frames)
         self._quiet_since = now
         self._ping_at = None
+        self._switch_at = None
 
-    def _connect(self, endpoint: str) -> zmq.Socket[Any]:
+    def _connect(self, endpoint: str, sndhwm: int = 0) -> zmq.Socket[Any]:
         sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # Unbounded queues: outstanding requests are bounded by the caller, and a reply dropped at
         # a high-water mark would only come back as a spurious failover.
-        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
         sock.setsockopt(zmq.RCVHWM, 0)
         if self._curve is not None:
             apply_client_keys(sock, self._curve)
@@ -693,6 +771,8 @@ class Client:
     def _poll_replies(self) -> None:
         if not self._closed:
             self._pump(0.0)
+            if self._switch_at is not None and monotonic() >= self._switch_at:
+                self._watch_broker(monotonic())
 
     def _pump(self, timeout: float, entry: _Outstanding | None = None) -> None:
         """Handle the messages that are queued, waiting up to ``timeout`` seconds for the first;
@@ -714,8 +794,8 @@ class Client:
                 continue
             self._handle(frames)
             handled = True
-            if entry is not None and entry.reply is not None:
-                return
+            if entry is not None and (entry.reply is not None or self._switch_at is not None):
+                return  # its reply is here, or a passive broker answered: time to plan a switch
 
     def _handle(self, frames: list[Any]) -> None:
         # Anything at all from the broker shows that it is alive.
@@ -747,8 +827,18 @@ class Client:
         if entry.reply is not None:
             log.debug("dropped a duplicate %s for %s", command.name, entry.what)
             return
+        if msg.header.get("code") == "NOT_ACTIVE" and msg.header.get("ok") is not True:
+            # The passive broker of a pair (PROTOCOL.md §9.1): it kept nothing. Never the caller's
+            # answer: leave it after the settle delay and re-send everything outstanding there.
+            if self._switch_at is None:
+                self._switch_at = monotonic() + self._settle
+                self._passive = self.endpoint
+                log.debug("broker %s answered NOT_ACTIVE for %s", self.endpoint, entry.what)
+            return
         entry.reply = msg
         self._awaiting -= 1
+        self._inflight -= entry.nbytes
+        self._passive = ""
 
     def _drop(self, why: str) -> None:
         log.warning("from broker %s: dropped %s", self.endpoint, why)
@@ -775,12 +865,19 @@ class Client:
             self._sessions.pop(sid, None)
 
     def _keepalive_loop(self) -> None:
-        """Background thread: PING {"sessions": [...]} every ``keepalive`` seconds on a socket of
-        its own while any session is open. Follows the client's endpoint; when nothing answers
-        for KEEPALIVE_MISSES intervals it turns to the next endpoint by itself."""
-        sock: zmq.Socket[Any] | None = None
-        followed = index = self._index
-        heard = monotonic()
+        """Background thread: PING {"sessions": [...]} every ``keepalive`` seconds, on sockets of
+        its own, while any session is open.
+
+        The PING goes to the endpoint the client uses now (``_index``, read afresh each time), so
+        the lease is renewed where the sessions are: after a failover, on the broker the client
+        moved to. A passive broker answers PING too (PONG) but renews nothing, so answers from
+        another endpoint never keep the PINGs away from the client's one. When the client's broker
+        has not answered for KEEPALIVE_MISSES intervals (an idle program whose active broker
+        died), the keepalive PINGs every other endpoint too: that is the vote the passive broker
+        needs to take over (PROTOCOL.md §9.1), after which it renews the replicated sessions."""
+        socks: dict[int, zmq.Socket[Any]] = {}
+        heard: dict[int, float] = {}
+        followed = -1
         try:
             while not self._ka_stop.wait(self._keepalive):
                 with self._lock:
@@ -789,29 +886,37 @@ class Client:
                         self._ka_thread = None
                         return
                 now = monotonic()
-                if sock is not None and _drain(sock):
-                    heard = now
-                target = index
-                if self._index != followed:
-                    followed = target = self._index
-                elif now - heard > KEEPALIVE_MISSES * self._keepalive:
-                    target = (index + 1) % len(self._endpoints)
-                if sock is None or target != index:
-                    if sock is not None:
-                        log.debug("keepalive: moving to %s", self._endpoints[target])
-                        sock.close(linger=0)
-                    index, heard = target, now
-                    sock = self._connect(self._endpoints[index])
-                try:
-                    sock.send_multipart(rq.ping_frames(ids), flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    log.debug("keepalive: PING not sent, queue full")
+                for index, sock in socks.items():
+                    if _drain(sock):
+                        heard[index] = now
+                current = self._index
+                if current != followed:  # the client moved: give that broker its full grace
+                    followed = current
+                    heard[current] = now
+                targets = [current]
+                if now - heard.get(current, now) > KEEPALIVE_MISSES * self._keepalive:
+                    targets += [i for i in range(len(self._endpoints)) if i != current]
+                    log.debug(
+                        "keepalive: %s silent; PINGing the other endpoints too",
+                        self._endpoints[current],
+                    )
+                frames = rq.ping_frames(ids)
+                for index in targets:
+                    if index not in socks:
+                        socks[index] = self._connect(self._endpoints[index], KEEPALIVE_HWM)
+                        heard.setdefault(index, now)
+                    try:
+                        socks[index].send_multipart(frames, flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        log.debug(
+                            "keepalive: PING to %s not sent, queue full", self._endpoints[index]
+                        )
         except zmq.ContextTerminated:
             pass
         except Exception:
             log.exception("session keepalive stopped by an unexpected error")
         finally:
-            if sock is not None:
+            for sock in socks.values():
                 sock.close(linger=0)
             with self._lock:  # after an error: let the next session start a new keepalive
                 if self._ka_thread is threading.current_thread():
@@ -824,22 +929,50 @@ class Session:
     Made by :meth:`Client.session`; use it as a context manager, or call :meth:`close`. Each method
     takes an optional keyword ``timeout`` (seconds; the client's timeout by default).
 
+    Session replay: the session journals its allocations, frees, copies to the device and launches
+    (:class:`~gpud_client.journal.Journal`, bounded by the client's ``journal_bytes``). When a call
+    fails with SESSION_LOST or GPU_FAULT (the session's worker or GPU was lost), the session opens a
+    new one with the same need (its REQUEST names the lost one in ``replaces``, so the broker tries
+    the lost worker's replica first), replays the journal there, and sends the failed call again,
+    all inside that call: the caller sees only a delay. The pointers the caller holds stay valid
+    (the session maps them to the new session's handles), :attr:`id`, :attr:`worker` and
+    :attr:`gpu` then describe the new session. A failed call is not in the journal (only ops that
+    succeeded are), so a launch that was in flight runs once on the new session, not twice. The
+    loss reaches the caller (SessionLost, or the GpuFault as it came) when the journal is off or
+    went past its bound, after the client's ``session_replays`` replays of this session, or when
+    the new session cannot be opened or rebuilt (no capacity, less memory...).
+
     Attributes
     ----------
     id:
-        The session id (16 bytes).
+        The session id (16 bytes); a new one after a replay.
     worker:
-        Name of the worker that holds it.
+        Name of the worker that holds it now.
     gpu:
-        The GPU it is pinned to: uuid, index, model, mem, cc, simulated.
+        The GPU it is pinned to now: uuid, index, model, mem, cc, simulated.
     """
 
-    def __init__(self, client: Client, sid: bytes, worker: str, gpu: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        client: Client,
+        sid: bytes,
+        worker: str,
+        gpu: dict[str, Any],
+        *,
+        need: dict[str, Any] | None = None,
+        journal: Journal | None = None,
+    ) -> None:
         self._client = client
         self.id = sid
         self.worker = worker
         self.gpu = gpu
         self._closed = False
+        self._key = sid  # what this session's DevicePtrs carry, whatever ``id`` becomes
+        self._need = need  # None: it cannot be opened again
+        self._journal = journal if journal is not None else Journal(0)
+        self._handles: dict[int, int] = {}  # the caller's handle -> the current session's
+        self._top = 0  # the largest handle handed to the caller: never hand out one twice
+        self._replays = 0
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"on {self.worker}"
@@ -866,6 +999,18 @@ class Session:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def journal(self) -> Journal:
+        """The session's journal (read it, do not record into it)."""
+        return self._journal
+
+    @property
+    def replays(self) -> int:
+        """How many times the session has been opened again and replayed."""
+        return self._replays
+
+    # ------------------------------------------------------------------ calls and replay
+
     def _call(
         self,
         op: str,
@@ -873,26 +1018,163 @@ class Session:
         convert: _Converter[T],
         timeout: float | None,
         payload: Sequence[Any] = (),
+        expect: int = 0,
     ) -> T:
+        """One CALL, ``args`` with the caller's handles; replays the session when it was lost.
+        ``expect``: payload bytes the reply carries."""
         if self._closed:
             raise SessionLost(f"session {id_text(self.id)} is closed")
+        limit = self._client.timeout if timeout is None else timeout
+        while True:
+            wire = self._wire(op, args, self._handles)
+            try:
+                return self._send(op, wire, convert, limit, payload, expect)
+            except (SessionLost, GpuFault) as exc:
+                if op == "close" or self._closed:
+                    raise
+                self._recover(exc, limit)
+
+    def _send(
+        self,
+        op: str,
+        args: Mapping[str, Any],
+        convert: _Converter[T],
+        limit: float,
+        payload: Sequence[Any] = (),
+        expect: int = 0,
+    ) -> T:
+        """One CALL on the current session, as it is (``args`` with its real handles)."""
         client = self._client
         rid = new_id()
         frames = rq.call_frames(rid, self.id, op, args, payload)
         what = f"session {id_text(self.id)} {op} {id_text(rid)}"
-        limit = client.timeout if timeout is None else timeout
-        client._submit(rid, frames, what)
+        client._submit(rid, frames, what, expect)
         pending = Pending(client, rid, convert, limit, what, cancellable=False)
         return client._sync(pending, None)
 
+    def _wire(self, op: str, args: Mapping[str, Any], handles: Mapping[int, int]) -> dict[str, Any]:
+        """``args`` with the caller's handles replaced by the session's (``handles``)."""
+        out = dict(args)
+        if op in ("free", "htod", "dtoh"):
+            out["handle"] = _real_handle(handles, args["handle"])
+        elif op == "launch":
+            out["args"] = [
+                ["ptr", _real_handle(handles, value)] if tag == "ptr" else [tag, value]
+                for tag, value in args["args"]
+            ]
+        return out
+
+    def _recover(self, exc: SessionLost | GpuFault, limit: float) -> None:
+        """The session was lost (``exc``): open a new one and replay the journal there, or raise
+        the loss when that is not possible."""
+        journal = self._journal
+        if not journal.usable or self._need is None:
+            why = journal.reason or "the session cannot be opened again"
+            log.info("session %s lost (%s); not replayed: %s", id_text(self.id), exc, why)
+            raise type(exc)(f"{exc.message} (not replayed: {why})") from exc
+        cause: GpudError = exc
+        while True:
+            allowed = self._client._session_replays
+            if self._replays >= allowed:
+                journal.disable(f"the session was lost more than {allowed} time(s)")
+                raise SessionLost(
+                    f"session {id_text(self.id)} lost ({cause.code}: {cause.message}); "
+                    f"not replayed again after {allowed} replay(s)"
+                ) from cause
+            self._replays += 1
+            try:
+                self._replace(cause, limit)
+                return
+            except (SessionLost, GpuFault, WorkerLost) as again:
+                cause = again  # the new session went the same way: try once more
+            except GpudError as fail:
+                journal.disable(f"the session could not be rebuilt ({fail.code}: {fail.message})")
+                raise SessionLost(
+                    f"session {id_text(self.id)} lost ({cause.code}: {cause.message}) and could "
+                    f"not be rebuilt: {fail.code}: {fail.message}"
+                ) from fail
+
+    def _replace(self, cause: GpudError, limit: float) -> None:
+        """Open a session replacing the current one and replay the journal on it, in order."""
+        client = self._client
+        old, old_worker = self.id, self.worker
+        entries = self._journal.entries()
+        log.warning(
+            "session %s on %s lost (%s: %s); opening a replacement and replaying %d op(s)",
+            id_text(old),
+            old_worker,
+            cause.code,
+            cause.message,
+            len(entries),
+        )
+        assert self._need is not None  # checked by _recover
+        sid, worker, gpu = client._open_session(self._need, limit, replaces=old)
+        client._unregister_session(old)
+        self.id, self.worker, self.gpu = sid, worker, gpu
+        client._register_session(self)  # the keepalive renews the new one from now on
+        handles: dict[int, int] = {}
+        try:
+            for entry in entries:
+                self._replay(entry, handles, limit)
+        except GpudError as exc:
+            if not isinstance(exc, (SessionLost, GpuFault, WorkerLost)):
+                self._abandon()
+            raise
+        missing = set(self._handles) - set(handles)
+        if missing:  # a bug of the journal: those pointers would name nothing
+            self._abandon()
+            raise InternalError(f"the journal did not rebuild handle(s) {sorted(missing)}")
+        self._handles = handles
+        log.warning(
+            "session %s replaced by %s on %s (%d op(s) replayed)",
+            id_text(old),
+            id_text(sid),
+            worker,
+            len(entries),
+        )
+
+    def _replay(self, entry: Entry, handles: dict[int, int], limit: float) -> None:
+        """Send one journal entry to the current session; ``handles`` maps as it goes."""
+        wire = self._wire(entry.op, entry.args, handles)
+        if entry.op == "alloc":
+            handles[entry.handle] = self._send("alloc", wire, rq.parse_handle, limit)
+        elif entry.op == "htod":
+            self._send("htod", wire, rq.parse_empty, limit, payload=[entry.data])
+        else:
+            self._send(entry.op, wire, rq.parse_empty, limit)
+            if entry.op == "free":
+                del handles[entry.handle]
+
+    def _abandon(self) -> None:
+        """Close the current session without waiting (its rebuild failed)."""
+        client = self._client
+        client._unregister_session(self.id)
+        try:
+            client._send(rq.call_frames(new_id(), self.id, "close", {}))
+        except GpudError as exc:
+            log.debug("could not send close for session %s: %s", id_text(self.id), exc)
+
+    # ------------------------------------------------------------------ handles
+
     def _handle_of(self, ptr: DevicePtr | int) -> int:
+        """The caller's handle of ``ptr``."""
         if isinstance(ptr, DevicePtr):
-            if ptr.session != self.id:
+            if ptr.session != self._key:
                 raise InvalidRequest("the pointer belongs to another session")
             return ptr.handle
         if type(ptr) is not int or ptr < 0:
             raise InvalidRequest(f"expected a DevicePtr from mem_alloc, not {type(ptr).__name__}")
         return ptr
+
+    def _adopt(self, real: int) -> int:
+        """The caller's handle for a new allocation whose real handle is ``real``: the same
+        number until a replay; then one larger than any handed out before, when ``real`` is not."""
+        handle = real if real > self._top else self._top + 1
+        self._top = handle
+        self._handles[handle] = real
+        return handle
+
+    # ------------------------------------------------------------------ the C-like API
 
     def mem_alloc(self, nbytes: int, *, timeout: float | None = None) -> DevicePtr:
         """Allocate ``nbytes`` of device memory.
@@ -904,12 +1186,17 @@ class Session:
         """
         if type(nbytes) is not int or nbytes < 0:
             raise InvalidRequest("nbytes must be a non-negative int")
-        handle = self._call("alloc", {"nbytes": nbytes}, rq.parse_handle, timeout)
-        return DevicePtr(handle, nbytes, self.id)
+        real = self._call("alloc", {"nbytes": nbytes}, rq.parse_handle, timeout)
+        handle = self._adopt(real)
+        self._journal.alloc(handle, nbytes)
+        return DevicePtr(handle, nbytes, self._key)
 
     def mem_free(self, ptr: DevicePtr | int, *, timeout: float | None = None) -> None:
         """Free an allocation."""
-        self._call("free", {"handle": self._handle_of(ptr)}, rq.parse_empty, timeout)
+        handle = self._handle_of(ptr)
+        self._call("free", {"handle": handle}, rq.parse_empty, timeout)
+        self._handles.pop(handle, None)
+        self._journal.free(handle)
 
     def memcpy_htod(
         self,
@@ -920,12 +1207,15 @@ class Session:
         timeout: float | None = None,
     ) -> None:
         """Copy a host buffer (bytes-like, C-contiguous numpy array...) to device memory at
-        ``ptr + offset``. The buffer is sent without copying."""
+        ``ptr + offset``. The buffer is sent without copying; the session journal keeps a copy of
+        it (up to the client's ``journal_bytes``)."""
         handle = self._handle_of(ptr)
         view = rq.as_view(buffer, "buffer")
         _check_range(ptr, offset, view.nbytes)
         args = {"handle": handle, "offset": offset}
         self._call("htod", args, rq.parse_empty, timeout, payload=[view])
+        if self._journal.usable:
+            self._journal.htod(handle, offset, bytes(view))
 
     def memcpy_dtoh(
         self,
@@ -973,7 +1263,7 @@ class Session:
         _check_range(ptr, offset, nbytes)
         size = nbytes
         args = {"handle": handle, "offset": offset, "nbytes": size}
-        data = self._call("dtoh", args, lambda m: rq.parse_dtoh(m, size), timeout)
+        data = self._call("dtoh", args, lambda m: rq.parse_dtoh(m, size), timeout, expect=size)
         if target is None:
             return bytes(data)
         target[:] = data
@@ -1004,7 +1294,7 @@ class Session:
         parse_dims(block_l, "block")
         if type(shared_mem) is not int or shared_mem < 0:
             raise InvalidRequest("shared_mem must be a non-negative int")
-        wire_args = [rq.encode_launch_arg(i, a, self.id) for i, a in enumerate(args)]
+        wire_args = [rq.encode_launch_arg(i, a, self._key) for i, a in enumerate(args)]
         body = {
             "module": module,
             "name": name,
@@ -1014,6 +1304,7 @@ class Session:
             "shared_mem": shared_mem,
         }
         self._call("launch", body, rq.parse_empty, timeout)
+        self._journal.launch(module, name, grid_l, block_l, wire_args, shared_mem)
 
     def synchronize(self, *, timeout: float | None = None) -> None:
         """Wait until every launch of this session has finished (errors of kernels surface here
@@ -1026,16 +1317,18 @@ class Session:
 
     def close(self, *, timeout: float | None = None) -> None:
         """End the session and release its grant. Idempotent; a session the broker already ended
-        (SessionLost) counts as closed."""
+        (SessionLost), or whose GPU failed (GpuFault), counts as closed; it is not replayed."""
         if self._closed:
             return
         self._client._unregister_session(self.id)
         try:
             self._call("close", {}, rq.parse_empty, timeout)
-        except SessionLost:
+        except (SessionLost, GpuFault):
             pass
         finally:
             self._closed = True
+            self._journal.disable("the session is closed")
+            self._handles.clear()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -1047,6 +1340,20 @@ def _endpoint_list(endpoints: str | Sequence[str]) -> list[str]:
     if not out or not all(isinstance(e, str) for e in items):
         raise ConfigError(f"endpoints must be one or more endpoint strings, got {endpoints!r}")
     return out
+
+
+def _real_handle(handles: Mapping[int, int], handle: Any) -> int:
+    """The current session's handle for the caller's ``handle``; InvalidRequest when it names no
+    open allocation (as the worker answers for an unknown handle)."""
+    real = handles.get(handle) if type(handle) is int else None
+    if real is None:
+        raise InvalidRequest(f"unknown handle {handle!r} (freed, or never allocated here)")
+    return real
+
+
+def _payload_bytes(frames: Sequence[Any]) -> int:
+    """Bytes of a message's payload frames (those after signature, command and header)."""
+    return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames[3:])
 
 
 def _ms(seconds: float) -> int:

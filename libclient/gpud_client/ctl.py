@@ -211,6 +211,7 @@ def format_status(status: Mapping[str, Any]) -> str:
         )
     if not gpus:
         lines.append("(no GPUs connected)")
+    lines += _health_notes(gpus)
     return "\n".join(_fit(line, WIDTH) for line in lines)
 
 
@@ -268,6 +269,22 @@ def _format_workers(result: Any) -> list[str]:
                   "(no workers connected)")
 
 
+def _health_notes(gpus: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per GPU that its worker counts failed: why, and when its probation ends."""
+    notes = []
+    for g in sorted(gpus, key=lambda g: (str(g.get("worker", "")), int(_num(g.get("index"))))):
+        reason = g.get("health_reason")
+        if g.get("measured_health", g.get("health")) != "failed" and not reason:
+            continue
+        name = g.get("name") or f"{g.get('worker')}/{int(_num(g.get('index')))}"
+        line = f"{_text(name, 16)} failed: {_text(reason or 'unknown', 48)}"
+        left = _num(g.get("probation_left_s"))
+        if left > 0:
+            line += f"; on probation, serves again in {_duration(math.ceil(left))}"
+        notes.append(line)
+    return ["", *notes] if notes else []
+
+
 def _format_gpus(result: Any) -> list[str]:
     cols = "{:<10} {:<14} {:<3} {:>4} {:>11} {:>4} {:>5} {:<11} {:<9}"
     rows = []
@@ -286,7 +303,7 @@ def _format_gpus(result: Any) -> list[str]:
             _text(g.get("health", "?"), 9),
         ))
     return _table(cols, ("GPU", "MODEL", "", "UTIL", "MEM GiB", "TEMP", "MILLI", "RUNNING", "HEALTH"), rows,
-                  "(no GPUs connected)")
+                  "(no GPUs connected)") + _health_notes(_rows(result))
 
 
 def _format_queue(result: Any) -> list[str]:
@@ -328,6 +345,93 @@ def _format_sessions(result: Any) -> list[str]:
                   "(no open sessions)")
 
 
+# openstack (issue 7) ------------------------------------------------------------------------------
+
+
+def _format_openstack(result: Any) -> list[str]:
+    """``gpudctl openstack``: list, actions, or the message of a change."""
+    res = _map(result)
+    action = res.get("action")
+    if action == "actions":
+        return _openstack_actions(_rows(res.get("actions")))
+    if action != "list":
+        return _wrap(res.get("message"), "")
+    listed = res.get("listed_s")
+    lines = [
+        "pool {} server(s), min {} max {}; heal {}, scale {}; {}".format(
+            int(_num(res.get("size"))), int(_num(res.get("min_workers"))), int(_num(res.get("max_workers"))),
+            "on" if res.get("heal") is True else "off", "on" if res.get("scale") is True else "off",
+            "Nova not listed yet" if listed is None else f"listed {_duration(_num(listed))} ago"),
+    ]
+    if res.get("list_error"):
+        lines.append(f"Nova: {_text(res.get('list_error'), 200)}")
+    if res.get("boot_problem"):
+        lines.append(f"cannot boot: {_text(res.get('boot_problem'), 200)}")
+    cols = "{:<20} {:<8} {:<10} {:<15} {:<9} {:<13}"
+    servers = _rows(res.get("servers"))
+    rows = []
+    for s in servers:
+        addresses = [a for a in s.get("addresses") or [] if isinstance(a, str)] if isinstance(s.get("addresses"), list) else []
+        gpu = s.get("pci_alias") or s.get("vgpu") or "-"
+        worker = f"{s.get('worker')} ({s.get('worker_state')})" if s.get("worker") else "NO WORKER"
+        rows.append((_text(s.get("name"), 20), _text(s.get("status"), 8), _text(s.get("host") or "-", 10),
+                     _text(addresses[0] if addresses else "-", 15), _text(gpu, 9), _text(worker, 13)))
+    lines += _table(cols, ("SERVER", "STATUS", "HOST", "ADDRESS", "GPU", "WORKER"), rows,
+                    "(no gpud servers)" if listed is not None else "(none yet)")
+    for s in servers:
+        if s.get("action"):
+            lines.append(f"{_text(s.get('name'), 20)}: action {_text(s.get('action'), 50)}")
+        if s.get("fault"):
+            lines.append(f"{_text(s.get('name'), 20)}: fault: {_text(s.get('fault'), 200)}")
+    lonely = _rows(res.get("workers_without_server"))
+    if lonely:
+        lines += ["", "workers without a server:"]
+        lines += [f"  {_text(w.get('name'), 20)} {_text(w.get('instance_id') or '-', 36)} {_text(w.get('why'), 60)}"
+                  for w in lonely]
+    return lines
+
+
+def _openstack_actions(actions: list[Mapping[str, Any]]) -> list[str]:
+    cols = "{:>4} {:<8} {:<8} {:<22} {:<22} {:>8}"
+    lines = [cols.format("ID", "KIND", "STEP", "SERVER", "WORKER/NEW", "AGE")]
+    for a in actions:
+        lines.append(cols.format(
+            int(_num(a.get("id"))), _text(a.get("kind"), 8), _text(a.get("step"), 8),
+            _text(a.get("server_name") or "-", 22), _text(a.get("worker") or a.get("new_server_name") or "-", 22),
+            _duration(_num(a.get("age_s")))))
+        for key in ("reason", "message"):
+            lines += _wrap(a.get(key), f"     {key}: ")
+    if not actions:
+        lines.append("(no actions yet)")
+    return lines
+
+
+def _wrap(text: Any, first: str) -> list[str]:
+    """``text`` in lines of at most WIDTH columns, the first after ``first``, the rest indented."""
+    import textwrap
+
+    if not isinstance(text, str) or not text:
+        return []
+    return textwrap.wrap(_text(text, 1000), WIDTH, initial_indent=first, subsequent_indent=" " * (len(first) + 2))
+
+
+def _openstack_args(operand: str | None, args: dict[str, Any]) -> dict[str, Any]:
+    """``gpudctl openstack boot N`` / ``replace WORKER``: the operand as --count / --worker."""
+    if operand is None:
+        return args
+    action = args.get("action")
+    key = "count" if action == "boot" else "worker" if action in ("replace", "retire") else None
+    if key is None:
+        raise ValueError(f"{action} takes nothing after it")
+    if key in args:
+        raise ValueError(f"give {'N' if key == 'count' else 'WORKER'} or --{key}, not both")
+    if key == "count":
+        if not operand.isdigit():
+            raise ValueError(f"boot N: N is a number of servers, not {operand!r}")
+        return {**args, "count": int(operand)}
+    return {**args, "worker": operand}
+
+
 _FORMATS: dict[str, Callable[[Any], list[str]]] = {
     "status": lambda r: format_status(_map(r)).splitlines(),
     "workers": _format_workers,
@@ -335,6 +439,7 @@ _FORMATS: dict[str, Callable[[Any], list[str]]] = {
     "queue": _format_queue,
     "tasks": _format_tasks,
     "sessions": _format_sessions,
+    "openstack": _format_openstack,
 }
 
 
@@ -525,6 +630,9 @@ def _add_command(sub: Any, spec: CommandSpec) -> None:
         else:
             p.add_argument(a.flag, dest=a.name, default=None, **kw)
     p.add_argument("--json", action="store_true", help="print the raw result as JSON")
+    if spec.name == "openstack":  # openstack (issue 7): `boot N`, `replace WORKER` without the flags
+        p.add_argument("operand", nargs="?", metavar="N|WORKER",
+                       help="boot: how many (as --count); replace, retire: the worker (as --worker)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -588,6 +696,12 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return top(ns.admin, ns.interval, min(ns.timeout, max(ns.interval, 1.0)))
     spec = COMMANDS[ns.cmd]
     args = {a.name: getattr(ns, a.name) for a in spec.args if getattr(ns, a.name) is not None}
+    if ns.cmd == "openstack":  # openstack (issue 7)
+        try:
+            args = _openstack_args(ns.operand, args)
+        except ValueError as exc:
+            print(f"gpudctl: openstack: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         result = admin_call(ns.admin, ns.cmd, args, timeout=ns.timeout)
     except Timeout:

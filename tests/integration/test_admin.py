@@ -194,6 +194,7 @@ INVOCATIONS: list[tuple[list[str], int]] = [
     (["tasks", "--state", "done", "--limit", "3"], 0), (["sessions"], 0),
     (["drain", "w0"], 0), (["undrain", "w0"], 0), (["cordon", "w1/0"], 0), (["uncordon", "w1/0"], 0),
     (["cancel", "0123456789abcdef"], 1), (["failover"], 1), (["reload"], 0),
+    (["openstack", "list"], 1),  # OpenStack is not enabled on this cluster
 ]
 
 

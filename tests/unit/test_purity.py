@@ -21,6 +21,10 @@ PURE = [
     "broker/gpud_broker/tasks.py",
     "broker/gpud_broker/core.py",
     "broker/gpud_broker/stats.py",
+    "worker/gpud_worker/health.py",
+    "standby/gpud_standby/bstar.py",
+    "standby/gpud_standby/replica.py",
+    "libclient/gpud_client/journal.py",
 ]
 FORBIDDEN = {"zmq", "asyncio", "socket", "selectors", "subprocess", "threading"}
 

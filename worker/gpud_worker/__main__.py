@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 _D = WorkerSection()  # the defaults, for the help texts
 FLAGS = {"brokers": "broker", **{key: key for key in (
     "name", "simulate", "gpu_model", "gpu_mem", "slots", "heartbeat_ms", "liveness", "workdir",
-    "job_user_prefix", "job_uids", "session_idle", "drain_timeout")}}
+    "job_user_prefix", "job_uids", "session_idle", "drain_timeout", "fault_file", "instance_id", "replica_of")}, "probation_s": "probation"}
 """[worker] key -> its flag's argparse dest (--broker, repeated, gives brokers)."""
 LOG_FLAGS = {"level": "log_level", "file": "log_file"}
 """[logging] key -> its flag's argparse dest (a flag that this parser lacks counts as not given)."""
@@ -45,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job-uids", default=None, metavar="FIRST-LAST", help="as root, run jobs under these numeric uids that belong to no account (dynamic users) instead of named pool users")
     p.add_argument("--session-idle", type=float, help=f"seconds without operations before a session is reclaimed (default {_D.session_idle:g})")
     p.add_argument("--drain-timeout", type=float, help=f"seconds running work may take to finish on SIGTERM (default {_D.drain_timeout:g})")
+    p.add_argument("--replica-of", default=None, metavar="WORKER",
+                   help="take the work of worker WORKER first when it is lost (its replica)")
+    p.add_argument("--probation", type=float, metavar="SECONDS", help=f"seconds a GPU that failed a health check must pass its checks again before it serves (default {_D.probation_s:g})")
+    p.add_argument("--fault-file", default=None, metavar="PATH", help="SIMULATED GPUs only: JSON file of GPU faults to inject, read on SIGUSR2 (e.g. [{\"gpu\": 0, \"fault\": \"xid\", \"xid\": 79}]; [] clears them)")
+    p.add_argument("--instance-id", default=None, metavar="ID",
+                   help='this VM\'s Nova server id, reported to the broker; "auto": ask the metadata service (default none)')
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO, or [logging] level)")
     add_security_arguments(p, worker=True)
     daemonize.add_arguments(p)
@@ -68,6 +74,7 @@ def _host_mem() -> int:
 def run(args: argparse.Namespace) -> int:
     from gpud_worker.device import Device, SimulatedDevice
     from gpud_worker.gpu import GpuProbe, NvmlProbe, SimulatedProbe, simulated_gpus
+    from gpud_worker.instance import resolve as resolve_instance_id
     from gpud_worker.jobs import JobRunner, UserPool
     from gpud_worker.worker import Worker, WorkerConfig, default_workroot, install_signal_handlers
 
@@ -94,10 +101,12 @@ def run(args: argparse.Namespace) -> int:
         gpus = simulated_gpus(w.simulate, model=w.gpu_model, mem=w.gpu_mem, worker_name=name)
         sims = [SimulatedDevice(g) for g in gpus]
         devices = {d.gpu.uuid: d for d in sims}
-        probe = SimulatedProbe(sims)
+        probe = SimulatedProbe(sims, probation_s=w.probation_s, fault_file=w.fault_file or None)
         log.warning("serving %d SIMULATED GPU(s): device memory is host memory, kernels run on the CPU", len(sims))
     elif NvmlProbe.available():
-        probe = NvmlProbe()
+        probe = NvmlProbe(probation_s=w.probation_s)
+        if w.fault_file:
+            log.error("fault_file %s ignored: faults can be injected only into simulated GPUs (--simulate)", w.fault_file)
         log.info("found %d NVIDIA GPU(s) through NVML", len(probe.inventory()))
     else:
         print(
@@ -132,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
         session_idle=w.session_idle,
         drain_timeout=w.drain_timeout,
         curve=curve,
+        instance_id=resolve_instance_id(w.instance_id),
+        replica_of=w.replica_of,
     )
     worker = Worker(config, probe, devices, runner)
     gc.freeze()  # as in the broker: few cycles, many small short-lived objects per message

@@ -27,7 +27,9 @@ import zmq
 from gpud import notify
 from gpud import protocol as P
 from gpud.errors import (
+    NotActive,
     GpudError,
+    GpuFault,
     InternalError,
     InvalidRequest,
     RemoteError,
@@ -46,6 +48,7 @@ from gpud_worker.jobs import JobRunner
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_S = 0.02  # how often liveness, heartbeats and idle sessions are looked at
+UNACKED_TTL_S = 600.0  # seconds a RESULT is kept for a broker that never ACKs it
 _SIG = Peer.WORKER.value
 _RESULT = P.CMD_BYTES[Command.RESULT]
 
@@ -63,6 +66,8 @@ class WorkerConfig:
     reconnect_min: float = 0.1  # first reconnect delay, doubled up to reconnect_max
     reconnect_max: float = 5.0
     curve: CurveKeys | None = None  # CURVE keys (ours and the broker's); None: security none
+    replica_of: str = ""  # the worker whose work this one takes first when that one is lost
+    instance_id: str = ""  # this GPU VM's Nova server id, for the broker's OpenStack view ("": unknown)
 
 
 class BrokerLink:
@@ -79,6 +84,9 @@ class BrokerLink:
         self.handshakes = HandshakeLog("broker", skip_auth=False)
         self.liveness = Liveness(policy, now)
         self.welcomed = False
+        self.active = False  # this broker said it is the active one of its pair (WELCOME, HEARTBEAT)
+        self.acks = False  # it ACKs results (a pair's broker): keep each until it does
+        self.epoch = 0  # the epoch it said that with
         self.backoff = 0.0
         self.retry_at = now
 
@@ -93,6 +101,7 @@ class BrokerLink:
         sock.connect(self.endpoint)
         self.sock = sock
         self.welcomed = False
+        self.active = False
         self.liveness = Liveness(self.policy, now)
         return sock
 
@@ -123,6 +132,7 @@ class SessionRunner:
         self.ops: queue.SimpleQueue[tuple[int, dict[str, Any], list[Any]] | None] = queue.SimpleQueue()
         self.opened = self.last_used = time.monotonic()
         self.closed = False
+        self.lost = ""  # why its GPU failed: its calls are answered SESSION_LOST
         self.thread: threading.Thread | None = None
 
 
@@ -146,6 +156,8 @@ class Worker:
         self.jobs = ThreadPoolExecutor(max_workers=config.slots, thread_name_prefix="job")
         self.sessions: dict[bytes, SessionRunner] = {}
         self.running: dict[bytes, tuple[str, float, list[str]]] = {}  # id -> kind, since, gpus
+        self.gpu_faults: dict[str, str] = {}  # GPUs out of service (probe.failed()): uuid -> reason
+        self._job_cancels: dict[bytes, threading.Event] = {}  # set: kill the job, answer GPU_FAULT
         self.results: queue.SimpleQueue[tuple[int, bytes, list[Any]]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -154,6 +166,13 @@ class Worker:
         self.draining = False
         self._reload_requested = False
         self._seq = itertools.count(1)
+        # The broker pair (PROTOCOL.md §9.4): results are kept until the active broker ACKs them,
+        # and sent to whichever broker is active; DISPATCHes of an older epoch are refused.
+        self.unacked: dict[bytes, tuple[list[Any], float]] = {}  # id -> RESULT frames, when made
+        self.calls: set[bytes] = set()  # session calls dispatched and not answered yet
+        self.owner: dict[bytes, str] = {}  # id -> tenant, while in flight
+        self.active_idx: int | None = None  # index in links of the active broker
+        self.max_epoch = 0
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -191,6 +210,8 @@ class Worker:
             "heartbeat_ms": int(self.config.heartbeat.interval * 1000),
             "liveness": self.config.heartbeat.liveness,
             "simulated": self.probe.simulated,
+            "instance_id": self.config.instance_id,
+            "replica_of": self.config.replica_of,
         }
 
     def run(self) -> None:
@@ -266,11 +287,16 @@ class Worker:
                 elif link.liveness.beat_due(now):
                     self._beat(link, now)
             self._reclaim_idle_sessions()
+            if self.unacked:
+                self._drop_old_unacked(now)
+            self._fail_work_on_failed_gpus()
 
     def _reconnect(self, link: BrokerLink, poller: zmq.Poller, now: float) -> None:
         if link.sock is not None:
             poller.unregister(link.sock)
         link.close()
+        link.active = False
+        self._choose_active(now)
         cfg = self.config
         link.backoff = cfg.reconnect_min if link.backoff == 0 else min(link.backoff * 2, cfg.reconnect_max)
         link.retry_at = now + link.backoff * (0.5 + random.random() / 2)
@@ -309,7 +335,15 @@ class Worker:
         gpus = [P.gpu_state_to_wire(u, s) for u, s in states.items()]
         running = [{"id": rid, "kind": kind, "since": round(now - since, 3)} for rid, (kind, since, _) in self.running.items()]
         running += [{"id": s.id, "kind": "session", "since": round(now - s.opened, 3)} for s in self.sessions.values()]
-        header: dict[str, Any] = {"seq": seq, "gpus": gpus, "running": running, "simulated": self.probe.simulated}
+        for r in running:
+            tenant = self.owner.get(r["id"])
+            if tenant is not None:
+                r["tenant"] = tenant
+        header: dict[str, Any] = {"seq": seq, "gpus": gpus, "running": running, "simulated": self.probe.simulated,
+                                  "epoch": self.max_epoch}
+        heard = [other.liveness.last_heard for other in self.links if other is not link and other.active and other.sock is not None]
+        if heard:
+            header["active_age_ms"] = max(0, int((now - max(heard)) * 1000))
         if self.draining:
             header["draining"] = True
         self._send(link, Command.HEARTBEAT, header)
@@ -340,7 +374,13 @@ class Worker:
         if cmd is Command.DISPATCH:
             self._on_dispatch(idx, link, h, msg.frames, now)
         elif cmd is Command.HEARTBEAT:
-            pass
+            self._broker_state(idx, link, h, now)
+        elif cmd is Command.ACK:
+            ids = h.get("ids")
+            if type(ids) is list:
+                for rid in ids:
+                    if type(rid) is bytes:
+                        self.unacked.pop(rid, None)
         elif cmd is Command.WELCOME:
             hb = h.get("heartbeat_ms")
             lv = h.get("liveness")
@@ -350,6 +390,7 @@ class Worker:
             link.backoff = 0.0
             log.info("registered with broker %s (heartbeat %dms x %s)", link.endpoint, hb, lv)
             notify.status(f"registered with {link.endpoint}")
+            self._broker_state(idx, link, h if "active" in h else {**h, "active": True, "epoch": 0}, now)
             self._beat(link, now)
         elif cmd is Command.DISCONNECT:
             reason = h.get("reason")
@@ -360,16 +401,67 @@ class Worker:
         else:
             log.warning("unexpected %s from broker %s", cmd.name, link.endpoint)
 
+    def _broker_state(self, idx: int, link: BrokerLink, h: dict[str, Any], now: float) -> None:
+        """A broker said whether it is active, and at which epoch: follow the active one."""
+        active, epoch = h.get("active"), h.get("epoch")
+        if type(active) is not bool or type(epoch) is not int:
+            return
+        link.active, link.epoch = active, epoch
+        link.acks = h.get("acks") is True
+        if epoch > self.max_epoch:
+            self.max_epoch = epoch
+        self._choose_active(now)
+
+    def _choose_active(self, now: float) -> None:
+        """The active broker is the live one that says so with the largest epoch. When it
+        changes, every unacknowledged RESULT goes to the new one, then a HEARTBEAT (§9.4)."""
+        best: int | None = None
+        for i, link in enumerate(self.links):
+            if link.sock is not None and link.active and (best is None or link.epoch > self.links[best].epoch):
+                best = i
+        if best == self.active_idx:
+            return
+        self.active_idx = best
+        if best is None:
+            return
+        link = self.links[best]
+        log.info("broker %s is the active one (epoch %d); re-sending %d unacknowledged result(s)",
+                 link.endpoint, link.epoch, len(self.unacked))
+        if link.sock is not None:
+            for frames, _ in list(self.unacked.values()):
+                send_frames(link.sock, frames)
+            self._beat(link, now)
+
+    def _deliver(self, idx: int, rid: bytes, frames: list[Any]) -> None:
+        """Send a RESULT to the active broker (or the one that dispatched it, while none is
+        known), and keep it until ACKed."""
+        self.running.pop(rid, None)
+        self.calls.discard(rid)
+        self.owner.pop(rid, None)
+        to = self.active_idx if self.active_idx is not None else idx
+        link = self.links[to]
+        if link.acks or self.active_idx is None:  # no active broker known: keep it for the next one
+            self.unacked[rid] = (frames, time.monotonic())
+        sock = link.sock
+        if sock is not None:
+            send_frames(sock, frames)
+
+    def _drop_old_unacked(self, now: float) -> None:
+        """Results no broker ACKed for UNACKED_TTL_S (e.g. a broker that does not ACK): dropped."""
+        limit = now - UNACKED_TTL_S
+        old = [rid for rid, (_, made) in self.unacked.items() if made < limit]
+        for rid in old:
+            del self.unacked[rid]
+        if old:
+            log.warning("%d result(s) never acknowledged in %.0fs; dropped", len(old), UNACKED_TTL_S)
+
     def _flush_results(self) -> None:
         while True:
             try:
                 idx, rid, frames = self.results.get_nowait()
             except queue.Empty:
                 return
-            self.running.pop(rid, None)
-            sock = self.links[idx].sock
-            if sock is not None:
-                send_frames(sock, frames)
+            self._deliver(idx, rid, frames)
 
     # ---------------------------------------------------------------- work
 
@@ -377,6 +469,9 @@ class Worker:
         """Queue a RESULT from any thread; the loop sends it."""
         header["id"] = rid
         header.setdefault("worker", self.config.name)
+        tenant = self.owner.get(rid)
+        if tenant is not None:
+            header["tenant"] = tenant
         self.results.put((idx, rid, [_SIG, _RESULT, P.packb(header), *frames]))
         self._wake()
 
@@ -386,7 +481,27 @@ class Worker:
     def _on_dispatch(self, idx: int, link: BrokerLink, h: dict[str, Any], frames: list[Any], now: float) -> None:
         rid = P.get_id(h)
         kind = h.get("kind")
+        epoch = h.get("epoch")
+        if type(epoch) is int:
+            if epoch < self.max_epoch:
+                log.warning("DISPATCH %s from broker %s at epoch %d refused: epoch %d is active",
+                            P.id_text(rid), link.endpoint, epoch, self.max_epoch)
+                self._send(link, Command.RESULT, P.error_header(rid, NotActive(f"a broker of epoch {self.max_epoch} is active")))
+                return
+            if not link.active or epoch > link.epoch:
+                self._broker_state(idx, link, {"active": True, "epoch": epoch}, now)
+        kept = self.unacked.get(rid)
+        if kept is not None:  # answered already: the broker asks again after a failover
+            if link.sock is not None:
+                send_frames(link.sock, kept[0])
+            return
+        if rid in self.running or rid in self.calls:
+            return  # running already: its RESULT goes out when it is done
+        tenant = h.get("tenant")
+        if type(tenant) is str:
+            self.owner[rid] = tenant
         if kind == "call":
+            self.calls.add(rid)
             self._on_call(idx, rid, h, frames)
             return
         try:
@@ -398,6 +513,9 @@ class Worker:
             uuids = grant.get("gpus")
             if type(uuids) is not list or not uuids or not all(u in self.gpus for u in uuids):
                 raise InvalidRequest("the grant names GPUs this worker does not have")
+            failed = [u for u in uuids if u in self.gpu_faults]
+            if failed:
+                raise GpuFault(f"GPU {failed[0]} is out of service: {self.gpu_faults[failed[0]]}")
             mem = grant.get("mem", 0)
             if type(mem) is not int or mem < 0:
                 raise InvalidRequest("grant 'mem' must be a non-negative int")
@@ -408,6 +526,7 @@ class Worker:
             self._send_now(idx, rid, P.error_header(rid, exc))
             return
         if kind == "echo":
+            log.debug("echo %s", P.id_text(rid))  # one line per execution: chaos tests count them
             self._send_now(idx, rid, {"id": rid, "ok": True, "worker": self.config.name, "gpus": uuids}, frames)
             return
         self.running[rid] = (str(kind), now, uuids)
@@ -421,13 +540,20 @@ class Worker:
 
     def _send_now(self, idx: int, rid: bytes, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> None:
         header.setdefault("worker", self.config.name)
-        self._send(self.links[idx], Command.RESULT, header, frames)
+        tenant = self.owner.get(rid)
+        if tenant is not None:
+            header["tenant"] = tenant
+        self._deliver(idx, rid, P.encode(Peer.WORKER, Command.RESULT, header, frames))
 
     def _run_job(self, idx: int, rid: bytes, h: dict[str, Any], frames: list[Any], uuids: list[str], tenant: str) -> None:
+        cancel = self._job_cancels.setdefault(rid, threading.Event())
         try:
             spec = P.parse_job(h, len(frames))
             visible = ",".join(self._visible_name(u) for u in uuids)
-            out = self.runner.run(rid, spec, [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames], visible, tenant)
+            out = self.runner.run(rid, spec, [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames], visible, tenant, cancel)
+            if cancel.is_set():
+                failed = next((u for u in uuids if u in self.gpu_faults), uuids[0])
+                raise GpuFault(f"GPU {failed} failed ({self.gpu_faults.get(failed, 'health check')}) while the job ran; the job was killed")
             header = {
                 "ok": True,
                 "exit_code": out.exit_code,
@@ -444,6 +570,8 @@ class Worker:
         except Exception as exc:
             log.exception("job %s failed in the worker", P.id_text(rid))
             self._error(idx, rid, InternalError(f"the worker failed to run the job: {exc.__class__.__name__}"))
+        finally:
+            self._job_cancels.pop(rid, None)
 
     def _visible_name(self, uuid: str) -> str:
         g = self.gpus[uuid]
@@ -490,6 +618,8 @@ class Worker:
             rid: bytes = h["id"]
             op = h.get("op")
             try:
+                if s.lost:
+                    raise SessionLost(f"the session's GPU failed ({s.lost})")
                 header, out = self._session_op(s, op, h.get("args") or {}, frames)
                 header["ok"] = True
                 self._result(idx, rid, header, out)
@@ -550,6 +680,28 @@ class Worker:
                 log.info("session %s idle past %.0fs; reclaimed", P.id_text(s.id), self.config.session_idle)
                 self._close_session(s)
 
+    def _fail_work_on_failed_gpus(self) -> None:
+        """Fail the work on GPUs that failed a health check (``probe.failed()``): their jobs are
+        killed and answered GPU_FAULT, their sessions closed (calls get SESSION_LOST), and new
+        DISPATCHes naming them are answered GPU_FAULT (``_on_dispatch``)."""
+        self.gpu_faults = failed = self.probe.failed()
+        if not failed and not self._job_cancels:
+            return
+        for rid, (kind, _, uuids) in self.running.items():
+            bad = next((u for u in uuids if u in failed), None)
+            if kind == "job" and bad is not None:
+                cancel = self._job_cancels.setdefault(rid, threading.Event())
+                if not cancel.is_set():
+                    log.error("job %s: GPU %s failed (%s); killing the job", P.id_text(rid), bad, failed[bad])
+                    cancel.set()
+        for rid in list(self._job_cancels):  # list(): job threads add and remove entries
+            if rid not in self.running:  # it finished before its event was set
+                self._job_cancels.pop(rid, None)
+        for s in [s for s in self.sessions.values() if s.gpu.uuid in failed]:
+            log.error("session %s: GPU %s failed (%s); closing the session", P.id_text(s.id), s.gpu.uuid, failed[s.gpu.uuid])
+            s.lost = failed[s.gpu.uuid]
+            self._close_session(s)
+
 
 def _on_stop_signal(worker: Worker) -> None:
     notify.stopping()
@@ -561,6 +713,7 @@ def install_signal_handlers(worker: Worker) -> None:
     signal.signal(signal.SIGTERM, lambda *_: _on_stop_signal(worker))
     signal.signal(signal.SIGINT, lambda *_: _on_stop_signal(worker))
     signal.signal(signal.SIGHUP, lambda *_: worker.request_reload())
+    signal.signal(signal.SIGUSR2, lambda *_: worker.probe.request_faults())
 
 
 def default_workroot() -> Path:

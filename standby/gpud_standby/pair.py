@@ -1,0 +1,377 @@
+"""The broker pair's socket shell: the peer link, Binary Star events, and the replication stream.
+
+Each broker binds a ROUTER (``peer_bind``) on which it hears its peer, and connects a DEALER to the
+peer's (``peer``) on which it talks: STATE every ``heartbeat``, SYNC, SNAPSHOT and UPDATES
+(PROTOCOL.md §9). The decisions are ``bstar.step``'s; the tables are the BrokerCore's; this module
+moves messages between them and keeps the facts the decisions need (when the peer was last heard,
+what it applied).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from gpud import protocol as P
+from gpud.errors import ConflictError, GpudError, NotActive
+from gpud.protocol import Command, Peer
+from gpud.security import PEER_DOMAIN, CurveKeys, apply_client_keys, server_socket_options
+from gpud.sockets import NOBLOCK, recv_frames, send_frames
+from gpud_standby import replica
+from gpud_standby.bstar import PEER_EVENTS, Action, Event, Facts, State, step
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_S = 0.25
+DEFAULT_EXPIRY_S = 0.75
+HANDOVER_BEATS = 8  # STATEs that carry ``handover`` after the operator's failover
+_SIG = Peer.BROKER.value
+_CLIENT_SIG = Peer.CLIENT.value
+_REQ, _CALL, _PING = (P.CMD_BYTES[c] for c in (Command.REQUEST, Command.CALL, Command.PING))
+
+
+@dataclass(frozen=True, slots=True)
+class PairConfig:
+    role: str  # "primary" or "backup"
+    peer: str  # the peer's peer endpoint (we connect)
+    bind: str  # our peer endpoint (the peer connects)
+    heartbeat: float = DEFAULT_HEARTBEAT_S
+    expiry: float = DEFAULT_EXPIRY_S
+    settle: float = 2.0  # seconds at most a new active broker waits for its workers (§9.4)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("primary", "backup"):
+            raise ValueError(f"role must be primary or backup, not {self.role!r}")
+        if not (0 < self.heartbeat < self.expiry):
+            raise ValueError("the peer heartbeat must be positive and shorter than the expiry")
+
+
+class Pair:
+    """One broker's side of the pair. ``serve(frames, tenant)`` is the broker's normal client
+    handler; ``set_serving(bool)`` switches the shell between it and ``on_client``."""
+
+    def __init__(self, core: Any, cfg: PairConfig, ctx: zmq.Context[Any], keys: CurveKeys | None,
+                 serve: Callable[[list[Any], str | None], None], set_serving: Callable[[bool], None],
+                 send_client: Callable[[list[Any]], None]) -> None:
+        self.core = core
+        self.cfg = cfg
+        self.serve = serve
+        self.set_serving = set_serving
+        self.send_client = send_client
+        self.inbound: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
+        self.inbound.setsockopt(zmq.LINGER, 0)
+        self.inbound.setsockopt(zmq.RCVHWM, 0)
+        self.outbound: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        self.outbound.setsockopt(zmq.LINGER, 0)
+        self.outbound.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a peer that is not there
+        self.outbound.setsockopt(zmq.SNDHWM, 100_000)
+        self.outbound.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.heartbeat * 1000))
+        self.outbound.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.expiry * 1000))
+        if keys is not None:  # the pair shares one key pair: each is the other's CURVE server
+            server_socket_options(self.inbound, keys.secret, keys.public, PEER_DOMAIN)
+            apply_client_keys(self.outbound, CurveKeys(keys.public, keys.secret, keys.public))
+        self.inbound.bind(cfg.bind)
+        self.bound = self.inbound.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.outbound.connect(cfg.peer)
+        now = time.monotonic()
+        self.state = State.PRIMARY if cfg.role == "primary" else State.BACKUP
+        self.peer_state: State | None = None
+        self.peer_epoch = 0
+        self.peer_applied = 0
+        self.peer_streaming = False
+        self.peer_heard = now  # silence counts from our start
+        self.next_beat = 0.0
+        self.applied = 0  # passive: seq of the last update applied
+        self.synced = False  # passive: holds a snapshot and every update since
+        self.sync_sent = 0.0  # passive: when SYNC went out (resent if unanswered)
+        self.streaming = False  # active: the peer has our snapshot and gets our updates
+        self.handover_beats = 0
+        self.held: list[tuple[list[Any], str | None, float]] = []
+        self.state_due = False
+        core.become_passive()
+        core.acking = True
+
+    # ------------------------------------------------------------------ facts and events
+
+    def facts(self, now: float) -> Facts:
+        silence = now - self.peer_heard
+        core = self.core
+        return Facts(
+            primary=self.cfg.role == "primary",
+            peer_expired=silence > self.cfg.expiry,
+            peer_silent=silence > 1.5 * self.cfg.heartbeat,
+            witness=core.witness(self.cfg.expiry),
+            epoch=core.epoch,
+            peer_epoch=self.peer_epoch,
+            peer_in_sync=self.streaming and self.peer_applied >= core.seq,
+        )
+
+    def event(self, event: Event, now: float) -> Action:
+        before = self.state
+        self.state, action = step(before, event, self.facts(now))
+        if action is Action.TAKEOVER:
+            self._take_over(now)
+        elif action in (Action.STEP_DOWN, Action.HAND_OVER):
+            self._step_down(now, handover=action is Action.HAND_OVER)
+        elif action is Action.SYNC:
+            self.core.become_passive()
+            self._sync(now)
+        if self.state is not before:
+            log.warning("pair: %s -> %s on %s (%s)", before.name, self.state.name, event.name, action.name)
+            self.state_due = True
+        return action
+
+    def _take_over(self, now: float) -> None:
+        core = self.core
+        epoch = max(core.epoch, self.peer_epoch, core.max_epoch_seen) + 1
+        core.now = now
+        core.journal = []
+        core.seq = 0
+        core.durable_seq = 0
+        self.streaming = False
+        core.take_over(epoch, self.cfg.settle)
+        self.set_serving(True)
+        held, self.held = self.held, []
+        for frames, tenant, _ in held:
+            self.serve(frames, tenant)
+
+    def _step_down(self, now: float, handover: bool) -> None:
+        self.core.step_down()
+        self.set_serving(False)
+        self.synced = False
+        self.streaming = False
+        self.handover_beats = HANDOVER_BEATS if handover else 0
+        self._sync(now)
+
+    def _sync(self, now: float) -> None:
+        self.synced = False
+        self.sync_sent = now
+        self._send(Command.SYNC, {})
+
+    # ------------------------------------------------------------------ clients of a non-active broker
+
+    def on_client(self, frames: list[Any], tenant: str | None = None) -> None:
+        """A client message while this broker is not active: the vote (PROTOCOL.md §9.1)."""
+        try:
+            self._vote(frames, tenant)
+        except Exception:  # never let one message stop the broker
+            log.exception("bug while judging a client message on a non-active broker")
+
+    def _vote(self, frames: list[Any], tenant: str | None) -> None:
+        cmd = frames[2] if len(frames) > 2 else b""
+        if cmd not in (_REQ, _CALL, _PING):
+            return  # CANCEL and the like: nothing of theirs is here
+        now = time.monotonic()
+        action = self.event(Event.CLIENT, now)
+        if action is Action.TAKEOVER:
+            self.serve(frames, tenant)
+        elif action is Action.HOLD:
+            self.held.append((frames, tenant, now))
+        else:
+            self._reject(frames)
+
+    def _reject(self, frames: list[Any]) -> None:
+        ident = frames[0]
+        if frames[2] == _PING:
+            self.send_client([ident, _CLIENT_SIG, P.CMD_BYTES[Command.PONG], P.packb({})])
+            return
+        rid = _peek_id(frames)
+        if rid is not None:
+            exc = NotActive(f"broker {self.core.config.name} is passive; its peer is active")
+            self.send_client([ident, _CLIENT_SIG, P.CMD_BYTES[Command.REPLY], P.packb(P.error_header(rid, exc))])
+
+    # ------------------------------------------------------------------ the peer link
+
+    def on_peer(self, frames: list[Any]) -> None:
+        try:
+            msg = P.decode(frames[1:], Peer.BROKER, P.DEFAULT_MAX_MESSAGE_BYTES)
+        except GpudError as exc:
+            log.warning("bad message on the peer link: %s %s", exc.code, exc.message)
+            return
+        now = time.monotonic()
+        self.peer_heard = now
+        h = msg.header
+        try:
+            if msg.command is Command.STATE:
+                self._on_state(h, now)
+            elif msg.command is Command.SYNC:
+                self._on_sync()
+            elif msg.command is Command.SNAPSHOT:
+                self._on_snapshot(h, msg.frames, now)
+            elif msg.command is Command.UPDATES:
+                self._on_updates(h, msg.frames, now)
+        except (KeyError, TypeError, ValueError) as exc:
+            log.error("unusable %s from the peer (%s); re-syncing", msg.command.name, exc)
+            if self.state is State.PASSIVE:
+                self._sync(now)
+
+    def _on_state(self, h: dict[str, Any], now: float) -> None:
+        try:
+            peer_state = State(h.get("state"))
+        except ValueError:
+            log.warning("peer STATE names no state: %r", h.get("state"))
+            return
+        epoch, applied = h.get("epoch"), h.get("applied")
+        if type(epoch) is int:
+            self.peer_epoch = epoch
+            self.core.max_epoch_seen = max(self.core.max_epoch_seen, epoch)
+        if type(applied) is int:
+            self.peer_applied = applied
+        self.peer_streaming = h.get("streaming") is True
+        self.peer_state = peer_state
+        if h.get("handover") is True and peer_state is State.PASSIVE and self.state is State.PASSIVE and self.synced:
+            self.event(Event.HANDOVER, now)
+        elif self.handover_beats > 0 and peer_state is State.PASSIVE:
+            pass  # we handed over; the peer's next STATE says it is active
+        else:
+            self.event(PEER_EVENTS[peer_state], now)
+        if (self.state is State.PASSIVE and peer_state is State.ACTIVE
+                and (not self.synced or not self.peer_streaming) and now - self.sync_sent > self.cfg.expiry):
+            self._sync(now)
+
+    def _on_sync(self) -> None:
+        core = self.core
+        if self.state is not State.ACTIVE:
+            return
+        snap = replica.snapshot(core)
+        if core.journal is not None:
+            core.journal.clear()  # their effects are in the snapshot
+        ok = self._send(Command.SNAPSHOT, {"seq": core.seq, "epoch": core.epoch}, [P.packb(snap)])
+        self.streaming = ok
+        self.peer_applied = 0
+        log.info("pair: snapshot of %d task(s), %d session(s) sent to the peer (seq %d)",
+                 len(snap["tasks"]), len(snap["sessions"]), core.seq)
+
+    def _on_snapshot(self, h: dict[str, Any], frames: list[Any], now: float) -> None:
+        if self.state is not State.PASSIVE:
+            return
+        snap = P.unpackb(bytes(frames[0]))
+        self.core.now = now
+        replica.load(self.core, snap)
+        self.applied = h["seq"]
+        self.synced = True
+        self.state_due = True
+        log.info("pair: snapshot loaded: %d task(s), %d session(s) at seq %d",
+                 len(snap["tasks"]), len(snap["sessions"]), self.applied)
+
+    def _on_updates(self, h: dict[str, Any], frames: list[Any], now: float) -> None:
+        if self.state is not State.PASSIVE or not self.synced:
+            return
+        seq, count = h["seq"], h["count"]
+        if seq + count - 1 <= self.applied:
+            return  # seen already
+        if seq != self.applied + 1:
+            log.warning("pair: updates from seq %d, expected %d: re-syncing", seq, self.applied + 1)
+            self._sync(now)
+            return
+        self.core.now = now
+        for update in P.unpackb(bytes(frames[0])):
+            replica.apply(self.core, update)
+        self.applied = seq + count - 1
+        self.state_due = True
+
+    def _send(self, cmd: Command, header: dict[str, Any], frames: list[Any] | None = None) -> bool:
+        try:
+            send_frames(self.outbound, [_SIG, P.CMD_BYTES[cmd], P.packb(header), *(frames or [])], NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def _send_state(self) -> None:
+        core = self.core
+        applied = self.applied if self.state is State.PASSIVE else core.seq
+        header = {"state": self.state.value, "epoch": core.epoch, "applied": applied, "name": core.config.name,
+                  "streaming": self.streaming}
+        if self.handover_beats > 0:
+            header["handover"] = True
+            self.handover_beats -= 1
+        self._send(Command.STATE, header)
+
+    # ------------------------------------------------------------------ timers and flushing
+
+    def tick(self, now: float) -> None:
+        core = self.core
+        if core.fenced and self.state is State.ACTIVE:
+            log.error("pair: a broker with a later epoch is active; stepping down")
+            self.state = State.PASSIVE
+            self._step_down(now, handover=False)
+            self.state_due = True
+        if self.held:
+            f = self.facts(now)
+            if f.peer_expired or not f.peer_silent or f.witness:
+                held, self.held = self.held, []
+                for frames, tenant, _ in held:
+                    if self.state is State.ACTIVE:
+                        self.serve(frames, tenant)
+                    elif f.peer_expired:
+                        self.on_client(frames, tenant)  # the vote again: take over, or reject
+                    else:
+                        self._reject(frames)
+        if self.state is State.ACTIVE and self.streaming and now - self.peer_heard > self.cfg.expiry:
+            log.warning("pair: the passive peer is silent; results are acknowledged without it")
+            self.streaming = False
+        if now >= self.next_beat or self.state_due:
+            self._send_state()
+            self.state_due = False
+            self.next_beat = now + self.cfg.heartbeat
+
+    def flush(self) -> None:
+        """Once per loop turn: send the journal as one UPDATES, and advance what is durable."""
+        core = self.core
+        journal = core.journal
+        if journal:
+            if self.streaming:
+                first = core.seq - len(journal) + 1
+                if not self._send(Command.UPDATES, {"seq": first, "count": len(journal)}, [P.packb(journal)]):
+                    log.warning("pair: the peer link is full; the passive peer will re-sync")
+                    self.streaming = False
+            journal.clear()
+        core.durable_seq = self.peer_applied if self.streaming else core.seq
+        if self.state_due and self.state is State.PASSIVE:
+            self._send_state()
+            self.state_due = False
+
+    def failover(self) -> dict[str, Any]:
+        """The operator's failover: hand the active role to the in-sync passive peer."""
+        action = self.event(Event.FAILOVER, time.monotonic())
+        if action is not Action.HAND_OVER:
+            raise ConflictError(f"cannot fail over from {self.state.name.lower()}: the active broker hands over, "
+                                "and only to a passive peer that is connected and in sync")
+        return {"state": self.state.value, "epoch": self.core.epoch}
+
+    def status(self, now: float) -> dict[str, Any]:
+        return {
+            "role": self.cfg.role, "state": self.state.value, "epoch": self.core.epoch,
+            "peer": self.cfg.peer, "peer_state": self.peer_state.value if self.peer_state else None,
+            "peer_silent_s": round(now - self.peer_heard, 3), "applied": self.applied if self.state is State.PASSIVE else self.core.seq,
+            "peer_applied": self.peer_applied, "streaming": self.streaming, "synced": self.synced,
+            "settling": self.core.settling_until is not None,
+        }
+
+    def close(self) -> None:
+        self.inbound.close(0)
+        self.outbound.close(0)
+
+
+def _peek_id(frames: list[Any]) -> bytes | None:
+    try:
+        h = P.unpackb(bytes(frames[3]))
+        rid = h.get("id") if type(h) is dict else None
+    except Exception:
+        return None
+    return rid if type(rid) is bytes and len(rid) == P.ID_BYTES else None
+
+
+def drain(sock: zmq.Socket[bytes], handle: Callable[[list[Any]], None], batch: int = 256) -> int:
+    for n in range(batch):
+        try:
+            frames = recv_frames(sock, NOBLOCK, copy_first=3)
+        except zmq.Again:
+            return n
+        handle(frames)
+    return batch

@@ -1,0 +1,105 @@
+"""Chaos: the active broker of a pair killed with SIGKILL under load, then the restarted one, then
+the other; nothing accepted may be lost, and no job (none is idempotent here) may run twice.
+
+Real daemons (a Binary Star pair and simulated-GPU workers, labelled simulated) as subprocesses on
+loopback, the real client library, real jobs under restricted users.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpud.cluster import LocalCluster
+from tests.integration.chaos import duplicates, executions, run_load
+
+pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
+
+CLIENTS, ECHOES, JOBS = 4, 500, 50  # 2,000 echo requests and 200 jobs in flight
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[LocalCluster]:
+    with LocalCluster(workers=2, gpus_per_worker=2, pair=True, heartbeat_ms=250, rundir=tmp_path,
+                      worker_args=["--log-level", "DEBUG", "--slots", "128"]) as c:
+        c.wait_active()
+        yield c
+
+
+def _wait_synced(c: LocalCluster, role: str, timeout: float = 20.0) -> dict[str, object]:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = c.pair_state(role)
+        if st.get("state") == "passive" and st.get("synced"):
+            return st
+        assert time.monotonic() < deadline, f"{role} did not come back passive and in sync: {st}"
+        time.sleep(0.05)
+
+
+def _kill_under_load(c: LocalCluster, victim: str, rng: random.Random) -> None:
+    delay = rng.uniform(0.0, 0.8)
+    out = run_load(c.frontends, CLIENTS, ECHOES, JOBS, during=lambda: (time.sleep(delay), c.kill_broker(victim)))
+    logs = [c.rundir / f"{w}.log" for w in c.worker_procs]  # type: ignore[operator]
+    echo_runs, job_runs = executions(logs)
+    report = (f"killed {victim} {delay:.2f}s in: ok {out.ok}, lost {out.lost}, wrong {len(out.wrong)}, "
+              f"job duplicates {duplicates(out.job_ids, job_runs)}, echo duplicates {duplicates(out.echo_ids, echo_runs)}")
+    print(report)
+    assert not out.errors, f"{report}\nfirst errors: {out.errors[:5]}"
+    assert not out.wrong, f"{report}\nfirst wrong: {out.wrong[:5]}"
+    assert out.ok == CLIENTS * (ECHOES + JOBS), report
+    assert all(job_runs[j] >= 1 for j in out.job_ids), "a job answered without running"
+    assert duplicates(out.job_ids, job_runs) == 0, report  # jobs are not idempotent: never twice
+
+
+def test_broker_failover_under_load_then_fail_back(pair: LocalCluster) -> None:
+    rng = random.Random()
+    _kill_under_load(pair, "primary", rng)
+    assert pair.wait_active() == "backup"
+    assert pair.pair_state("backup")["epoch"] > 2  # a takeover starts a new epoch
+
+    # The killed primary comes back passive and re-syncs; killing the backup then loses nothing.
+    pair.restart_broker("primary")
+    st = _wait_synced(pair, "primary")
+    assert st["peer_state"] == "active"
+    _kill_under_load(pair, "backup", rng)
+    assert pair.wait_active() == "primary"
+
+
+def test_operator_failover_hands_over_and_back(pair: LocalCluster) -> None:
+    from gpud.cluster import admin_call
+    from gpud.errors import InvalidRequest
+    from gpud_client import Client
+
+    _wait_synced(pair, "backup")
+    with pytest.raises(InvalidRequest, match="cannot fail over from passive"):  # only the active one hands over
+        admin_call(pair.admin_of("backup"), "failover")
+    with Client(pair.frontends, timeout=20) as c:
+        assert c.echo(b"before") == b"before"
+        admin_call(pair.admin_of("primary"), "failover")
+        assert pair.wait_active() == "backup"
+        assert c.echo(b"after") == b"after"  # the client follows the NOT_ACTIVE answers
+        _wait_synced(pair, "primary")
+        admin_call(pair.admin_of("backup"), "failover")
+        assert pair.wait_active() == "primary"
+        assert c.echo(b"back") == b"back"
+
+
+def test_sessions_survive_a_broker_failover(pair: LocalCluster) -> None:
+    """The session lives on its worker: after the active broker dies, the same session (same id,
+    same worker, same device memory) answers through the other broker."""
+    import struct
+
+    from gpud_client import Client
+
+    with Client(pair.frontends, timeout=20) as c, c.session() as s:
+        ptr = s.mem_alloc(16)
+        s.memcpy_htod(ptr, struct.pack("4f", 1, 2, 3, 4))
+        sid, worker = s.id, s.worker
+        time.sleep(0.3)  # let the session reach the passive broker
+        pair.kill_broker("primary")
+        assert struct.unpack("4f", s.memcpy_dtoh(ptr, 16)) == (1, 2, 3, 4)
+        assert (s.id, s.worker) == (sid, worker)

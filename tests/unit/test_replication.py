@@ -1,0 +1,225 @@
+"""The broker pair's core, with no sockets: an active core's journal applied to a passive core,
+takeover, settling, orphan results, ACKs only once durable, fencing, replica-first placement.
+
+Two Harness cores share one fake clock's readings; the "wire" between them is ``P.packb`` of the
+journal, as the pair shell sends it (PROTOCOL.md §9.3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpud import protocol as P
+from gpud.protocol import Command
+from gpud_broker.tasks import State
+from gpud_standby import replica
+from tests.unit.test_broker_core import C1, C2, W1, W2, W3, Harness, rid
+
+
+def pair() -> tuple[Harness, Harness]:
+    """An active core with a journal, and a passive core loaded from its (empty) snapshot."""
+    a, b = Harness(), Harness()
+    a.core.journal = []
+    a.core.acking = b.core.acking = True  # as the pair shell sets
+    b.core.become_passive()
+    replica.load(b.core, P.unpackb(P.packb(replica.snapshot(a.core))))
+    return a, b
+
+
+def ship(a: Harness, b: Harness) -> int:
+    """Send a's journal to b as one UPDATES batch (through msgpack); returns how many updates."""
+    journal = P.unpackb(P.packb(a.core.journal))
+    a.core.journal.clear()
+    b.core.now = b.clock.monotonic()
+    for update in journal:
+        replica.apply(b.core, update)
+    return len(journal)
+
+
+def take_over(b: Harness, epoch: int = 3) -> None:
+    b.to_worker.clear()  # WELCOMEs and heartbeats of the passive days
+    b.core.now = b.clock.monotonic()
+    b.core.journal = []
+    b.core.take_over(epoch, settle=2.0)
+
+
+def confirm(b: Harness, ident: bytes, running: list[dict[str, Any]] | None = None, epoch: int = 3) -> None:
+    """A worker's first heartbeat at the new epoch (what ends settling)."""
+    b.heartbeat(ident, 99, epoch=epoch, running=running or [])
+
+
+def test_the_passive_holds_queued_running_done_and_sessions() -> None:
+    a, b = pair()
+    a.ready(W1, "w1")
+    b.ready(W1, "w1")
+    a.request(C1, rid(1), frames=[b"ran"])  # dispatched
+    a.request(C1, rid(2), kind="session")  # dispatched
+    a.take_worker()
+    a.result(W1, rid(1), frames=[b"ran"])
+    a.result(W1, rid(2), session=rid(2))
+    a.request(C1, rid(3), frames=[b"later"], need={"gpus": 2})  # cannot fit one worker: NO_CAPACITY
+    assert ship(a, b) > 0
+    t = b.core.tasks.tasks
+    assert t[rid(1)].state is State.DONE and t[rid(1)].reply is not None
+    assert rid(2) in b.core.sessions and b.core.sessions[rid(2)].worker == "w1"
+    assert rid(3) not in t  # refused at the door: forgotten on both
+    assert b.core.registry.gpus["GPU-w1-0"].granted_milli == 0  # the passive ledger stays empty
+
+
+def test_takeover_rebuilds_the_ledger_settles_then_redispatches_what_ran() -> None:
+    a, b = pair()
+    for h in (a, b):
+        h.ready(W1, "w1")
+    a.request(C1, rid(1), kind="job", argv=["true"], need={"gpu_milli": 300})
+    a.request(C1, rid(2), kind="session", need={"gpu_milli": 100})
+    a.take_worker()
+    a.result(W1, rid(2), session=rid(2))
+    ship(a, b)
+    take_over(b)
+    assert b.core.active and b.core.epoch == 3 and b.core.hold
+    g = b.core.registry.gpus["GPU-w1-0"]
+    assert (g.granted_milli, g.tasks) == (400, 2)  # the running job and the session
+    beats = b.take_worker(heartbeats=True)
+    assert [(m.command, m.header["active"], m.header["epoch"]) for _, m, _ in beats] == [(Command.HEARTBEAT, True, 3)]
+    b.request(C2, rid(3))  # new work waits while settling
+    assert b.take_worker() == []
+    confirm(b, W1, running=[{"id": rid(1), "kind": "job"}])
+    out = b.take_worker()
+    ids = sorted(m.header["id"] for _, m, _ in out)
+    assert ids == [rid(1), rid(3)]  # the job again (the worker ignores a duplicate), then the echo
+    assert all(m.header["epoch"] == 3 for _, m, _ in out)
+    b.result(W1, rid(1), exit_code=0)
+    b.client(C1, Command.REQUEST, {"id": rid(1), "kind": "job", "argv": ["true"]})  # the client's retry
+    assert b.one_reply(C1).header["ok"] is True
+
+
+def test_a_result_for_work_the_new_broker_never_heard_of_is_kept_for_the_retry() -> None:
+    a, b = pair()
+    for h in (a, b):
+        h.ready(W1, "w1")
+    a.request(C1, rid(1), frames=[b"x"])  # the active dies before replicating this one
+    a.core.journal.clear()
+    take_over(b)
+    confirm(b, W1)
+    b.result(W1, rid(1), frames=[b"x"], tenant="default")
+    b.core.durable_seq = b.core.seq  # no passive peer: all is durable (the pair shell's rule)
+    assert b.core.take_acks() == {W1: [rid(1)]}  # kept, so the worker may drop it
+    b.request(C1, rid(1), frames=[b"x"])  # the client's retry, same id: not run again
+    reply = b.one_reply(C1)
+    assert reply.header["ok"] is True and bytes(reply.frames[0]) == b"x"
+    assert b.take_worker() == []
+
+
+def test_work_a_worker_runs_that_the_tables_lack_is_attached_not_run_again() -> None:
+    a, b = pair()
+    for h in (a, b):
+        h.ready(W1, "w1")
+        h.ready(W2, "w2")
+    take_over(b)
+    confirm(b, W1, running=[{"id": rid(7), "kind": "job", "tenant": "default"}])
+    confirm(b, W2)
+    b.take_worker()
+    b.request(C1, rid(7), kind="job", argv=["true"])  # the retry of work dispatched before the crash
+    assert b.take_worker() == [] and b.take_client() == []
+    b.result(W1, rid(7), exit_code=0)
+    assert b.one_reply(C1).header["ok"] is True
+
+
+def test_results_are_acked_only_once_the_passive_holds_them() -> None:
+    a, b = pair()
+    a.ready(W1, "w1")
+    a.request(C1, rid(1))
+    a.take_worker()
+    a.result(W1, rid(1))
+    assert a.core.take_acks() == {}  # the DONE update is not yet applied by the peer
+    a.core.durable_seq = a.core.seq - 1
+    assert a.core.take_acks() == {}
+    a.core.durable_seq = a.core.seq
+    assert a.core.take_acks() == {W1: [rid(1)]}
+
+
+def test_a_standalone_broker_sends_no_acks_and_a_passive_one_never() -> None:
+    h = Harness()
+    h.ready(W1, "w1")
+    (_, welcome, _), = h.take_worker()
+    assert (welcome.command, welcome.header["acks"], welcome.header["active"]) == (Command.WELCOME, False, True)
+    h.request(C1, rid(1))
+    h.take_worker()
+    h.result(W1, rid(1))
+    assert h.core.take_acks() == {}  # its workers keep nothing: nothing to ACK
+    p = Harness()
+    p.core.become_passive()
+    p.core.acking = True
+    p.ready(W1, "w1")
+    p.result(W1, rid(2))
+    assert p.core.take_acks() == {} and p.take_client() == []
+
+
+def test_a_later_epoch_seen_by_a_worker_fences_the_active_broker() -> None:
+    h = Harness()
+    h.ready(W1, "w1")
+    h.heartbeat(W1, 1, epoch=1)
+    assert not h.core.fenced
+    h.heartbeat(W1, 2, epoch=5)
+    assert h.core.fenced
+    h.request(C1, rid(1))
+    h.take_worker()
+    h.core.step_down()
+    reply = h.one_reply(C1)
+    assert reply.header["code"] == "NOT_ACTIVE"
+    assert not h.core.active and len(h.core.tasks) == 0
+    h.assert_idle()
+
+
+def test_a_worker_that_refuses_a_dispatch_as_not_active_fences_us() -> None:
+    h = Harness()
+    h.ready(W1, "w1")
+    h.request(C1, rid(1))
+    h.take_worker()
+    h.result(W1, rid(1), ok=False, code="NOT_ACTIVE", message="epoch 9 is active")
+    assert h.core.fenced and h.take_client() == []
+
+
+def test_the_witness_is_a_worker_that_still_hears_another_active_broker() -> None:
+    h = Harness()
+    h.ready(W1, "w1")
+    assert not h.core.witness(0.75)
+    h.heartbeat(W1, 1, active_age_ms=100)
+    assert h.core.witness(0.75)
+    h.advance(1.0)
+    assert not h.core.witness(0.75)
+
+
+def test_work_of_a_lost_worker_goes_to_its_replica_first() -> None:
+    h = Harness()
+    h.ready(W1, "w1")
+    for n in (1, 2):
+        h.request(C1, rid(n), kind="job", argv=["true"], idempotent=True, need={"gpu_milli": 50})
+    h.ready(W2, "w2", replica_of="w1")
+    h.ready(W3, "w3")
+    h.core.registry.by_name["w2"].gpus[0].granted_milli = 900  # w3 looks far better to the policy
+    h.take_worker()
+    h.core.worker_lost(h.core.registry.get(W1), "test")  # type: ignore[arg-type]
+    again = sorted((m.header["id"], i) for i, m, _ in h.take_worker())
+    assert again == [(rid(1), W2), (rid(2), W2)]
+    # Without a replica (or when it is full), anywhere else: w3 now.
+    h.core.registry.by_name["w2"].gpus[0].granted_milli = 1000
+    h.request(C1, rid(3), kind="job", argv=["true"], idempotent=True, need={"gpu_milli": 50})
+    assert h.one_dispatch(W3).header["id"] == rid(3)
+
+
+def test_a_session_replacing_a_lost_one_opens_on_the_replica() -> None:
+    h = Harness()
+    h.ready(W1, "w1")
+    h.request(C1, rid(1), kind="session", need={"gpu_milli": 100})
+    h.ready(W2, "w2", replica_of="w1")
+    h.ready(W3, "w3")
+    h.core.registry.by_name["w2"].gpus[0].granted_milli = 800  # w3 looks better to the policy
+    h.take_worker()
+    h.result(W1, rid(1), session=rid(1))
+    h.take_client()
+    h.core.worker_lost(h.core.registry.get(W1), "test")  # type: ignore[arg-type]
+    h.request(C1, rid(2), kind="session", need={"gpu_milli": 100}, replaces=rid(1))
+    assert h.one_dispatch(W2).header["id"] == rid(2)
+    h.request(C1, rid(3), kind="session", need={"gpu_milli": 100})  # no replaces: the policy's choice
+    assert h.one_dispatch(W3).header["id"] == rid(3)

@@ -148,7 +148,10 @@ _TABLE = (
         "failover",
         """Hand the active role to the peer broker of the standby pair.
 
-        A standalone broker has no peer and refuses.
+        Ask the active broker: it stops accepting work, and its passive peer (connected and in
+        sync) takes over with a new epoch; clients follow by themselves. Failing back after a
+        crash is this command too: a restarted broker comes back passive. A passive broker, one
+        whose peer is not in sync, and a standalone broker (no peer) refuse.
 
         Example: gpudctl failover  # exit 1: this broker has no peer (standalone)
         """,

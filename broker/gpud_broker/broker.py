@@ -469,7 +469,7 @@ def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = N
     metrics_server = None
     if metrics:
         try:
-            metrics_server = start_metrics(broker.core, metrics)
+            metrics_server = start_metrics(broker.core, metrics, role=pair.role if pair is not None else "standalone")
         except BaseException:
             broker.close()
             raise

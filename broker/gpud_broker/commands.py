@@ -247,11 +247,12 @@ def sessions(target: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
 
 @ADMIN.command("drain")
 def drain(target: Any, args: dict[str, Any]) -> dict[str, Any]:
-    core = _core(target)
+    core = _active_core(target)
     w = _worker(core, args["worker"])
     was = w.draining
     core.set_draining(w, True)
     core.registry.drained.add(w.name)
+    core.marks_changed()
     n = len(w.assigned)
     if was:
         message = f"worker {w.name} was already draining; {n} request(s) still running there"
@@ -262,18 +263,29 @@ def drain(target: Any, args: dict[str, Any]) -> dict[str, Any]:
 
 @ADMIN.command("undrain")
 def undrain(target: Any, args: dict[str, Any]) -> dict[str, Any]:
-    core = _core(target)
+    core = _active_core(target)
     name = args["worker"]
     if name not in core.registry.by_name and name in core.registry.drained:
         core.registry.drained.discard(name)
+        core.marks_changed()
         return {"worker": name, "draining": False, "placed": 0,
                 "message": f"worker {name} is not connected; it takes work when it connects"}
     w = _worker(core, name)
     core.registry.drained.discard(name)
     core.set_draining(w, False)
+    core.marks_changed()
     placed = core.place_queued()
     return {"worker": name, "draining": False, "placed": placed,
             "message": f"worker {name} takes new work again; {placed} queued request(s) placed"}
+
+
+def _active_core(target: Any) -> BrokerCore:
+    """The core, for a command that changes state: only the active broker of a pair takes them
+    (the passive one's tables are the active one's copy)."""
+    core = _core(target)
+    if not core.active:
+        raise ConflictError("this broker is the passive one of its pair: send this to the active broker")
+    return core
 
 
 def _gpu(core: BrokerCore, text: str) -> GpuRecord:
@@ -290,20 +302,22 @@ def _gpu(core: BrokerCore, text: str) -> GpuRecord:
 
 @ADMIN.command("cordon")
 def cordon(target: Any, args: dict[str, Any]) -> dict[str, Any]:
-    core = _core(target)
+    core = _active_core(target)
     g = _gpu(core, args["gpu"])
     g.cordoned = True
     core.registry.cordoned.add(g.uuid)
+    core.marks_changed()
     return {"gpu": g.uuid, "name": _gpu_name(g), "cordoned": True, "grants": g.tasks,
             "message": f"GPU {_gpu_name(g)} ({g.uuid}) cordoned: no new work; {g.tasks} grant(s) run on"}
 
 
 @ADMIN.command("uncordon")
 def uncordon(target: Any, args: dict[str, Any]) -> dict[str, Any]:
-    core = _core(target)
+    core = _active_core(target)
     g = _gpu(core, args["gpu"])
     g.cordoned = False
     core.registry.cordoned.discard(g.uuid)
+    core.marks_changed()
     placed = core.place_queued()
     return {"gpu": g.uuid, "name": _gpu_name(g), "cordoned": False, "placed": placed,
             "message": f"GPU {_gpu_name(g)} ({g.uuid}) takes new work again; {placed} queued request(s) placed"}
@@ -327,7 +341,7 @@ def _find_task(core: BrokerCore, text: str) -> Task:
 
 @ADMIN.command("cancel")
 def cancel(target: Any, args: dict[str, Any]) -> dict[str, Any]:
-    core = _core(target)
+    core = _active_core(target)
     task = _find_task(core, args["id"])
     rid = task.id.hex()
     if task.state is State.RUNNING:

@@ -123,7 +123,7 @@ class BrokerCore:
         self.mix = TaskMix()
         self.policy = make_policy(config.policy, mix=self.mix)
         self._observe = self.mix.observe if config.policy.startswith("fgd") else None
-        self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0, "worker_losses": 0}
+        self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0, "worker_losses": 0, "takeovers": 0}
         self.stats = RequestStats()  # by kind and by error code, for the metrics endpoint
         self.placement_times = PlacementTimes()  # seconds per placement decision (admin status)
         self.open_workers = 0  # registered workers with a free slot (see the module docstring)
@@ -903,6 +903,21 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ the broker pair
 
+    def marks_changed(self) -> None:
+        """The operator drained or cordoned something (or undid it): replicate the marks."""
+        if self.journal is not None:
+            self._rep([R.MARKS, sorted(self.registry.drained), sorted(self.registry.cordoned)])
+
+    def set_marks(self, drained: list[str], cordoned: list[str]) -> None:
+        """Take the operator's marks as replicated (drained workers, cordoned GPUs)."""
+        reg = self.registry
+        reg.drained, reg.cordoned = set(drained), set(cordoned)
+        for w in reg.by_identity.values():
+            if w.draining != (w.name in reg.drained):
+                self.set_draining(w, w.name in reg.drained)
+            for g in w.gpus:
+                g.cordoned = g.uuid in reg.cordoned
+
     def witness(self, within: float) -> bool:
         """Does some connected worker still hear another broker that says it is active?"""
         since = self.now - within
@@ -966,6 +981,7 @@ class BrokerCore:
         self.max_epoch_seen = max(self.max_epoch_seen, epoch)
         self.fenced = False
         self.takeover_at = now
+        self.counters["takeovers"] += 1
         reg = self.registry
         for sid, s in list(self.sessions.items()):
             w = reg.by_name.get(s.worker)

@@ -154,8 +154,12 @@ class BrokerCollector(Collector):
             CounterMetricFamily("gpud_worker_losses", "Workers lost without a goodbye (silent, or reconnected under the same name).", value=c.get("worker_losses", 0)),
             CounterMetricFamily("gpud_bad_messages", "Messages refused as malformed or not allowed.", value=c.get("bad_messages", 0)),
             CounterMetricFamily("gpud_requests_finished", "Requests answered (replies kept for retries), all kinds.", value=core.tasks.finished_total),
-            # The standby pair does not exist yet: no failover has happened and nothing replicates.
-            CounterMetricFamily("gpud_failovers", "Times the active role moved between the broker pair.", value=0),
+            CounterMetricFamily("gpud_failovers", "Times this broker took the active role of its pair.", value=c.get("takeovers", 0)),
+            GaugeMetricFamily("gpud_active", "1 while this broker accepts work (standalone, or the active one of its pair).",
+                              value=1 if core.active else 0),
+            GaugeMetricFamily("gpud_replication_lag_updates",
+                              "Replication updates sent to the passive peer and not yet applied by it (0 without one).",
+                              value=core.seq - core.durable_seq if core.journal is not None else 0),
         ]
         return out
 

@@ -18,7 +18,7 @@ from gpud_broker.tasks import Session, State, Task
 log = logging.getLogger(__name__)
 
 # Update tags (the first item of each update).
-TASK, RUN, QUEUE, DONE, FORGET, SESSION, END = "task", "run", "queue", "done", "forget", "session", "end"
+TASK, RUN, QUEUE, DONE, FORGET, SESSION, END, MARKS = "task", "run", "queue", "done", "forget", "session", "end", "marks"
 
 
 def grant_to_wire(g: Grant | None) -> list[Any] | None:
@@ -77,6 +77,7 @@ def snapshot(core: Any) -> dict[str, Any]:
     return {
         "tasks": [task_to_wire(t, now) for t in core.tasks.tasks.values()],
         "sessions": [session_to_wire(s) for s in core.sessions.values()],
+        "marks": [sorted(core.registry.drained), sorted(core.registry.cordoned)],
     }
 
 
@@ -92,6 +93,7 @@ def load(core: Any, snap: dict[str, Any]) -> None:
     for raw in snap["sessions"]:
         s = session_from_wire(raw, now)
         core.sessions[s.id] = s
+    core.set_marks(*snap.get("marks", ([], [])))
 
 
 def apply(core: Any, update: list[Any]) -> None:
@@ -108,6 +110,9 @@ def apply(core: Any, update: list[Any]) -> None:
         return
     if tag == END:
         core.sessions.pop(update[1], None)
+        return
+    if tag == MARKS:
+        core.set_marks(update[1], update[2])
         return
     t = tasks.get(update[1])
     if tag == DONE:

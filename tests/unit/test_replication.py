@@ -223,3 +223,36 @@ def test_a_session_replacing_a_lost_one_opens_on_the_replica() -> None:
     assert h.one_dispatch(W2).header["id"] == rid(2)
     h.request(C1, rid(3), kind="session", need={"gpu_milli": 100})  # no replaces: the policy's choice
     assert h.one_dispatch(W3).header["id"] == rid(3)
+
+
+def test_the_operators_marks_travel_with_the_tables() -> None:
+    from gpud_broker.commands import ADMIN
+
+    a, b = pair()
+    for h in (a, b):
+        h.ready(W1, "w1")
+        h.ready(W2, "w2")
+
+    class Target:
+        core = a.core
+
+    ADMIN.dispatch(Target(), "drain", {"worker": "w1"}, who="test")
+    ADMIN.dispatch(Target(), "cordon", {"gpu": "GPU-w2-0"}, who="test")
+    ship(a, b)
+    assert b.core.registry.by_name["w1"].draining and b.core.registry.gpus["GPU-w2-0"].cordoned
+    snap = P.unpackb(P.packb(replica.snapshot(a.core)))
+    c = Harness()
+    c.core.become_passive()
+    c.ready(W1, "w1")
+    c.ready(W2, "w2")
+    replica.load(c.core, snap)
+    assert c.core.registry.by_name["w1"].draining and c.core.registry.gpus["GPU-w2-0"].cordoned
+
+    class Passive:
+        core = b.core
+
+    import pytest
+
+    from gpud.errors import ConflictError
+    with pytest.raises(ConflictError, match="passive"):
+        ADMIN.dispatch(Passive(), "undrain", {"worker": "w1"}, who="test")

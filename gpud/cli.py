@@ -25,13 +25,14 @@ def _up(args: argparse.Namespace) -> int:
 
         simulate = not NvmlProbe.available()
     kind = "simulated" if simulate else "real"
-    print(f"gpud up: starting 1 broker and {args.workers} worker(s) with {args.gpus_per_worker} {kind} GPU(s) each")
+    brokers = "1 broker" if args.single else "a broker pair (primary, backup)"
+    print(f"gpud up: starting {brokers} and {args.workers} worker(s) with {args.gpus_per_worker} {kind} GPU(s) each")
     if os.geteuid() == 0:
         print("  as root: each worker runs jobs under 16 dynamic uids of its own, never as root")
     # CURVE on, with a throwaway key set in the cluster's run directory (making keys takes ms).
     security = "none" if args.no_curve else "curve"
     cluster = LocalCluster(workers=args.workers, gpus_per_worker=args.gpus_per_worker, simulate=simulate,
-                           security=security)
+                           security=security, pair=not args.single)
     try:
         cluster.start()
     except RuntimeError as exc:
@@ -39,7 +40,11 @@ def _up(args: argparse.Namespace) -> int:
         cluster.stop()
         return 1
     try:
-        print(f"  frontend {cluster.frontend}\n  backend  {cluster.backend}\n  admin    {cluster.admin}")
+        if cluster.pair:
+            cluster.wait_active()
+        for role in cluster.roles:
+            ep = cluster.broker_endpoints[role]
+            print(f"  {role:8} frontend {ep['frontend']}  backend {ep['backend']}  admin {cluster.admin_of(role)}")
         if security == "curve":
             print(f"  CURVE on: keys in {cluster.keys} (broker.key is the broker's public key;"
                   " a client key goes in clients/TENANT/)")
@@ -107,11 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     broker_args(sub.add_parser("broker", help="run the broker (control node)"))
     worker_args(sub.add_parser("worker", help="run a worker (GPU VM)"))
-    up = sub.add_parser("up", help="run a local cluster: one broker and N workers as child processes")
+    up = sub.add_parser("up", help="run a local cluster: a broker pair and N workers as child processes")
     up.add_argument("--workers", type=int, default=2, help="number of workers (default %(default)s)")
     up.add_argument("--gpus-per-worker", type=int, default=2, help="GPUs per worker when simulated (default %(default)s)")
     up.add_argument("--simulate", action="store_true", help="simulate GPUs even where NVML finds real ones")
     up.add_argument("--demo", action="store_true", help="run a demo workload through the client library, then stop")
+    up.add_argument("--single", action="store_true", help="one broker instead of a Binary Star pair")
     up.add_argument("--log-level", default="WARNING", help="log level of gpud up itself")
     up.add_argument("--no-curve", action="store_true", help="run without CURVE (security none) instead of a throwaway key set")
     keys = sub.add_parser("keygen", help="write a CURVE key pair: DIR/NAME.key (public) and DIR/NAME.key_secret (0600)")

@@ -23,7 +23,7 @@ def run_demo(cluster: LocalCluster, echoes: int = 500, jobs: int = 8, sessions: 
     failures: list[str] = []
     placed: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     curve = cluster.client_keys("demo") if cluster.security == "curve" else None
-    with Client(cluster.frontend, timeout=30.0, tenant="demo", curve=curve) as client:
+    with Client(cluster.frontends, timeout=30.0, tenant="demo", curve=curve) as client:
         # Echo: a window of requests in flight, every payload checked.
         t0 = time.perf_counter()
         payloads = [os.urandom(64) for _ in range(echoes)]
@@ -60,11 +60,13 @@ def run_demo(cluster: LocalCluster, echoes: int = 500, jobs: int = 8, sessions: 
                     if err is not None:
                         failures.append(f"session {i} kernel {name}: {err}")
         print(f"sessions {sessions} x 4 built-in kernels checked against numpy")
+        if cluster.pair:
+            failures += _failover(cluster, client)
 
     print("\nwhere the work was placed (worker/GPU: count)")
     for kind, counter in placed.items():
         print(f"  {kind:8} " + ", ".join(f"{k}: {v}" for k, v in sorted(counter.items())))
-    _print_gpus(cluster.status())
+    _print_gpus(cluster.status(role=cluster.wait_active() if cluster.pair else None))
     if failures:
         print("\nDEMO FAILED:")
         for f in failures:
@@ -72,6 +74,39 @@ def run_demo(cluster: LocalCluster, echoes: int = 500, jobs: int = 8, sessions: 
         return 1
     print("\ndemo OK: every result checked")
     return 0
+
+
+def _failover(cluster: LocalCluster, client: Any) -> list[str]:
+    """Kill the active broker (SIGKILL) with jobs running and a session open, and send echoes
+    right after: every result must still come back right, through the other broker. Then restart
+    the killed one (it comes back passive and re-syncs)."""
+    active = cluster.wait_active()
+    payloads = [os.urandom(64) for _ in range(300)]
+    jobs = [client.submit(["sh", "-c", f"sleep 0.5; echo {i}"], gpu_milli=50, time_limit=30) for i in range(6)]
+    s = client.session(gpu_milli=100, mem=1 << 20)
+    x = s.mem_alloc(16)
+    s.memcpy_htod(x, np.arange(4, dtype=np.float32))
+    time.sleep(0.3)  # the passive broker has all of it now
+    t0 = time.perf_counter()
+    cluster.kill_broker(active)
+    echoes = [client.submit_echo(p) for p in payloads]
+    wrong = sum(1 for p, q in zip(payloads, echoes, strict=True) if q.wait() != p)
+    bad_jobs = sum(1 for i, j in enumerate(jobs) if (r := j.wait()).exit_code != 0 or r.stdout.strip() != str(i).encode())
+    s.launch("builtin", "saxpy", (1,), (4,), (np.float32(2), x, x, np.int32(4)))
+    got = np.frombuffer(s.memcpy_dtoh(x), np.float32)
+    s.close()
+    dt = time.perf_counter() - t0
+    now = cluster.wait_active()
+    print(f"failover {active} killed (SIGKILL) with 6 jobs running and a session open, 300 echoes sent "
+          f"after it: {now} took over; all answered in {dt:.1f}s, {wrong + bad_jobs} wrong")
+    cluster.restart_broker(active)
+    print(f"         {active} restarted: it comes back passive and re-syncs from {now}")
+    out = []
+    if wrong or bad_jobs:
+        out.append(f"after the failover {wrong} echo(es) and {bad_jobs} job(s) came back wrong")
+    if not np.allclose(got, 3 * np.arange(4, dtype=np.float32)):
+        out.append(f"the session's saxpy after the failover gave {got}")
+    return out
 
 
 def _check_kernels(s: Any, builtin: str, rng: np.random.Generator) -> dict[str, str | None]:

@@ -128,7 +128,7 @@ class Pair:
 
     def _take_over(self, now: float) -> None:
         core = self.core
-        epoch = max(core.epoch, self.peer_epoch, core.max_epoch_seen) + 1
+        epoch = next_epoch(max(core.epoch, self.peer_epoch, core.max_epoch_seen), self.cfg.role == "primary")
         core.now = now
         core.journal = []
         core.seq = 0
@@ -356,6 +356,16 @@ class Pair:
     def close(self) -> None:
         self.inbound.close(0)
         self.outbound.close(0)
+
+
+def next_epoch(seen: int, primary: bool) -> int:
+    """The epoch of a takeover: above every epoch seen, even for the primary and odd for the
+    backup, so that two brokers never hold the same epoch (workers then always tell which one is
+    newer, even after a partition in which both took over)."""
+    epoch = seen + 1
+    if (epoch % 2 == 0) != primary:
+        epoch += 1
+    return epoch
 
 
 def _peek_id(frames: list[Any]) -> bytes | None:

@@ -109,3 +109,13 @@ def test_a_live_peer_or_a_witness_keeps_the_passive_passive() -> None:
     for f in ALL_FACTS:
         if not f.peer_expired or f.witness:
             assert step(S.PASSIVE, E.CLIENT, f)[0] is S.PASSIVE
+
+
+def test_takeover_epochs_are_unique_to_each_role_and_grow() -> None:
+    from gpud_standby.pair import next_epoch
+
+    for seen in range(0, 20):
+        p, b = next_epoch(seen, True), next_epoch(seen, False)
+        assert p > seen and b > seen and p != b
+        assert p % 2 == 0 and b % 2 == 1
+        assert min(p, b) == seen + 1  # nothing is skipped needlessly

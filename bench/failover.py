@@ -47,7 +47,7 @@ from tests.integration.chaos import executions  # noqa: E402
 
 def broker_failover(trials: int) -> dict[str, Any]:
     samples: list[float] = []
-    lost = 0
+    lost_box = [0]
     sent_ids: list[str] = []
     with tempfile.TemporaryDirectory(prefix="gpud-bench-") as tmp:
         c = LocalCluster(workers=2, pair=True, rundir=Path(tmp), log_level="WARNING",
@@ -64,25 +64,7 @@ def broker_failover(trials: int) -> dict[str, Any]:
                 first_after: list[float] = []
                 stop = threading.Event()
 
-                def traffic() -> None:
-                    nonlocal lost
-                    with Client(c.frontends, timeout=20) as cl:
-                        n = 0
-                        while not stop.is_set():
-                            payload = b"t%d" % n
-                            n += 1
-                            t_send = time.monotonic()
-                            p = cl.submit_echo(payload)
-                            sent_ids.append(p.id.hex()[:12])
-                            try:
-                                ok = p.wait() == payload
-                            except GpudError:
-                                ok = False
-                            if not ok:
-                                lost += 1
-                            if killed_at and t_send > killed_at[0] and not first_after:
-                                first_after.append(time.monotonic())
-                t = threading.Thread(target=traffic, daemon=True)
+                t = threading.Thread(target=_traffic, args=(c.frontends, stop, killed_at, first_after, sent_ids, lost_box), daemon=True)
                 t.start()
                 time.sleep(0.5)
                 killed_at.append(time.monotonic())
@@ -98,7 +80,29 @@ def broker_failover(trials: int) -> dict[str, Any]:
                 active = other
             echo_runs, _ = executions([c.rundir / f"{w}.log" for w in c.worker_procs])  # type: ignore[operator]
     dups = sum(1 for i in sent_ids if echo_runs[i] > 1)
-    return {"samples": samples, "lost": lost, "duplicates": dups, "requests": len(sent_ids)}
+    return {"samples": samples, "lost": lost_box[0], "duplicates": dups, "requests": len(sent_ids)}
+
+
+def _traffic(endpoints: list[str], stop: threading.Event, killed_at: list[float], first_after: list[float],
+             sent_ids: list[str], lost: list[int]) -> None:
+    """Echo requests one after another until ``stop``; notes when the first request sent after
+    the kill is answered, and counts answers that were not the payload (lost)."""
+    with Client(endpoints, timeout=20) as cl:
+        n = 0
+        while not stop.is_set():
+            payload = b"t%d" % n
+            n += 1
+            t_send = time.monotonic()
+            p = cl.submit_echo(payload)
+            sent_ids.append(p.id.hex()[:12])
+            try:
+                ok = p.wait() == payload
+            except GpudError:
+                ok = False
+            if not ok:
+                lost[0] += 1
+            if killed_at and t_send > killed_at[0] and not first_after:
+                first_after.append(time.monotonic())
 
 
 def worker_recovery(jobs: int = 6) -> float:

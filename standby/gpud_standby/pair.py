@@ -21,7 +21,7 @@ from gpud import protocol as P
 from gpud.errors import ConflictError, GpudError, NotActive
 from gpud.protocol import Command, Peer
 from gpud.security import PEER_DOMAIN, CurveKeys, apply_client_keys, server_socket_options
-from gpud.sockets import NOBLOCK, recv_frames, send_frames
+from gpud.sockets import NOBLOCK, send_frames
 from gpud_standby import replica
 from gpud_standby.bstar import PEER_EVENTS, Action, Event, Facts, State, step
 
@@ -376,12 +376,3 @@ def _peek_id(frames: list[Any]) -> bytes | None:
         return None
     return rid if type(rid) is bytes and len(rid) == P.ID_BYTES else None
 
-
-def drain(sock: zmq.Socket[bytes], handle: Callable[[list[Any]], None], batch: int = 256) -> int:
-    for n in range(batch):
-        try:
-            frames = recv_frames(sock, NOBLOCK, copy_first=3)
-        except zmq.Again:
-            return n
-        handle(frames)
-    return batch

@@ -54,7 +54,7 @@ def namespaces() -> Iterator[dict[str, str]]:
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
         pytest.skip(f"cannot make network namespaces here ({exc.stderr.decode().strip()}); the split-brain test did not run")
     try:
-        for i, (role, n) in enumerate(ns.items(), start=1):  # this namespace <-> each broker's
+        for i, n in enumerate(ns.values(), start=1):  # this namespace <-> each broker's
             here, there = links[i - 1] + "h", links[i - 1] + "n"
             _ip("link", "add", here, "type", "veth", "peer", "name", there)
             _ip("link", "set", there, "netns", n)

@@ -15,8 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import pytest
 from gpud.admin_commands import COMMANDS
 from gpud.cluster import LocalCluster
 from gpud_client import Cancelled, Client
+from tests.waiting import wait_for
 
 GPUDCTL = [sys.executable, "-m", "gpud_client.ctl"]
 
@@ -50,17 +50,6 @@ def ctl_json(cluster: LocalCluster, *args: str) -> Any:
     r = ctl(cluster, *args, "--json")
     assert r.returncode == 0, f"gpudctl {' '.join(args)}: {r.returncode}\n{r.stderr}"
     return json.loads(r.stdout)
-
-
-def wait_for(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture()

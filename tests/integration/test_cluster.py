@@ -18,6 +18,7 @@ from gpud import protocol as P
 from gpud.cluster import LocalCluster
 from gpud.protocol import Command, Peer
 from gpud_client import BUILTIN, Client, OutOfMemory, SessionLost, WorkerLost
+from tests.waiting import wait_for
 
 HB = ["--heartbeat-ms", "200"]
 
@@ -32,17 +33,6 @@ def cluster(job_user_prefix: str | None) -> Iterator[LocalCluster]:
 def client(cluster: LocalCluster) -> Iterator[Client]:
     with Client(cluster.frontend, timeout=30) as c:
         yield c
-
-
-def wait_for(pred, timeout: float = 10.0, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_status_shows_simulated_workers_and_gpus(cluster: LocalCluster) -> None:

@@ -18,6 +18,7 @@ import pytest
 from gpud.cluster import LocalCluster
 from gpud.errors import GpuFault
 from gpud_client import Client, SessionLost
+from tests.waiting import wait_for
 
 PROBATION_S = 1.0
 GPUDCTL = [sys.executable, "-m", "gpud_client.ctl"]
@@ -53,17 +54,6 @@ def inject(c: LocalCluster, fault_file: Path, faults: list[dict[str, Any]], *wor
     fault_file.write_text(json.dumps(faults))
     for name in workers:
         c.worker_procs[name].send_signal(signal.SIGUSR2)
-
-
-def wait_for(pred, timeout: float = 10.0, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def gpu(c: LocalCluster, uuid: str) -> dict[str, Any]:

@@ -13,8 +13,7 @@ import json
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +24,10 @@ from gpud.cluster import LocalCluster, admin_call
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compute_api import ComputeAPI  # noqa: E402
 
+from tests.waiting import wait_for
+
 GPUDCTL = [sys.executable, "-m", "gpud_client.ctl"]
 WORKER = {"gpud:role": "worker"}
-
-
-def wait_for(pred: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

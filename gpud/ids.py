@@ -13,17 +13,24 @@ class _IdSource:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pool = b""
-        self._pid = 0
 
     def take16(self) -> bytes:
         with self._lock:
-            if len(self._pool) < 16 or self._pid != os.getpid():
-                self._pool, self._pid = os.urandom(4096), os.getpid()
+            if len(self._pool) < 16:
+                self._pool = os.urandom(4096)
             out, self._pool = self._pool[:16], self._pool[16:]
         return out
 
+    def forget(self) -> None:
+        """In a forked child: drop the parent's bytes (they would repeat its ids). A fresh lock,
+        too: the fork may have copied it held."""
+        self._lock = threading.Lock()
+        self._pool = b""
+
 
 _ids = _IdSource()
+# A hook instead of a getpid() per id (a system call's worth on the client's hot path).
+os.register_at_fork(after_in_child=_ids.forget)
 
 
 def new_id() -> bytes:

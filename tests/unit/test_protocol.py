@@ -785,3 +785,22 @@ def test_gpu_state_nan_mem_used_does_not_escape() -> None:
     except GpudError:
         return
     assert 0 <= state.mem_used <= P.MAX_MEM
+
+
+def test_ids_are_not_repeated_across_a_fork() -> None:
+    """Parent and child must not draw the same ids from a pool copied by fork()."""
+    import os
+
+    from gpud.ids import new_id
+
+    new_id()  # the pool holds bytes now
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next id, then leave at once
+        os.write(w, new_id())
+        os._exit(0)
+    os.close(w)
+    child = os.read(r, 16)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert len(child) == 16 and child != new_id()

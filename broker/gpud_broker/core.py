@@ -106,6 +106,11 @@ _DISPATCH = P.CMD_BYTES[Command.DISPATCH]
 _packb = P.packb
 
 
+def _grant_header(g: Grant) -> dict[str, Any]:
+    """A grant as DISPATCH carries it (PROTOCOL.md §4.3): the worker's limits come from it."""
+    return {"gpus": list(g.gpus), "gpu_milli": g.gpu_milli, "mem": g.mem, "cpu_milli": g.cpu_milli, "host_mem": g.host_mem}
+
+
 class BrokerCore:
     def __init__(self, config: BrokerConfig, now: float, send_client: Send, send_worker: Send) -> None:
         self.config = config
@@ -437,7 +442,7 @@ class BrokerCore:
             worker.inflight += 1
             if had and not worker.has_slot:
                 self._open_changed(worker, had)
-            header["grant"] = {"gpus": list(g.gpus), "gpu_milli": g.gpu_milli, "mem": g.mem}
+            header["grant"] = _grant_header(g)
         if task.body:
             header.update(task.body)
         self.send_worker(worker.identity, [_WORKER_SIG, _DISPATCH, _packb(header), *task.frames])
@@ -1077,7 +1082,7 @@ class BrokerCore:
                     header: dict[str, Any] = {"id": task.id, "kind": task.kind, "tenant": task.tenant, "epoch": self.epoch}
                     g = task.grant
                     if g is not None:
-                        header["grant"] = {"gpus": list(g.gpus), "gpu_milli": g.gpu_milli, "mem": g.mem}
+                        header["grant"] = _grant_header(g)
                     if task.body:
                         header.update(task.body)
                     self.send_worker(w.identity, [_WORKER_SIG, _DISPATCH, _packb(header), *task.frames])

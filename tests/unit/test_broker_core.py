@@ -212,7 +212,7 @@ def test_echo_request_dispatch_result_reply(h: Harness) -> None:
     assert (
         d.header["id"] == rid(1) and d.header["kind"] == "echo" and d.header["tenant"] == "default"
     )
-    assert d.header["grant"] == {"gpus": ["GPU-w1-0"], "gpu_milli": 1, "mem": 0}
+    assert d.header["grant"] == {"gpus": ["GPU-w1-0"], "gpu_milli": 1, "mem": 0, "cpu_milli": 0, "host_mem": 0}
     assert [bytes(f) for f in d.frames] == payload
     g = h.core.registry.gpus["GPU-w1-0"]
     assert (g.granted_milli, g.tasks) == (1, 1) and h.core.registry.by_name["w1"].inflight == 1
@@ -233,9 +233,9 @@ def test_echo_request_dispatch_result_reply(h: Harness) -> None:
 def test_request_with_explicit_need_and_bad_request(h: Harness) -> None:
     h.ready(W1, "w1")
     h.take_worker()
-    h.request(C1, rid(1), need={"gpu_milli": 250, "mem": GiB, "tenant": "alice"})
+    h.request(C1, rid(1), need={"gpu_milli": 250, "mem": GiB, "tenant": "alice", "cpu_milli": 500, "host_mem": MiB})
     d = h.one_dispatch(W1)
-    assert d.header["grant"] == {"gpus": ["GPU-w1-0"], "gpu_milli": 250, "mem": GiB}
+    assert d.header["grant"] == {"gpus": ["GPU-w1-0"], "gpu_milli": 250, "mem": GiB, "cpu_milli": 500, "host_mem": MiB}
     assert d.header["tenant"] == "alice"
     h.request(C1, rid(2), need={"gpu_milli": 1001})
     assert error_code(h.one_reply(C1)) == "INVALID_REQUEST"
@@ -544,6 +544,8 @@ def open_session(h: Harness, sid: bytes, ident: bytes = W1) -> None:
         "gpus": [d.header["grant"]["gpus"][0]],
         "gpu_milli": 100,
         "mem": 256 * MiB,
+        "cpu_milli": 0,
+        "host_mem": 0,
     }
     h.result(ident, sid, session=sid, worker="w1")
     reply = h.one_reply(C1)

@@ -9,7 +9,7 @@ BINDIR     ?= /usr/bin
 SYSCONFDIR ?= /etc
 UNITDIR    ?= build/systemd
 
-.PHONY: run test lint typecheck check bench units clean
+.PHONY: run test lint typecheck check bench units clean gpu-check
 
 $(STAMP): setup.cfg pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -33,6 +33,12 @@ check: lint typecheck test
 
 bench: $(STAMP)
 	$(BIN)/python bench/dispatch.py
+
+# The GPU check, on a GPU machine without network: a venv of its own from the files of ./wheels
+# (GPUD_WHEELS; made by scripts/gpu-wheels.sh where there is network), pycuda built there, tests/gpu
+# and the remote-vs-local GPU figures (docs/OPERATIONS.md, GPU check). Not needed by `make test`.
+gpu-check:
+	scripts/gpu-check.sh
 
 units:
 	@mkdir -p $(UNITDIR)

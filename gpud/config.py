@@ -103,6 +103,10 @@ def _instance_id(v: str) -> str | None:
     return None if ok else f"must be a Nova server id (at most 64 of [A-Za-z0-9._-]), \"auto\" or empty; got {v!r}"
 
 
+def _absolute_or_empty(v: str) -> str | None:
+    return None if not v or v.startswith("/") else f"must be an absolute path or empty; got {v!r}"
+
+
 def uid_range(text: str) -> range | None:
     """``"FIRST-LAST"`` as a range of unprivileged uids; None for ``""``. ValueError if malformed."""
     if not text:
@@ -192,6 +196,12 @@ class WorkerSection:
     probation_s: float = _key(300.0, _at_least(0))  # a failed GPU's checks pass this long before it serves
     fault_file: str = _key("")  # SIMULATED GPU faults, read on SIGUSR2; empty: none
     instance_id: str = _key("", _instance_id)  # its Nova server id; "auto": the metadata service
+    cgroups: str = _key("auto", _one_of("auto", "off"))  # a cgroup v2 per job where usable
+    cgroup_parent: str = _key("", _absolute_or_empty)  # empty: the worker's own (delegated) cgroup
+    job_memory: int = _key(0, _at_least(0))  # memory.max of a job whose grant has no host_mem; 0: none
+    mps: bool = _key(False)  # CUDA MPS runs here: jobs and sessions get their grant's MPS limits
+    mps_pipe_dir: str = _key("", _absolute_or_empty)  # empty: $CUDA_MPS_PIPE_DIRECTORY, else /tmp/nvidia-mps
+    mps_log_dir: str = _key("", _absolute_or_empty)  # empty: $CUDA_MPS_LOG_DIRECTORY, else /var/log/nvidia-mps
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,7 +83,7 @@ CMD_BYTES: dict[Command, bytes] = {c: bytes([c]) for c in Command}
 
 ID_BYTES = 16
 KINDS = ("echo", "job", "session")
-SESSION_OPS = ("alloc", "free", "htod", "dtoh", "launch", "sync", "info", "close")
+SESSION_OPS = ("alloc", "free", "htod", "dtoh", "load", "launch", "sync", "info", "close")
 ARG_TYPES = ("ptr", "i32", "u32", "i64", "u64", "f32", "f64")
 BUILTIN_MODULE = "builtin"
 

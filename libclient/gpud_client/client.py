@@ -35,6 +35,7 @@ from gpud.errors import (
     GpuFault,
     InternalError,
     InvalidRequest,
+    ProtocolError,
     SessionLost,
     Timeout,
     WorkerLost,
@@ -53,12 +54,15 @@ from gpud.security import CurveKeys, apply_client_keys
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
 from gpud_client import _request as rq
 from gpud_client._request import DevicePtr, JobResult
+from gpud_client.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_WINDOW, plan, run_windowed
 from gpud_client.journal import Entry, Journal
 
 if TYPE_CHECKING:
     from gpud_client._request import BytesLike
 
 __all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_CHUNK_WINDOW",
     "DEFAULT_JOURNAL_BYTES",
     "DEFAULT_KEEPALIVE_S",
     "DEFAULT_PING_INTERVAL_S",
@@ -240,6 +244,14 @@ class Client:
         replay off, so that a session lost with its worker or GPU raises SessionLost at once.
     session_replays:
         Times one session may be opened again and replayed; its next loss raises SessionLost.
+    chunk_bytes:
+        Bytes of the largest session copy sent as one CALL (default 8 MiB). A larger
+        ``memcpy_htod`` or ``memcpy_dtoh`` travels as CALLs of at most this many bytes on
+        consecutive offsets (PROTOCOL.md §5.4); keep it well under the broker's maximum message
+        size (1 GiB by default).
+    chunk_window:
+        Chunk CALLs of one copy outstanding at once (default 4): the broker and the worker hold at
+        most ``chunk_window * chunk_bytes`` bytes of one copy.
     context:
         A zmq context to use; by default the client makes its own and terminates it on close.
     curve:
@@ -264,6 +276,8 @@ class Client:
         settle: float = DEFAULT_SETTLE_S,
         journal_bytes: int = DEFAULT_JOURNAL_BYTES,
         session_replays: int = DEFAULT_SESSION_REPLAYS,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_window: int = DEFAULT_CHUNK_WINDOW,
         context: zmq.Context[Any] | None = None,
         curve: CurveKeys | None = None,
     ) -> None:
@@ -283,6 +297,11 @@ class Client:
         for name, count in (("journal_bytes", journal_bytes), ("session_replays", session_replays)):
             if type(count) is not int or count < 0:
                 raise ConfigError(f"{name} must be a non-negative int, got {count!r}")
+        for name, count in (("chunk_bytes", chunk_bytes), ("chunk_window", chunk_window)):
+            if type(count) is not int or count < 1:
+                raise ConfigError(f"{name} must be a positive int, got {count!r}")
+        self._chunk_bytes = chunk_bytes
+        self._chunk_window = chunk_window
         self.timeout = float(timeout)
         try:
             parse_need("echo", {"tenant": tenant})
@@ -334,6 +353,16 @@ class Client:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of the largest session copy sent as one CALL; larger ones are chunked."""
+        return self._chunk_bytes
+
+    @property
+    def chunk_window(self) -> int:
+        """Chunk CALLs of one copy outstanding at once."""
+        return self._chunk_window
 
     def __enter__(self) -> Client:
         return self
@@ -973,6 +1002,7 @@ class Session:
         self._handles: dict[int, int] = {}  # the caller's handle -> the current session's
         self._top = 0  # the largest handle handed to the caller: never hand out one twice
         self._replays = 0
+        self._modules: dict[str, list[str]] = {}  # modules loaded (module_load) -> their kernels
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"on {self.worker}"
@@ -1051,6 +1081,59 @@ class Session:
         client._submit(rid, frames, what, expect)
         pending = Pending(client, rid, convert, limit, what, cancellable=False)
         return client._sync(pending, None)
+
+    def _copy(self, op: str, args: Mapping[str, Any], buf: memoryview, timeout: float | None) -> None:
+        """A chunked copy (``args``: handle and offset, the caller's handle): ``htod`` sends
+        ``buf``, ``dtoh`` fills it. Replays the session when it was lost, then copies again from
+        the start (what had reached the lost session is gone with it)."""
+        if self._closed:
+            raise SessionLost(f"session {id_text(self.id)} is closed")
+        limit = self._client.timeout if timeout is None else timeout
+        while True:
+            wire = self._wire(op, args, self._handles)
+            try:
+                self._send_chunks(op, wire, buf, limit)
+                return
+            except (SessionLost, GpuFault) as exc:
+                if self._closed:
+                    raise
+                self._recover(exc, limit)
+
+    def _send_chunks(self, op: str, args: Mapping[str, Any], buf: memoryview, limit: float) -> None:
+        """One copy on the current session (``args`` with its real handle) as chunk CALLs of at
+        most ``chunk_bytes``, ``chunk_window`` of them outstanding; each waits at most ``limit``
+        seconds once it is the oldest. The first chunk that fails fails the copy."""
+        client = self._client
+        base = args["offset"]
+        sid = self.id
+
+        def submit(span: tuple[int, int]) -> Pending[None]:
+            start, size = span
+            wire = dict(args, offset=base + start)
+            part = buf[start : start + size]
+            if op == "htod":
+                payload: Sequence[Any] = (part,)
+                expect = 0
+                convert: _Converter[None] = rq.parse_empty
+            else:
+                wire["nbytes"] = size
+                payload, expect = (), size
+
+                def convert(msg: Message) -> None:
+                    part[:] = rq.parse_dtoh(msg, size)
+
+            rid = new_id()
+            what = f"session {id_text(sid)} {op} {id_text(rid)} (bytes {start}..{start + size})"
+            client._submit(rid, rq.call_frames(rid, sid, op, wire, payload), what, expect)
+            return Pending(client, rid, convert, limit, what, cancellable=False)
+
+        run_windowed(
+            plan(buf.nbytes, client._chunk_bytes),
+            client._chunk_window,
+            submit,
+            lambda pending: client._sync(pending, None),
+            lambda pending: pending._abandon(),
+        )
 
     def _wire(self, op: str, args: Mapping[str, Any], handles: Mapping[int, int]) -> dict[str, Any]:
         """``args`` with the caller's handles replaced by the session's (``handles``)."""
@@ -1139,7 +1222,13 @@ class Session:
         if entry.op == "alloc":
             handles[entry.handle] = self._send("alloc", wire, rq.parse_handle, limit)
         elif entry.op == "htod":
-            self._send("htod", wire, rq.parse_empty, limit, payload=[entry.data])
+            data = memoryview(entry.data)
+            if data.nbytes > self._client._chunk_bytes:  # chunked as it was sent the first time
+                self._send_chunks("htod", wire, data, limit)
+            else:
+                self._send("htod", wire, rq.parse_empty, limit, payload=[data])
+        elif entry.op == "load":
+            self._send("load", wire, rq.parse_empty, limit, payload=[entry.data])
         else:
             self._send(entry.op, wire, rq.parse_empty, limit)
             if entry.op == "free":
@@ -1207,15 +1296,24 @@ class Session:
         timeout: float | None = None,
     ) -> None:
         """Copy a host buffer (bytes-like, C-contiguous numpy array...) to device memory at
-        ``ptr + offset``. The buffer is sent without copying; the session journal keeps a copy of
-        it (up to the client's ``journal_bytes``)."""
+        ``ptr + offset``. The buffer is sent without copying (do not change it until the call
+        returns); the session journal keeps a copy of it (up to the client's ``journal_bytes``;
+        a larger copy turns replay off without being copied).
+
+        A copy larger than the client's ``chunk_bytes`` travels as chunks, ``chunk_window`` at a
+        time (PROTOCOL.md §5.4); ``timeout`` then bounds the wait for each chunk, not the whole
+        copy. If a chunk fails, the copy raises that chunk's error and the device range is
+        partly written."""
         handle = self._handle_of(ptr)
         view = rq.as_view(buffer, "buffer")
         _check_range(ptr, offset, view.nbytes)
         args = {"handle": handle, "offset": offset}
-        self._call("htod", args, rq.parse_empty, timeout, payload=[view])
+        if view.nbytes > self._client._chunk_bytes:
+            self._copy("htod", args, view, timeout)
+        else:
+            self._call("htod", args, rq.parse_empty, timeout, payload=[view])
         if self._journal.usable:
-            self._journal.htod(handle, offset, bytes(view))
+            self._journal.htod(handle, offset, view)  # copied there only if it fits
 
     def memcpy_dtoh(
         self,
@@ -1237,12 +1335,19 @@ class Session:
         offset:
             Byte offset into the allocation.
         out:
-            A writable C-contiguous buffer (bytearray, numpy array...) to fill; its size must be
-            ``nbytes``.
+            A writable C-contiguous buffer (bytearray, numpy array, memoryview...) to fill; its
+            size must be ``nbytes``. The bytes are copied into it straight from the received
+            frames, with no other copy: the way to copy large buffers.
 
         Returns
         -------
         bytes, or ``out`` when given.
+
+        A copy larger than the client's ``chunk_bytes`` travels as chunks, ``chunk_window`` at a
+        time (PROTOCOL.md §5.4), each landing in its place in ``out``; ``timeout`` then bounds the
+        wait for each chunk, not the whole copy. Without ``out`` such a copy is gathered in a
+        bytearray and returned as bytes, which takes a second copy of it for a moment. If a chunk
+        fails, the copy raises that chunk's error and ``out`` is partly written.
         """
         handle = self._handle_of(ptr)
         target: memoryview | None = None
@@ -1262,6 +1367,10 @@ class Session:
             raise InvalidRequest("nbytes must be a non-negative int")
         _check_range(ptr, offset, nbytes)
         size = nbytes
+        if size > self._client._chunk_bytes:
+            dest = target if target is not None else memoryview(bytearray(size))
+            self._copy("dtoh", {"handle": handle, "offset": offset}, dest, timeout)
+            return out if target is not None else bytes(dest)
         args = {"handle": handle, "offset": offset, "nbytes": size}
         data = self._call("dtoh", args, lambda m: rq.parse_dtoh(m, size), timeout, expect=size)
         if target is None:
@@ -1306,6 +1415,66 @@ class Session:
         self._call("launch", body, rq.parse_empty, timeout)
         self._journal.launch(module, name, grid_l, block_l, wire_args, shared_mem)
 
+    def module_load(
+        self,
+        source: str | BytesLike,
+        *,
+        name: str | None = None,
+        kind: str = "cuda",
+        options: Sequence[str] = (),
+        timeout: float | None = None,
+    ) -> str:
+        """Load a module into the session (as ``cuModuleLoadData``) and return its name, for
+        :meth:`launch`.
+
+        Parameters
+        ----------
+        source:
+            ``kind`` "cuda": CUDA C source (str, or UTF-8 bytes); kernels are found by their plain
+            names, so the worker wraps a source in ``extern "C" {...}`` unless it says
+            ``extern "C"`` itself. "ptx": PTX text. "cubin": a cubin for the session's GPU (bytes).
+        name:
+            The module's name in this session (1 to 64 of letters, digits, ``_.-``); by default
+            ``module1``, ``module2``...
+        options:
+            nvcc options (kind "cuda" only), from the worker's allowed list: macros, -O0..-O3,
+            --use_fast_math, -lineinfo... (PROTOCOL.md §5.4). The worker picks the architecture.
+
+        Raises
+        ------
+        gpud.errors.RemoteError
+            The source does not compile (the message is the compiler's), the module does not load,
+            or the session's GPU cannot run it (a SIMULATED GPU runs only the built-in kernels).
+        gpud.errors.InvalidRequest
+            A bad name or kind, a name already loaded, an option or ``#include`` the worker refuses.
+
+        The session journal keeps the module (its bytes count against ``journal_bytes``), so a
+        replayed session loads it again before the launches that use it.
+        """
+        if kind not in ("cuda", "ptx", "cubin"):
+            raise InvalidRequest(f"kind must be 'cuda', 'ptx' or 'cubin', got {kind!r}")
+        if isinstance(options, str) or not all(type(o) is str for o in options):
+            raise InvalidRequest("options must be a sequence of strings")
+        if name is None:
+            n = len(self._modules) + 1
+            while f"module{n}" in self._modules:
+                n += 1
+            name = f"module{n}"
+        if type(name) is not str or not name:
+            raise InvalidRequest("name must be a non-empty string")
+        data = source.encode("utf-8") if isinstance(source, str) else bytes(rq.as_view(source, "source"))
+        args = {"kind": kind, "name": name, "options": list(options)}
+        functions = self._call("load", args, _parse_load, timeout, payload=[data])
+        self._modules[name] = functions
+        self._journal.load(kind, name, list(options), data)
+        return name
+
+    @property
+    def modules(self) -> dict[str, list[str]]:
+        """The modules loaded with :meth:`module_load`, with their kernels where the worker
+        knows them (not for a cubin)."""
+        return {k: list(v) for k, v in self._modules.items()}
+
     def synchronize(self, *, timeout: float | None = None) -> None:
         """Wait until every launch of this session has finished (errors of kernels surface here
         or at the launch, as RemoteError)."""
@@ -1332,6 +1501,15 @@ class Session:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _parse_load(msg: Message) -> list[str]:
+    """The kernel names of a ``load`` CALL's REPLY (empty when the worker does not know them)."""
+    header = rq.check_reply(msg)
+    functions = header.get("functions", [])
+    if type(functions) is not list or not all(type(f) is str for f in functions):
+        raise ProtocolError("load reply field 'functions' must be a list of strings")
+    return functions
 
 
 def _endpoint_list(endpoints: str | Sequence[str]) -> list[str]:

@@ -3,9 +3,10 @@
 A device session lives on one GPU of one worker; when that worker or GPU is lost, so is the session
 (PROTOCOL.md §4.3, §5.4). The client library can hide that from the caller by opening a new session
 and replaying, in order, what made the old one's state: its allocations (``alloc``), frees
-(``free``), copies to the device (``htod``) and kernel launches (``launch``). ``dtoh``, ``sync`` and
-``info`` change nothing and are not journaled; the protocol has no module load op (only the
-built-in module, and modules the worker already has), so there is nothing else to record.
+(``free``), copies to the device (``htod``), module loads (``load``) and kernel launches
+(``launch``). ``dtoh``, ``sync`` and ``info`` change nothing and are not journaled. A ``load`` is
+never dropped by compaction (the launches after it name its module); it counts
+:data:`ENTRY_COST` plus the bytes of its source or binary, which the journal keeps.
 
 This module is pure: no sockets, no clock, no threads. :class:`Journal` records ops that have
 *succeeded* (an op that failed is not part of the session's state) and compacts itself so that it
@@ -80,14 +81,15 @@ class Entry:
     Attributes
     ----------
     op:
-        ``"alloc"``, ``"free"``, ``"htod"`` or ``"launch"``.
+        ``"alloc"``, ``"free"``, ``"htod"``, ``"load"`` or ``"launch"``.
     args:
         The CALL's arguments (PROTOCOL.md §5.4) with the caller's handles: ``handle`` of free and
         htod, and the values of ``ptr`` launch arguments, are the handles the caller holds.
     handle:
         alloc: the handle the caller got for it; free and htod: the handle they name; launch: 0.
     data:
-        htod: the bytes copied (the journal's own copy); otherwise empty.
+        htod: the bytes copied (the journal's own copy); load: the module's source or binary;
+        otherwise empty.
     """
 
     op: str
@@ -220,19 +222,40 @@ class Journal:
         self._add(Entry("free", {"handle": handle}, handle), (slot,), ENTRY_COST)
         self._maybe_compact()
 
-    def htod(self, handle: int, offset: int, data: bytes) -> None:
-        """Record a copy of ``data`` (the journal keeps this object: pass bytes it may keep) to
-        ``handle`` at ``offset``."""
+    def htod(self, handle: int, offset: int, data: bytes | memoryview) -> None:
+        """Record a copy of ``data`` to ``handle`` at ``offset``: one entry for the whole copy,
+        however many CALLs carried it. ``bytes`` are kept as they are (pass bytes the journal may
+        keep); any other buffer is copied, and only when the journal keeps it: a copy larger than
+        the journal's bound overflows it at once, without a copy of the buffer."""
         if self._reason is not None:
             return
         slot = self._slot_of(handle, "htod")
         if slot is None:
             return
+        size = len(data) if type(data) is bytes else memoryview(data).nbytes
+        if ENTRY_COST + size > self._limit:  # could never fit, whatever compaction drops
+            self._overflowed = True
+            self.disable(f"the journal went past its bound of {self._limit} bytes")
+            return
+        if type(data) is not bytes:
+            data = bytes(data)
         entry = Entry("htod", {"handle": handle, "offset": offset}, handle, data)
         full = offset == 0 and len(data) >= self._slots[slot].nbytes
         self._add(entry, (slot,), ENTRY_COST + len(data), full=full)
         if full:
             self._maybe_compact()
+
+    def load(self, kind: str, name: str, options: Sequence[str], data: bytes) -> None:
+        """Record the load of module ``name`` (``kind`` "cuda", "ptx" or "cubin") from ``data``
+        (kept as it is: pass bytes the journal may keep) with ``options``."""
+        if self._reason is not None:
+            return
+        if ENTRY_COST + len(data) > self._limit:  # could never fit, whatever compaction drops
+            self._overflowed = True
+            self.disable(f"the journal went past its bound of {self._limit} bytes")
+            return
+        body = {"kind": kind, "name": name, "options": list(options)}
+        self._add(Entry("load", body, 0, data), (), ENTRY_COST + len(data))
 
     def launch(
         self,
@@ -308,7 +331,7 @@ class Journal:
         records: dict[int, _Record] = {}
         for seq, rec in self._records.items():
             op = rec.entry.op
-            if (op in ("alloc", "free") and rec.slots[0] in used) or seq in keep:
+            if (op in ("alloc", "free") and rec.slots[0] in used) or seq in keep or op == "load":
                 records[seq] = rec
         self._rebuild(records)
 
@@ -376,7 +399,7 @@ class Journal:
         seq = self._seq
         self._seq += 1
         self._records[seq] = _Record(entry, slots, cost, reads, writes, full)
-        if entry.op != "launch":
+        if entry.op not in ("launch", "load"):
             self._slots[slots[0]].records.append(seq)
         self._bytes += cost
         if self._bytes > self._limit:

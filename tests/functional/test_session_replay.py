@@ -494,6 +494,38 @@ def test_session_survives_the_loss_of_its_worker(cluster: LocalCluster) -> None:
         s.close()
 
 
+def test_a_chunked_copy_is_replayed_after_the_loss_of_its_worker(cluster: LocalCluster) -> None:
+    chunk = 64 << 10
+    rng = np.random.default_rng(11)
+    n = 7 * chunk + 333  # 8 chunks, the last one short
+    data = rng.integers(0, 256, n, np.uint8)
+    with Client(cluster.frontend, timeout=30, chunk_bytes=chunk, chunk_window=2) as client:
+        s = client.session(gpu_milli=500, mem=16 << 20)
+        first_worker = s.worker
+        p = s.mem_alloc(n + 100)
+        s.memcpy_htod(p, np.full(n + 100, 9, np.uint8))
+        s.memcpy_htod(p, data, 50)  # chunked, journaled once
+        assert [e.op for e in s.journal.entries()] == ["alloc", "htod", "htod"]
+
+        cluster.kill_worker(first_worker)
+
+        sent: list[int] = []  # payload bytes of each REQUEST and CALL from now on
+        submit = client._submit
+
+        def spy(rid: bytes, frames: list[Any], what: str, expect: int = 0) -> None:
+            sent.append(sum(len(memoryview(f)) for f in frames[3:]))
+            submit(rid, frames, what, expect)
+
+        client._submit = spy  # type: ignore[method-assign]
+        out = np.empty(n + 100, np.uint8)
+        s.memcpy_dtoh(p, out=out)  # chunked too: the first chunk finds the session lost
+        assert s.worker != first_worker and s.replays == 1
+        assert sum(sent) == 2 * n + 100 and max(sent) == chunk  # both htods replayed, chunked
+        np.testing.assert_array_equal(out[50 : 50 + n], data)
+        assert (out[:50] == 9).all() and (out[50 + n :] == 9).all()
+        s.close()
+
+
 @pytest.mark.parametrize("journal_bytes", [0, 4096])
 def test_session_loss_reaches_the_caller_without_a_usable_journal(
     cluster: LocalCluster, journal_bytes: int

@@ -29,9 +29,25 @@ import psutil
 import pytest
 import zmq
 
-from gpud.errors import InvalidRequest, RemoteError
+from gpud import protocol as P
+from gpud.errors import ConfigError, InvalidRequest, RemoteError
 from gpud.protocol import JobSpec
-from gpud_worker.jobs import JobLimits, JobOutcome, JobRunner, UserPool
+from gpud_worker import cgroups as cgroups_module
+from gpud_worker.cgroups import JobCgroup, JobCgroups, parse_mountinfo
+from gpud_worker.device import SimulatedDevice
+from gpud_worker.gpu import SimulatedProbe, simulated_gpus
+from gpud_worker.jobs import (
+    JobGrant,
+    JobLimits,
+    JobOutcome,
+    JobRunner,
+    MpsSettings,
+    UserPool,
+    mps_mem_limit,
+    mps_settings,
+    mps_thread_percentage,
+)
+from gpud_worker.worker import Worker, WorkerConfig
 
 IS_ROOT = os.geteuid() == 0
 # Pool users of this module and this run only: concurrent runs of this file must not share users
@@ -65,8 +81,9 @@ def run(
     tenant: str = "tenant",
     job_id: bytes | None = None,
     cancel: threading.Event | None = None,
+    grant: JobGrant | None = None,
 ) -> JobOutcome:
-    return runner.run(job_id or os.urandom(8), spec, inputs, "0", tenant, cancel)
+    return runner.run(job_id or os.urandom(8), spec, inputs, "0", tenant, cancel, grant)
 
 
 def marker() -> str:
@@ -272,7 +289,17 @@ def test_visible_devices_exact(runner: JobRunner) -> None:
 
 
 @pytest.mark.parametrize(
-    "key", ["CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPUD_JOB_ID", "GPUD_X", "lower", "A-B"]
+    "key",
+    [
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "GPUD_JOB_ID",
+        "GPUD_X",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+        "CUDA_MPS_PIPE_DIRECTORY",
+        "lower",
+        "A-B",
+    ],
 )
 def test_reserved_or_bad_env_refused(runner: JobRunner, workroot: pathlib.Path, key: str) -> None:
     with pytest.raises(InvalidRequest):
@@ -564,3 +591,318 @@ def test_without_root_runs_as_current_user(pool_users: list[pwd.struct_passwd]) 
         "[]",
     ]
     assert survivors(mark) == []
+
+
+# -- CUDA MPS ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("milli", "percent"), [(1, 1), (9, 1), (10, 1), (11, 2), (250, 25), (999, 100), (1000, 100), (0, 1), (5000, 100)]
+)
+def test_mps_thread_percentage(milli: int, percent: int) -> None:
+    assert mps_thread_percentage(milli) == percent
+
+
+def test_mps_mem_limit_is_nvidias_ordinal_list() -> None:
+    mib = 1 << 20
+    assert mps_mem_limit([1024 * mib, 512 * mib]) == "0=1024M,1=512M"  # as NVIDIA's "0=1G,1=512M"
+    assert mps_mem_limit([64 * mib + 5]) == "0=64M"  # whole MiB, never more than granted
+    assert mps_mem_limit([100]) == "0=1M"  # but at least 1M: 0M would be no memory at all
+    assert mps_mem_limit([0, 0]) == ""  # no memory grant: no limit
+
+
+def test_job_grant_from_wire_tolerates_missing_and_bad_fields() -> None:
+    wire = {"gpus": ["a", "b"], "gpu_milli": 250, "mem": 7, "cpu_milli": 1500, "host_mem": 9}
+    assert JobGrant.from_wire(wire) == JobGrant(gpu_milli=250, mem=7, gpus=2, cpu_milli=1500, host_mem=9)
+    assert JobGrant.from_wire(None) == JobGrant()
+    bad = {"gpus": "x", "gpu_milli": -1, "mem": "7", "cpu_milli": 1.5, "host_mem": True}
+    assert JobGrant.from_wire(bad) == JobGrant()
+
+
+def test_mps_settings_from_config_then_environment_then_defaults() -> None:
+    env = {"CUDA_MPS_PIPE_DIRECTORY": "/run/mps", "CUDA_MPS_LOG_DIRECTORY": "/var/log/mps"}
+    assert mps_settings("", "", {}) == MpsSettings("/tmp/nvidia-mps", "/var/log/nvidia-mps")
+    assert mps_settings("", "", env) == MpsSettings("/run/mps", "/var/log/mps")
+    assert mps_settings("/a", "/b", env) == MpsSettings("/a", "/b")
+
+
+def test_job_gets_mps_limits_from_its_grant(make_runner: Callable[..., JobRunner]) -> None:
+    runner = make_runner(mps=MpsSettings("/run/nvidia-mps", "/var/log/nvidia-mps"))
+    grant = JobGrant(gpu_milli=250, mem=(3 << 30) // 2, gpus=2)
+    out = runner.run(os.urandom(8), job("/usr/bin/env"), [], "GPU-a,GPU-b", "t", None, grant)
+    env = dict(line.split("=", 1) for line in out.stdout.decode().splitlines())
+    assert {k: v for k, v in env.items() if k.startswith("CUDA_MPS_")} == {
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1536M,1=1536M",
+        "CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia-mps",
+        "CUDA_MPS_LOG_DIRECTORY": "/var/log/nvidia-mps",
+    }
+    whole = run(runner, job("/usr/bin/env"))  # no grant figures: a whole GPU, no memory limit
+    env = dict(line.split("=", 1) for line in whole.stdout.decode().splitlines())
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env
+
+
+@pytest.fixture
+def make_worker(make_runner: Callable[..., JobRunner]) -> Iterator[Callable[..., Worker]]:
+    """A Worker with one simulated GPU and no broker sockets: dispatches are fed to it directly."""
+    made: list[tuple[Worker, zmq.Context[Any]]] = []
+
+    def make(**runner_kwargs: Any) -> Worker:
+        device = SimulatedDevice(simulated_gpus(1, mem=1 << 30, worker_name="wj")[0])
+        ctx: zmq.Context[Any] = zmq.Context()
+        worker = Worker(
+            WorkerConfig(name="wj", brokers=("tcp://127.0.0.1:9",)),
+            SimulatedProbe([device]),
+            {device.gpu.uuid: device},
+            make_runner(**runner_kwargs),
+            ctx,
+        )
+        made.append((worker, ctx))
+        return worker
+
+    yield make
+    for worker, ctx in made:
+        for s in list(worker.sessions.values()):
+            worker._close_session(s)
+        worker.jobs.shutdown(wait=True)
+        os.close(worker._wake_r)
+        os.close(worker._wake_w)
+        ctx.term()
+
+
+def test_worker_passes_the_grant_to_sessions_and_jobs(make_worker: Callable[..., Worker]) -> None:
+    worker = make_worker(mps=MpsSettings("/run/nvidia-mps", "/var/log/nvidia-mps"))
+    uuid = next(iter(worker.gpus))
+    grant = {"gpus": [uuid], "gpu_milli": 125, "mem": 64 << 20}
+    sid = os.urandom(16)
+    worker._on_dispatch(0, worker.links[0], {"id": sid, "kind": "session", "tenant": "t", "grant": grant}, [], time.monotonic())
+    header, _ = worker._session_op(worker.sessions[sid], "info", {}, [])
+    assert header["mps"] == {
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "13",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=64M",
+        "CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia-mps",
+        "CUDA_MPS_LOG_DIRECTORY": "/var/log/nvidia-mps",
+    }
+    assert header["mem_granted"] == 64 << 20
+    jid = os.urandom(16)
+    dispatch = {"id": jid, "kind": "job", "tenant": "t", "grant": grant, "argv": ["/usr/bin/env"], "time_limit": 10.0}
+    worker._on_dispatch(0, worker.links[0], dispatch, [], time.monotonic())
+    _, rid, frames = worker.results.get(timeout=30)
+    result = P.unpackb(frames[2])
+    assert rid == jid and result["ok"] is True and result["exit_code"] == 0
+    env = dict(line.split("=", 1) for line in bytes(frames[3]).decode().splitlines())
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "13"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=64M"
+
+
+def test_worker_without_mps_sets_no_mps_values(make_worker: Callable[..., Worker]) -> None:
+    worker = make_worker()
+    uuid = next(iter(worker.gpus))
+    sid = os.urandom(16)
+    grant = {"gpus": [uuid], "gpu_milli": 125, "mem": 64 << 20}
+    worker._on_dispatch(0, worker.links[0], {"id": sid, "kind": "session", "tenant": "t", "grant": grant}, [], time.monotonic())
+    header, _ = worker._session_op(worker.sessions[sid], "info", {}, [])
+    assert "mps" not in header
+
+
+# -- cgroups: failures never stop a job ------------------------------------------------------
+
+
+def test_job_runs_when_its_cgroup_cannot_be_made(
+    make_runner: Callable[..., JobRunner], caplog: pytest.LogCaptureFixture
+) -> None:
+    runner = make_runner(cgroups=JobCgroups("/nonexistent/gpud-cgroups", {"memory", "cpu", "pids"}))
+    with caplog.at_level("WARNING"):
+        out = run(runner, job("echo", "ok"))
+    assert (out.exit_code, out.stdout) == (0, b"ok\n")
+    assert "cannot create job cgroup" in caplog.text
+
+
+def test_job_runs_when_it_cannot_enter_its_cgroup(
+    make_runner: Callable[..., JobRunner], caplog: pytest.LogCaptureFixture, tmp_path: pathlib.Path
+) -> None:
+    fake = tmp_path / "job-fake"
+    fake.mkdir()
+
+    class NoEntry(JobCgroups):
+        def create(self, hexid: str, limits: Any) -> JobCgroup | None:
+            return JobCgroup(str(fake), os.open("/dev/null", os.O_WRONLY | os.O_CLOEXEC))
+
+    runner = make_runner(cgroups=NoEntry(str(tmp_path), set()))
+    with caplog.at_level("WARNING"):
+        out = run(runner, job("echo", "ok"))
+        again = run(runner, job("echo", "again"))
+    assert (out.exit_code, out.stdout, again.stdout) == (0, b"ok\n", b"again\n")
+    assert "did not enter its cgroup" in caplog.text
+    assert not fake.exists()  # removed after the job all the same
+
+
+# -- as root: the daemon's secrets, detached children, memory hogs, cgroups ------------------
+
+
+@root_only
+def test_job_cannot_read_daemon_keys_or_config(runner: JobRunner) -> None:
+    """A copy of the real layout: /etc/gpud (0755) with gpud.toml (0600) and keys/ (0755) holding
+    the worker's key pair (secret 0600, public 0644), all root's."""
+    etc = pathlib.Path(tempfile.mkdtemp(prefix="gpud-jtest-etc-", dir="/tmp"))
+    try:
+        etc.chmod(0o755)
+        conf = etc / "gpud.toml"
+        conf.write_text('[worker]\nbrokers = ["tcp://control:5556"]\n# CONFIG-SECRET-7\n')
+        conf.chmod(0o600)
+        keys = etc / "keys"
+        try:
+            from gpud.security import keygen
+
+            public, secret = keygen(keys, "worker")
+        except ConfigError:  # a libzmq without CURVE: files of the same modes
+            keys.mkdir(mode=0o755)
+            public, secret = keys / "worker.key", keys / "worker.key_secret"
+            public.write_text("public-key\n")
+            secret.write_text("secret-key\n")
+            public.chmod(0o644)
+            secret.chmod(0o600)
+        for f in (conf, public, secret):
+            assert os.stat(f).st_uid == 0
+        assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+        secret_text = secret.read_text()
+        probe = (
+            'cat "$CONF"; echo "rc=$?"; cat "$SECRET"; echo "rc=$?";'
+            ' cat "$PUBLIC" > /dev/null; echo "public rc=$?";'
+            ' echo x >> "$CONF"; echo "rc=$?"; touch "$KEYS/planted"; echo "rc=$?";'
+            ' cp "$SECRET" .; echo "rc=$?"'
+        )
+        env = {"CONF": str(conf), "SECRET": str(secret), "PUBLIC": str(public), "KEYS": str(keys)}
+        out = run(runner, job("sh", "-c", probe, env=env))
+        assert out.user.startswith(PREFIX)
+        assert b"CONFIG-SECRET-7" not in out.stdout and secret_text.encode() not in out.stdout
+        assert out.stdout.count(b"rc=") == 6
+        assert b"public rc=0" in out.stdout  # the directory is reachable: only the secrets are closed
+        assert out.stdout.replace(b"public rc=0", b"").count(b"rc=0") == 0
+        assert out.stderr.count(b"Permission denied") == 5, out.stderr
+        assert not (keys / "planted").exists()
+        assert conf.read_text().endswith("# CONFIG-SECRET-7\n")
+    finally:
+        shutil.rmtree(etc)
+
+
+@root_only
+def test_time_limit_kills_detached_children_that_ignore_sigterm(runner: JobRunner) -> None:
+    """The job forks, ignores SIGTERM (inherited across exec), and double-forks a grandchild into
+    a session of its own: at the time limit all of them die."""
+    mark = marker()
+    script = (
+        'trap "" TERM;'
+        f" (setsid sh -c 'sleep {mark} & touch detached; sleep {mark}' &);"
+        f" sleep {mark} & while [ ! -e detached ]; do sleep 0.01; done; sleep {mark}"
+    )
+    started = time.monotonic()
+    out = run(runner, job("sh", "-c", script, time_limit=1))
+    assert out.timed_out and out.exit_code == -9
+    assert time.monotonic() - started < 8
+    assert survivors(mark) == []
+    assert user_processes(pwd.getpwnam(out.user).pw_uid) == []
+
+
+def _hog(limit_mib: int) -> str:
+    """A program that touches 64 MiB more memory at a time, to ``limit_mib`` at most."""
+    return (
+        "import sys\n"
+        "chunks = []\n"
+        "try:\n"
+        f"    while len(chunks) * 64 < {limit_mib}:\n"
+        "        b = bytearray(64 << 20)\n"
+        "        b[::4096] = b'\\x01' * (len(b) // 4096)\n"
+        "        chunks.append(b)\n"
+        "        print(len(chunks), flush=True)\n"
+        "except MemoryError:\n"
+        "    print('MemoryError', flush=True)\n"
+        "    sys.exit(3)\n"
+        "print('survived', flush=True)\n"
+    )
+
+
+def _system_python() -> str:
+    python = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
+    if python is None:
+        pytest.skip("no system python3 a pool user can run")
+    return python
+
+
+@root_only
+def test_memory_hog_contained_by_rlimit_as(make_runner: Callable[..., JobRunner]) -> None:
+    """Without cgroups (this runner has none), RLIMIT_AS (JobLimits.address_space) is what bounds a
+    job's memory: the hog fails to allocate far below what it asks, and the worker serves on."""
+    python = _system_python()
+    runner = make_runner(limits=JobLimits(address_space=512 << 20))
+    out = run(runner, job(python, "-c", _hog(8 << 10), time_limit=30), tenant="hog")
+    assert out.exit_code == 3, out.stderr
+    lines = out.stdout.decode().split()
+    assert lines[-1] == "MemoryError" and len(lines) - 1 < 8  # under 512 MiB of the 8 GiB it wanted
+    assert user_processes(pwd.getpwnam(out.user).pw_uid) == []
+    after = run(runner, job("echo", "serving"), tenant="hog")
+    assert (after.exit_code, after.stdout) == (0, b"serving\n")
+
+
+@pytest.fixture
+def job_cgroups() -> Iterator[JobCgroups]:
+    """Real job cgroups below a test parent in this host's cgroup v2 hierarchy (root only)."""
+    if not IS_ROOT:
+        pytest.skip("needs root")
+    with open("/proc/self/mountinfo") as f:
+        hierarchy = parse_mountinfo(f.read())
+    if hierarchy.v2 is None:
+        pytest.skip(f"no cgroup v2 hierarchy on this host (cgroup {hierarchy.mode})")
+    parent = pathlib.Path(hierarchy.v2) / f"gpud-jtest-{os.getpid()}"
+    try:
+        parent.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cgroup v2 at {hierarchy.v2} is not writable here: {exc}")
+    try:
+        cg = JobCgroups.setup(str(parent))
+        if cg is None:
+            pytest.skip(f"cgroup v2 at {hierarchy.v2} is not usable here (see the log)")
+        yield cg
+    finally:
+        cgroups_module.remove_cgroup(str(parent))
+
+
+@root_only
+def test_job_runs_in_its_cgroup_and_nothing_survives_it(
+    make_runner: Callable[..., JobRunner], job_cgroups: JobCgroups
+) -> None:
+    runner = make_runner(cgroups=job_cgroups)
+    mark = marker()
+    job_id = os.urandom(8)
+    script = (
+        'trap "" TERM; cat /proc/self/cgroup;'
+        f" (setsid sh -c 'touch detached; exec sleep {mark}' &);"
+        f" while [ ! -e detached ]; do sleep 0.01; done; sleep {mark}"
+    )
+    out = run(runner, job("sh", "-c", script, time_limit=1), job_id=job_id)
+    assert out.timed_out
+    assert f"0::/{os.path.basename(job_cgroups.base)}/job-{job_id.hex()}\n".encode() in out.stdout
+    assert survivors(mark) == []
+    assert not os.path.exists(os.path.join(job_cgroups.base, f"job-{job_id.hex()}"))
+    after = run(runner, job("echo", "serving"))
+    assert after.stdout == b"serving\n"
+
+
+@root_only
+def test_memory_hog_contained_by_cgroup(
+    make_runner: Callable[..., JobRunner], job_cgroups: JobCgroups, caplog: pytest.LogCaptureFixture
+) -> None:
+    if "memory" not in job_cgroups.controllers:
+        pytest.skip(
+            f"the cgroup v2 hierarchy here offers no memory controller at {job_cgroups.base} (it is on"
+            " cgroup v1): test_memory_hog_contained_by_rlimit_as covers memory with RLIMIT_AS instead"
+        )
+    python = _system_python()
+    runner = make_runner(cgroups=job_cgroups, limits=JobLimits(memory=128 << 20))
+    with caplog.at_level("INFO"):
+        out = run(runner, job(python, "-c", _hog(8 << 10), time_limit=30), tenant="hog")
+    assert out.exit_code == -9 and b"survived" not in out.stdout  # the OOM killer, in its cgroup
+    assert "killed for its memory limit" in caplog.text
+    after = run(runner, job("echo", "serving"), tenant="hog")
+    assert (after.exit_code, after.stdout) == (0, b"serving\n")

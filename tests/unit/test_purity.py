@@ -22,9 +22,12 @@ PURE = [
     "broker/gpud_broker/core.py",
     "broker/gpud_broker/stats.py",
     "worker/gpud_worker/health.py",
+    "worker/gpud_worker/modules.py",
+    "worker/gpud_worker/cgroups.py",
     "standby/gpud_standby/bstar.py",
     "standby/gpud_standby/replica.py",
     "libclient/gpud_client/journal.py",
+    "libclient/gpud_client/chunks.py",
 ]
 FORBIDDEN = {"zmq", "asyncio", "socket", "selectors", "subprocess", "threading"}
 

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 _D = WorkerSection()  # the defaults, for the help texts
 FLAGS = {"brokers": "broker", **{key: key for key in (
     "name", "simulate", "gpu_model", "gpu_mem", "slots", "heartbeat_ms", "liveness", "workdir",
-    "job_user_prefix", "job_uids", "session_idle", "drain_timeout", "fault_file", "instance_id", "replica_of")}, "probation_s": "probation"}
+    "job_user_prefix", "job_uids", "session_idle", "drain_timeout", "fault_file", "instance_id", "replica_of",
+    "cgroups", "cgroup_parent", "job_memory", "mps", "mps_pipe_dir", "mps_log_dir")}, "probation_s": "probation"}
 """[worker] key -> its flag's argparse dest (--broker, repeated, gives brokers)."""
 LOG_FLAGS = {"level": "log_level", "file": "log_file"}
 """[logging] key -> its flag's argparse dest (a flag that this parser lacks counts as not given)."""
@@ -43,6 +44,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=None, help="root of the jobs' private working directories")
     p.add_argument("--job-user-prefix", help=f"pool users for jobs when running as root: names starting with this (default {_D.job_user_prefix})")
     p.add_argument("--job-uids", default=None, metavar="FIRST-LAST", help="as root, run jobs under these numeric uids that belong to no account (dynamic users) instead of named pool users")
+    p.add_argument("--cgroups", choices=("auto", "off"), default=None,
+                   help=f"auto: a cgroup v2 per job (memory, CPU, pids limits) where the worker can make them; off: none (default {_D.cgroups})")
+    p.add_argument("--cgroup-parent", default=None, metavar="DIR",
+                   help="cgroup v2 directory to make job cgroups in (default: the worker's own cgroup)")
+    p.add_argument("--job-memory", type=int, default=None, metavar="BYTES",
+                   help="memory.max of a job whose grant names no host_mem (default 0: none)")
+    p.add_argument("--mps", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA MPS runs here: give jobs and sessions their grant's MPS thread percentage and memory limit")
+    p.add_argument("--mps-pipe-dir", default=None, metavar="DIR",
+                   help="the MPS control daemon's pipe directory (default $CUDA_MPS_PIPE_DIRECTORY, else /tmp/nvidia-mps)")
+    p.add_argument("--mps-log-dir", default=None, metavar="DIR",
+                   help="the MPS control daemon's log directory (default $CUDA_MPS_LOG_DIRECTORY, else /var/log/nvidia-mps)")
     p.add_argument("--session-idle", type=float, help=f"seconds without operations before a session is reclaimed (default {_D.session_idle:g})")
     p.add_argument("--drain-timeout", type=float, help=f"seconds running work may take to finish on SIGTERM (default {_D.drain_timeout:g})")
     p.add_argument("--replica-of", default=None, metavar="WORKER",
@@ -72,10 +85,11 @@ def _host_mem() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gpud_worker.cgroups import JobCgroups
     from gpud_worker.device import Device, SimulatedDevice
     from gpud_worker.gpu import GpuProbe, NvmlProbe, SimulatedProbe, simulated_gpus
     from gpud_worker.instance import resolve as resolve_instance_id
-    from gpud_worker.jobs import JobRunner, UserPool
+    from gpud_worker.jobs import JobLimits, JobRunner, MpsSettings, UserPool, mps_settings
     from gpud_worker.worker import Worker, WorkerConfig, default_workroot, install_signal_handlers
 
     try:
@@ -108,6 +122,14 @@ def run(args: argparse.Namespace) -> int:
         if w.fault_file:
             log.error("fault_file %s ignored: faults can be injected only into simulated GPUs (--simulate)", w.fault_file)
         log.info("found %d NVIDIA GPU(s) through NVML", len(probe.inventory()))
+        from gpud_worker.cuda import cuda_devices  # imports pycuda only now, on a GPU host
+
+        cuda, why = cuda_devices(probe.inventory())
+        devices.update(cuda)
+        if why:
+            log.error("sessions are refused on the GPUs without a CUDA device: %s; jobs run on every GPU", why)
+        if cuda:
+            log.info("sessions on %d GPU(s) through pycuda", len(cuda))
     else:
         print(
             "gpud worker: no NVIDIA driver found (NVML could not be loaded).\n"
@@ -130,7 +152,18 @@ def run(args: argparse.Namespace) -> int:
         pool = UserPool("gpud-dyn-" if uids else w.job_user_prefix, uids)
     if root and pool is not None and not len(pool):
         log.warning("running as root with no pool users named %s*: jobs will be refused (see systemd/gpud-sysusers.conf)", w.job_user_prefix)
-    runner = JobRunner(Path(w.workdir) if w.workdir else default_workroot(), pool)
+    cgroups = None
+    if w.cgroups == "off":
+        log.info("cgroups off: jobs run with their rlimits only")
+    elif root or w.cgroup_parent:
+        cgroups = JobCgroups.setup(w.cgroup_parent)
+    else:
+        log.info("not root and no cgroup_parent: jobs run without cgroups")
+    mps: MpsSettings | None = mps_settings(w.mps_pipe_dir, w.mps_log_dir, os.environ) if w.mps else None
+    if mps is not None:
+        log.info("CUDA MPS: jobs and sessions get their grant's MPS limits (pipes in %s)", mps.pipe_dir)
+    limits = JobLimits(memory=w.job_memory or None)
+    runner = JobRunner(Path(w.workdir) if w.workdir else default_workroot(), pool, limits=limits, cgroups=cgroups, mps=mps)
     config = WorkerConfig(
         name=name,
         brokers=w.brokers,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Protocol
@@ -21,15 +21,24 @@ import numpy as np
 
 from gpud.clock import Clock, SystemClock
 from gpud.errors import InvalidRequest, OutOfMemory, RemoteError, SessionLost
-from gpud.protocol import gpu_info_to_wire
+from gpud.protocol import BUILTIN_MODULE, gpu_info_to_wire
 from gpud.resources import GpuInfo
 from gpud_worker.kernels import (
+    BUILTINS,
     F32_BYTES,
     MAX_THREADS_PER_BLOCK,
     Arg,
     Resolved,
     check_args,
     lookup,
+)
+from gpud_worker.modules import (
+    MAX_MODULES,
+    check_cuda_source,
+    check_load_args,
+    cuda_signatures,
+    decode_text,
+    describe,
 )
 
 log = logging.getLogger(__name__)
@@ -81,12 +90,21 @@ class DeviceSession(Protocol):
         """
         ...
 
+    def load(self, kind: str, name: str, data: Any, options: Sequence[str] = ()) -> dict[str, Any]:
+        """Load module ``name`` from ``data`` (``kind`` "cuda": CUDA C source, "ptx", "cubin";
+        ``gpud_worker.modules``) for later launches; returns ``{"module": name, "functions":
+        [kernel names, where known]}``. InvalidRequest for bad arguments, a name already loaded or
+        a source the worker refuses to compile; RemoteError when it does not compile or load (the
+        compiler's message), or when this device cannot run it."""
+        ...
+
     def sync(self) -> None:
         """Wait until all work of the session has finished."""
         ...
 
     def info(self) -> dict[str, Any]:
-        """``{"gpu": wire map, "mem_granted": int, "mem_used": int, "simulated": bool}``."""
+        """``{"gpu": wire map, "mem_granted": int, "mem_used": int, "simulated": bool}``, and
+        ``"mps"`` (the session's CUDA MPS variables) where the worker runs MPS."""
         ...
 
     def close(self) -> None:
@@ -100,8 +118,9 @@ class Device(Protocol):
     gpu: GpuInfo
     simulated: bool
 
-    def open_session(self, mem_grant: int) -> DeviceSession:
-        """A new session that may hold at most ``mem_grant`` bytes at once."""
+    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None) -> DeviceSession:
+        """A new session that may hold at most ``mem_grant`` bytes at once; ``mps``: its CUDA MPS
+        client variables (active thread percentage, pinned memory limit) where MPS runs."""
         ...
 
     def mem_used(self) -> int:
@@ -195,11 +214,11 @@ class SimulatedDevice:
         self._next_handle = 0
         self._busy = BusyTracker(busy_window)
 
-    def open_session(self, mem_grant: int) -> SimulatedSession:
+    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None) -> SimulatedSession:
         if type(mem_grant) is not int or mem_grant < 0:
             raise InvalidRequest(f"memory grant must be an int >= 0, got {mem_grant!r}")
         log.debug("%s: session opened with a grant of %d bytes", self.gpu.uuid, mem_grant)
-        return SimulatedSession(self, mem_grant)
+        return SimulatedSession(self, mem_grant, mps)
 
     def mem_used(self) -> int:
         with self._lock:
@@ -238,13 +257,17 @@ class SimulatedDevice:
 class SimulatedSession:
     """A session on a ``SimulatedDevice``. Thread-safe; calls on one session run one at a time."""
 
-    def __init__(self, device: SimulatedDevice, mem_grant: int) -> None:
+    def __init__(
+        self, device: SimulatedDevice, mem_grant: int, mps: Mapping[str, str] | None = None
+    ) -> None:
         self._device = device
         self._grant = mem_grant
+        self._mps = dict(mps) if mps else None  # recorded only: a simulated GPU has no MPS
         self._lock = threading.Lock()
         self._bufs: dict[int, bytearray] = {}
         self._used = 0
         self._closed = False
+        self._modules: dict[str, tuple[str, ...]] = {}  # loaded module -> its (built-in) kernels
 
     def alloc(self, nbytes: int) -> int:
         if type(nbytes) is not int or nbytes < 1:
@@ -287,7 +310,9 @@ class SimulatedSession:
             buf = self._buf(handle)
             end = _check_range(handle, len(buf), offset, len(view))
             with self._device._working():
-                buf[offset:end] = view
+                # Through a memoryview: one memcpy. ``buf[a:b] = view`` would first copy ``view``
+                # into a temporary bytearray of its size (CPython does that for any non-bytearray).
+                memoryview(buf)[offset:end] = view
 
     def dtoh(self, handle: int, offset: int, nbytes: int | None = None) -> bytes:
         with self._lock:
@@ -297,6 +322,8 @@ class SimulatedSession:
                 nbytes = max(len(buf) - offset, 0)
             end = _check_range(handle, len(buf), offset, nbytes)
             with self._device._working():
+                # The one copy (a real GPU's device-to-host transfer): the worker sends these
+                # bytes as they are, and they must not change while zmq sends or re-sends them.
                 return bytes(memoryview(buf)[offset:end])
 
     def launch(
@@ -308,7 +335,7 @@ class SimulatedSession:
         args: Sequence[Arg],
         shared_mem: int = 0,
     ) -> None:
-        sig = lookup(module, name)
+        sig = lookup(BUILTIN_MODULE, self._builtin_of(module, name))
         check_args(name, args)
         _check_dims("grid", grid)
         _check_dims("block", block)
@@ -350,6 +377,54 @@ class SimulatedSession:
                 except MemoryError:
                     raise RemoteError(f"kernel {name!r} failed: host memory exhausted") from None
 
+    def load(self, kind: str, name: str, data: Any, options: Sequence[str] = ()) -> dict[str, Any]:
+        """The SIMULATED GPU compiles nothing: it accepts a CUDA C module only when every kernel
+        in it has the name and the parameter types of a built-in kernel, and then runs the
+        built-in (numpy) kernel of that name, whatever the module's code says. Anything else,
+        PTX and cubins included, is a RemoteError."""
+        kind, name, _ = check_load_args(kind, name, list(options))
+        if kind != "cuda":
+            raise RemoteError(
+                f"the SIMULATED GPU runs only the built-in kernels: it cannot load a {kind} "
+                "module (a worker on a real GPU can)"
+            )
+        sigs = cuda_signatures(check_cuda_source(decode_text(data, kind)))
+        builtin = {n: tuple((t,) for t in s.params) for n, s in BUILTINS.items()}
+        foreign = [describe(n, s) for n, s in sigs.items() if builtin.get(n) != tuple(p.accepts for p in s)]
+        if foreign or not sigs:
+            raise RemoteError(
+                "the SIMULATED GPU runs only the built-in kernels ("
+                + ", ".join(s.signature() for s in BUILTINS.values())
+                + "), by name and parameter types; this module declares "
+                + (", ".join(foreign) if foreign else "no __global__ kernel")
+            )
+        with self._lock:
+            self._check_open()
+            if name in self._modules:
+                raise InvalidRequest(f"module {name!r} is already loaded in this session")
+            if len(self._modules) >= MAX_MODULES:
+                raise InvalidRequest(f"a session holds at most {MAX_MODULES} modules")
+            self._modules[name] = tuple(sorted(sigs))
+        return {"module": name, "functions": sorted(sigs)}
+
+    def _builtin_of(self, module: str, name: str) -> str:
+        """The built-in kernel that ``name`` of ``module`` runs (modules loaded by ``load`` map
+        their kernels to the built-ins of the same names)."""
+        if module == BUILTIN_MODULE:
+            return name
+        if type(module) is not str:
+            raise InvalidRequest(f"module must be a string, got {module!r}")
+        with self._lock:
+            kernels = self._modules.get(module)
+            if kernels is None:
+                loaded = ", ".join(sorted([BUILTIN_MODULE, *self._modules]))
+                raise InvalidRequest(f"module {module!r} unknown (loaded: {loaded})")
+        if name not in kernels:
+            raise InvalidRequest(
+                f"unknown kernel {name!r} in module {module!r} (known: {', '.join(kernels)})"
+            )
+        return name
+
     def sync(self) -> None:
         with self._lock:  # kernels and copies run synchronously: holding the lock is the wait
             self._check_open()
@@ -357,12 +432,15 @@ class SimulatedSession:
     def info(self) -> dict[str, Any]:
         with self._lock:
             self._check_open()
-            return {
+            info: dict[str, Any] = {
                 "gpu": gpu_info_to_wire(self._device.gpu),
                 "mem_granted": self._grant,
                 "mem_used": self._used,
                 "simulated": True,
             }
+            if self._mps is not None:
+                info["mps"] = dict(self._mps)
+            return info
 
     def close(self) -> None:
         with self._lock:

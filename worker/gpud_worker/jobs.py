@@ -24,11 +24,20 @@ Isolation model (DESIGN.md §5):
   and a file bigger than ``max_output_file`` is omitted (logged), never truncated, so a client never
   receives a silently cut file.
 
+- With ``cgroups`` (``gpud_worker.cgroups``, cgroup v2 delegated to the worker), each job runs in a
+  cgroup of its own, entered before the job's program is executed: ``memory.max`` (the grant's
+  ``host_mem``, else ``JobLimits.memory``), ``cpu.max`` (the grant's ``cpu_milli``) and ``pids.max``
+  (``JobLimits.nproc``); after the job the whole cgroup is killed and removed. Without them (v1,
+  not delegated, or any cgroup operation failing) the job runs with its rlimits only, logged.
+- With ``mps`` (CUDA MPS runs on this GPU VM), the job's environment carries the MPS client limits
+  of its grant: ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
+  (``MpsSettings.environment``), and the pipe and log directories.
+
 Not covered: GPU device nodes are not restricted (``CUDA_VISIBLE_DEVICES`` steers CUDA, it does not
-fence it), there is no memory or disk quota (``RLIMIT_AS`` is off by default: CUDA needs large
-virtual address space), and files a job leaves outside its directory (``/dev/shm``, ``/tmp``)
-survive; cgroups (a delegated systemd scope) would address all three. Without root, a process that
-calls ``setsid()`` can escape the kill.
+fence it), there is no disk quota, and files a job leaves outside its directory (``/dev/shm``,
+``/tmp``) survive. Without cgroups there is no memory limit unless ``RLIMIT_AS`` is set (off by
+default: CUDA needs large virtual address space). Without root, a process that calls ``setsid()``
+can escape the kill (unless cgroups are delegated to that user).
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ import stat
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
@@ -58,6 +67,7 @@ import psutil
 
 from gpud.errors import ConfigError, InvalidRequest, RemoteError
 from gpud.protocol import JobSpec, check_file_name
+from gpud_worker.cgroups import JobCgroup, JobCgroups, job_limits
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -68,7 +78,9 @@ DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 # Keys a job's ``env`` may not set: the runner owns them. CUDA_DEVICE_ORDER is pinned because it
 # changes which physical GPUs the indices in CUDA_VISIBLE_DEVICES name.
 RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
-RESERVED_ENV_PREFIX = "GPUD_"
+# GPUD_*: the runner's; CUDA_MPS_*: MPS limits and directories, the worker's to set (a job could
+# otherwise lift its share or point CUDA at another MPS daemon).
+RESERVED_ENV_PREFIXES = ("GPUD_", "CUDA_MPS_")
 _ENV_KEY_RE = re.compile(r"[A-Z_][A-Z0-9_]*\Z")
 MAX_JOB_ID_BYTES = 64
 _JOB_DIR_RE = re.compile(rf"(?:[0-9a-f]{{2}}){{1,{MAX_JOB_ID_BYTES}}}\Z")
@@ -136,6 +148,9 @@ class JobLimits:
         cpu_slack: seconds of CPU time allowed beyond ``time_limit`` per process (RLIMIT_CPU).
         kill_grace: seconds between SIGTERM and SIGKILL at the time limit or on cancel.
         acquire_timeout: seconds to wait for a free pool user before failing the job.
+        memory: ``memory.max`` of the job's cgroup, in bytes, when its grant names no ``host_mem``;
+            None: no limit. Only with cgroups (``JobRunner(cgroups=...)``); ``nproc`` is also its
+            ``pids.max`` there.
     """
 
     nofile: int = 1024
@@ -144,6 +159,95 @@ class JobLimits:
     cpu_slack: float = 5.0
     kill_grace: float = 1.0
     acquire_timeout: float = 60.0
+    memory: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JobGrant:
+    """What the broker granted a job (DISPATCH ``grant``), as far as the sandbox enforces it.
+
+    Attributes:
+        gpu_milli: share of each granted GPU, in thousandths (MPS active thread percentage).
+        mem: device memory per granted GPU, in bytes; 0: not limited (MPS pinned memory limit).
+        gpus: how many GPUs were granted.
+        cpu_milli: host CPU, thousandths of a core; 0: not limited (cgroup ``cpu.max``).
+        host_mem: host memory in bytes; 0: the runner's default (cgroup ``memory.max``).
+    """
+
+    gpu_milli: int = 1000
+    mem: int = 0
+    gpus: int = 1
+    cpu_milli: int = 0
+    host_mem: int = 0
+
+    @classmethod
+    def from_wire(cls, grant: object) -> JobGrant:
+        """From a DISPATCH ``grant`` map; absent or malformed fields keep their defaults."""
+        if not isinstance(grant, dict):
+            return cls()
+
+        def count(key: str, default: int) -> int:
+            value = grant.get(key, default)
+            return value if type(value) is int and value >= 0 else default
+
+        gpus = grant.get("gpus")
+        return cls(
+            gpu_milli=count("gpu_milli", 1000),
+            mem=count("mem", 0),
+            gpus=len(gpus) if isinstance(gpus, list) and gpus else 1,
+            cpu_milli=count("cpu_milli", 0),
+            host_mem=count("host_mem", 0),
+        )
+
+
+MPS_DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"
+MPS_DEFAULT_LOG_DIR = "/var/log/nvidia-mps"
+
+
+def mps_thread_percentage(gpu_milli: int) -> int:
+    """``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` for a share of ``gpu_milli`` thousandths: 1 to 100."""
+    return min(100, max(1, math.ceil(gpu_milli / 10)))
+
+
+def mps_mem_limit(mems: Sequence[int]) -> str:
+    """``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` for ``mems[i]`` bytes on the client's device ``i``:
+    ``"0=1024M,1=1024M"`` (NVIDIA's ``ordinal=size`` list), whole MiB rounded down, at least 1M;
+    devices with 0 (no memory grant) are left out, so ``""`` means no limit."""
+    return ",".join(f"{i}={max(1, mem >> 20)}M" for i, mem in enumerate(mems) if mem > 0)
+
+
+@dataclass(frozen=True, slots=True)
+class MpsSettings:
+    """CUDA MPS on this worker: where its control daemon's pipes and logs are.
+
+    MPS clients read their limits from their environment when CUDA starts; the ordinals of
+    ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` are the client's own (after ``CUDA_VISIBLE_DEVICES``), so a
+    job's first granted GPU is 0.
+    """
+
+    pipe_dir: str = MPS_DEFAULT_PIPE_DIR
+    log_dir: str = MPS_DEFAULT_LOG_DIR
+
+    def environment(self, gpu_milli: int, mems: Sequence[int]) -> dict[str, str]:
+        """The MPS variables of a client granted ``gpu_milli`` of each GPU and ``mems`` bytes."""
+        env = {
+            "CUDA_MPS_PIPE_DIRECTORY": self.pipe_dir,
+            "CUDA_MPS_LOG_DIRECTORY": self.log_dir,
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(mps_thread_percentage(gpu_milli)),
+        }
+        limit = mps_mem_limit(mems)
+        if limit:
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = limit
+        return env
+
+
+def mps_settings(pipe_dir: str, log_dir: str, environ: Mapping[str, str]) -> MpsSettings:
+    """The MPS directories: as configured, else the daemon's own ``CUDA_MPS_*_DIRECTORY``
+    variables, else NVIDIA's defaults."""
+    return MpsSettings(
+        pipe_dir=pipe_dir or environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_DEFAULT_PIPE_DIR,
+        log_dir=log_dir or environ.get("CUDA_MPS_LOG_DIRECTORY") or MPS_DEFAULT_LOG_DIR,
+    )
 
 
 class UserPool:
@@ -371,6 +475,8 @@ class JobRunner:
         pool: users jobs run as; required as root, ignored otherwise.
         max_output_file: output files bigger than this many bytes are omitted from the outcome.
         limits: resource limits and timings for every job.
+        cgroups: where jobs get cgroups of their own (``JobCgroups.setup``); None: no cgroups.
+        mps: CUDA MPS settings where MPS runs on this worker; None: no MPS variables.
     """
 
     def __init__(
@@ -380,11 +486,15 @@ class JobRunner:
         max_output_file: int = 64 << 20,
         *,
         limits: JobLimits | None = None,
+        cgroups: JobCgroups | None = None,
+        mps: MpsSettings | None = None,
     ) -> None:
         self.workroot = pathlib.Path(workroot).absolute()
         self.pool = pool
         self.max_output_file = max_output_file
         self.limits = limits if limits is not None else JobLimits()
+        self.cgroups = cgroups
+        self.mps = mps
         self._root = os.geteuid() == 0
         self._active: set[str] = set()
         self._lock = threading.Lock()
@@ -431,6 +541,7 @@ class JobRunner:
         visible_devices: str,
         tenant: str,
         cancel: threading.Event | None = None,
+        grant: JobGrant | None = None,
     ) -> JobOutcome:
         """Run one job to completion and return its outcome.
 
@@ -441,6 +552,8 @@ class JobRunner:
             visible_devices: the value of ``CUDA_VISIBLE_DEVICES``: exactly the granted GPUs.
             tenant: who the job is for; the pool prefers the user that last ran that tenant.
             cancel: when set, the job is killed like at its time limit (``timed_out`` stays False).
+            grant: what the broker granted (MPS limits, cgroup limits); None: a whole GPU, no
+                memory or CPU figures.
 
         Raises:
             InvalidRequest: the spec or inputs are malformed (reserved env key, count mismatch).
@@ -458,7 +571,8 @@ class JobRunner:
                     dfd = self._make_workdir(workdir, user, spec, inputs)
                     try:
                         return self._execute(
-                            hexid, spec, workdir, dfd, user, visible_devices, cancel
+                            hexid, spec, workdir, dfd, user, visible_devices, cancel,
+                            grant if grant is not None else JobGrant(),
                         )
                     finally:
                         os.close(dfd)
@@ -478,7 +592,7 @@ class JobRunner:
         for key, value in spec.env.items():
             if not _ENV_KEY_RE.match(key) or "\0" in value:
                 raise InvalidRequest(f"bad environment entry {key!r}")
-            if key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIX):
+            if key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIXES):
                 raise InvalidRequest(
                     f"environment variable {key} is set by gpud and cannot be overridden"
                 )
@@ -568,6 +682,7 @@ class JobRunner:
         workdir: pathlib.Path,
         user: pwd.struct_passwd,
         devices: str,
+        grant: JobGrant,
     ) -> dict[str, str]:
         env = {
             "PATH": DEFAULT_PATH,
@@ -581,10 +696,20 @@ class JobRunner:
         env["CUDA_VISIBLE_DEVICES"] = devices
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["GPUD_JOB_ID"] = hexid
+        if self.mps is not None:
+            env.update(self.mps.environment(grant.gpu_milli, [grant.mem] * grant.gpus))
         return env
 
-    def _child_setup(self, spec: JobSpec) -> Callable[[], None]:
-        """Build the preexec function: it runs in the child after the switch to the job user."""
+    def _child_setup(
+        self, spec: JobSpec, user: pwd.struct_passwd, cgroup_fd: int | None
+    ) -> Callable[[], None]:
+        """Build the preexec function: it runs in the forked child, before the job's program.
+
+        As root it first enters the job's cgroup (writing ``0`` to ``cgroup_fd``, its
+        ``cgroup.procs``: root's right, so before anything else), then becomes the job user itself
+        (no supplementary groups), then sets the death signal (which a change of uid would clear),
+        ``PR_SET_NO_NEW_PRIVS`` and the resource limits.
+        """
         limits = self.limits
         cpu = math.ceil(spec.time_limit) + math.ceil(limits.cpu_slack)
         rlimits = [
@@ -597,8 +722,19 @@ class JobRunner:
         if limits.address_space is not None:
             rlimits.append((resource.RLIMIT_AS, _clamped(resource.RLIMIT_AS, limits.address_space)))
         use_prctl = _prctl is not None
+        switch = self._root
+        uid, gid = user.pw_uid, user.pw_gid
 
         def setup() -> None:
+            if cgroup_fd is not None:
+                try:
+                    os.write(cgroup_fd, b"0")
+                except OSError:
+                    pass  # the parent finds the job outside its cgroup and logs it
+            if switch:
+                os.setgroups([])
+                os.setresgid(gid, gid, gid)
+                os.setresuid(uid, uid, uid)
             if use_prctl:
                 # Die with the daemon's thread that started us; never gain privileges via exec.
                 _prctl_set(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -617,6 +753,35 @@ class JobRunner:
         user: pwd.struct_passwd,
         devices: str,
         cancel: threading.Event | None,
+        grant: JobGrant,
+    ) -> JobOutcome:
+        cgroup = self._make_cgroup(hexid, grant)
+        try:
+            return self._execute_in(hexid, spec, workdir, dfd, user, devices, cancel, grant, cgroup)
+        finally:
+            if cgroup is not None:
+                oom = cgroup.oom_kills()
+                if oom:
+                    log.info("job %s: %d process(es) killed for its memory limit", hexid, oom)
+                cgroup.remove()
+
+    def _make_cgroup(self, hexid: str, grant: JobGrant) -> JobCgroup | None:
+        if self.cgroups is None:
+            return None
+        limits = job_limits(grant.host_mem, grant.cpu_milli, self.limits.memory, self.limits.nproc)
+        return self.cgroups.create(hexid, limits)
+
+    def _execute_in(
+        self,
+        hexid: str,
+        spec: JobSpec,
+        workdir: pathlib.Path,
+        dfd: int,
+        user: pwd.struct_passwd,
+        devices: str,
+        cancel: threading.Event | None,
+        grant: JobGrant,
+        cgroup: JobCgroup | None,
     ) -> JobOutcome:
         started = time.monotonic()
         try:
@@ -626,14 +791,13 @@ class JobRunner:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=workdir,
-                env=self._environment(hexid, spec, workdir, user, devices),
+                env=self._environment(hexid, spec, workdir, user, devices, grant),
                 start_new_session=True,
                 close_fds=True,
                 umask=0o077,
-                preexec_fn=self._child_setup(spec),
-                user=user.pw_uid if self._root else None,
-                group=user.pw_gid if self._root else None,
-                extra_groups=[] if self._root else None,
+                preexec_fn=self._child_setup(
+                    spec, user, cgroup.procs_fd if cgroup is not None else None
+                ),
             )
         except OSError as exc:
             if exc.filename != spec.argv[0]:
@@ -644,6 +808,11 @@ class JobRunner:
             return JobOutcome(code, False, b"", message, False, False, [], user.pw_name)
         except subprocess.SubprocessError as exc:
             raise RemoteError(f"cannot start job {hexid}: {exc}") from exc
+        finally:
+            if cgroup is not None:
+                cgroup.close_fd()
+        if cgroup is not None and not cgroup.holds(proc.pid):
+            log.warning("job %s did not enter its cgroup %s: it runs without cgroup limits", hexid, cgroup.path)
 
         assert proc.stdout is not None and proc.stderr is not None
         out = _Capture(proc.stdout, spec.output_cap, f"job-{hexid[:8]}-stdout")
@@ -670,6 +839,8 @@ class JobRunner:
             except subprocess.TimeoutExpired:
                 log.error("job %s: leader pid %d survives SIGKILL", hexid, proc.pid)
                 exit_code = -signal.SIGKILL
+            if cgroup is not None:  # everything the job started, whatever its session or user
+                cgroup.kill()
             if self._root:  # also what left the group (setsid) and would hold the pipes open
                 self._kill_user_processes(user)
         stdout, stderr = out.finish(), err.finish()

@@ -16,6 +16,11 @@ Semantics, identical for the numpy and the CUDA versions (all data float32):
 
 A negative size counts as zero: nothing is read and the loops do not run (``reduce_sum`` then writes
 0, ``sgemm`` with ``K <= 0`` writes zeros). Results do not depend on ``grid`` and ``block``.
+
+Rounding: ``vector_add`` and ``saxpy`` give the same bits on both (the CUDA ``saxpy`` rounds the
+product before the sum, as numpy, instead of one fused multiply-add); ``reduce_sum`` sums in float64
+on both and rounds once (in another order: equal to the last bit but for rare ties); ``sgemm`` sums
+float32 products in another order than numpy's BLAS (equal within float32 rounding).
 """
 
 from __future__ import annotations
@@ -217,12 +222,13 @@ extern "C" __global__ void vector_add(const float* a, const float* b, float* out
         out[i] = a[i] + b[i];
 }
 
-// y[i] = alpha * x[i] + y[i] for i < n
+// y[i] = alpha * x[i] + y[i] for i < n. __fmul_rn: the product is rounded before the sum, as
+// numpy does (nvcc would otherwise fuse them into one FMA, rounded once: another last bit).
 extern "C" __global__ void saxpy(float alpha, const float* x, float* y, int n)
 {
     long long len = n;
     for (unsigned long long i = gpud_thread_rank(); (long long)i < len; i += gpud_thread_count())
-        y[i] = alpha * x[i] + y[i];
+        y[i] = __fmul_rn(alpha, x[i]) + y[i];
 }
 
 // Row-major C[M x N] = A[M x K] @ B[K x N]; one output element per loop step.
@@ -245,17 +251,18 @@ extern "C" __global__ void sgemm(const float* A, const float* B, float* C, int M
 // Writes out[0] = sum(x[0..n)). Only the grid's first block works: each of its threads sums a
 // strided slice, then a shared-memory tree reduction (any block size up to 1024 threads) leaves
 // the total in partial[0]. The other blocks return at once, so the result does not depend on grid.
+// The sum is taken in double and rounded to float once, as numpy's np.sum(x, dtype=float64).
 extern "C" __global__ void reduce_sum(const float* x, float* out, int n)
 {
-    __shared__ float partial[1024];
+    __shared__ double partial[1024];
     if (blockIdx.x != 0 || blockIdx.y != 0 || blockIdx.z != 0)
         return;
     unsigned int width = blockDim.x * blockDim.y * blockDim.z;
     unsigned int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
     long long len = n;
-    float acc = 0.0f;
+    double acc = 0.0;
     for (long long i = tid; i < len; i += width)
-        acc += x[i];
+        acc += (double)x[i];
     partial[tid] = acc;
     __syncthreads();
     while (width > 1) {
@@ -266,6 +273,6 @@ extern "C" __global__ void reduce_sum(const float* x, float* out, int n)
         width = half;
     }
     if (tid == 0)
-        out[0] = partial[0];
+        out[0] = (float)partial[0];
 }
 """

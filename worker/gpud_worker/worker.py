@@ -43,7 +43,7 @@ from gpud.security import HANDSHAKE_FAILURES, CurveKeys, HandshakeLog, apply_cli
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
 from gpud_worker.device import Device, DeviceSession
 from gpud_worker.gpu import GpuProbe
-from gpud_worker.jobs import JobRunner
+from gpud_worker.jobs import JobGrant, JobRunner
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +333,8 @@ class Worker:
             log.exception("GPU probe failed; heartbeat carries no GPU state")
             states = {}
         gpus = [P.gpu_state_to_wire(u, s) for u, s in states.items()]
-        running = [{"id": rid, "kind": kind, "since": round(now - since, 3)} for rid, (kind, since, _) in self.running.items()]
+        running: list[dict[str, Any]] = [
+            {"id": rid, "kind": kind, "since": round(now - since, 3)} for rid, (kind, since, _) in self.running.items()]
         running += [{"id": s.id, "kind": "session", "since": round(now - s.opened, 3)} for s in self.sessions.values()]
         for r in running:
             tenant = self.owner.get(r["id"])
@@ -533,7 +534,7 @@ class Worker:
         if kind == "job":
             self.jobs.submit(self._run_job, idx, rid, h, frames, uuids, tenant)
         elif kind == "session":
-            self._open_session(idx, rid, uuids[0], mem, tenant)
+            self._open_session(idx, rid, uuids[0], mem, tenant, grant)
         else:
             self.running.pop(rid, None)
             self._send_now(idx, rid, P.error_header(rid, InvalidRequest(f"unknown kind {kind!r}")))
@@ -550,7 +551,8 @@ class Worker:
         try:
             spec = P.parse_job(h, len(frames))
             visible = ",".join(self._visible_name(u) for u in uuids)
-            out = self.runner.run(rid, spec, [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames], visible, tenant, cancel)
+            out = self.runner.run(rid, spec, [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames], visible, tenant, cancel,
+                                  JobGrant.from_wire(h.get("grant")))
             if cancel.is_set():
                 failed = next((u for u in uuids if u in self.gpu_faults), uuids[0])
                 raise GpuFault(f"GPU {failed} failed ({self.gpu_faults.get(failed, 'health check')}) while the job ran; the job was killed")
@@ -579,12 +581,16 @@ class Worker:
 
     # ---------------------------------------------------------------- sessions
 
-    def _open_session(self, idx: int, rid: bytes, uuid: str, mem: int, tenant: str) -> None:
+    def _open_session(self, idx: int, rid: bytes, uuid: str, mem: int, tenant: str, grant: dict[str, Any] | None = None) -> None:
         device = self.devices.get(uuid)
+        mps = self.runner.mps  # where MPS runs, a session gets its grant's MPS limits as a job does
         try:
             if device is None:
-                raise RemoteError("sessions on this GPU need the pycuda device backend (extra 'cuda'), which this worker lacks")
-            dev_session = device.open_session(mem)
+                raise RemoteError("sessions on this GPU need the pycuda device backend (extra 'cuda'), which this worker lacks or could not start on it (its log says why)")
+            if mps is None:
+                dev_session = device.open_session(mem)
+            else:
+                dev_session = device.open_session(mem, mps=mps.environment(JobGrant.from_wire(grant).gpu_milli, [mem]))
         except GpudError as exc:
             self.running.pop(rid, None)
             self._send_now(idx, rid, P.error_header(rid, exc))
@@ -659,6 +665,14 @@ class Worker:
             shared = P.opt(args, "shared_mem", int, 0)
             dev.launch(module, name, grid, block, kargs, shared)
             return {}, []
+        if op == "load":  # a module: CUDA C source, PTX or cubin (PROTOCOL.md §5.4)
+            if len(frames) != 1:
+                raise InvalidRequest("load carries exactly one payload frame: the module")
+            f = frames[0]
+            options = P.opt(args, "options", list, [])
+            loaded = dev.load(P.req(args, "kind", str), P.req(args, "name", str),
+                              memoryview(f.buffer if hasattr(f, "buffer") else f), options)
+            return dict(loaded), []
         if op == "sync":
             dev.sync()
             return {}, []

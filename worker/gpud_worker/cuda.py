@@ -1,0 +1,889 @@
+"""The pycuda device backend: sessions on real NVIDIA GPUs (extra ``cuda``).
+
+``CudaDevice`` and ``CudaSession`` implement the device interface of ``gpud_worker.device`` on a
+real GPU through pycuda, so that the broker and the client see no difference but ``simulated``
+false. pycuda is imported only when a ``CudaDevice`` is made (``load_driver``), never when this or
+any other gpud module is imported: machines without it (and the simulated GPU) never load it.
+
+A session:
+
+- has one CUDA context of its own on its GPU, made, used and destroyed by one thread of its own
+  (pycuda binds a context to the thread that made it); the context is pushed before each operation
+  and popped after it. Sessions on one GPU are isolated: a handle is a small int scoped to its
+  session (mapped there to its ``DeviceAllocation``), device addresses never leave the worker, and
+  modules are per session;
+- enforces its memory grant on the bytes it allocates (the GPU itself may refuse first:
+  OUT_OF_MEMORY either way); a context's own overhead is not counted against the grant;
+- compiles CUDA C with nvcc (``load`` kind "cuda"), with an on-disk cache of cubins
+  (``gpud_worker.modules.ModuleCache``, key: the source, the options, the GPU's architecture and
+  nvcc's version); PTX and cubins are loaded as they are (``module_from_buffer``). The built-in
+  kernels are ``kernels.CUDA_SOURCE``, compiled the same way;
+- checks a launch's typed arguments against the kernel's parameters before launching (built-ins:
+  ``kernels.BUILTINS``, with the same "illegal address" check of buffer sizes as the simulated GPU;
+  loaded modules: the parameters read from the source or the PTX); launches are synchronous: a
+  launch returns when the kernel has finished, so its errors are its own;
+- maps CUDA errors to REMOTE_ERROR naming the CUDA error (``CUDA_ERROR_...``). After an error that
+  CUDA makes sticky (an illegal address, a kernel's assert or trap...: the context can run nothing
+  more), the failing call says so, the context is destroyed and its memory freed at once, and every
+  later call gets SESSION_LOST (the broker then ends the session; the client library replays its
+  journal onto a new one where it can).
+
+Known limits: a kernel that never ends blocks its session (nothing here can preempt it; the
+session's other calls wait); MPS limits of a grant are recorded in ``info`` but not applied to the
+session's context.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from gpud.clock import Clock, SystemClock
+from gpud.errors import GpudError, InvalidRequest, OutOfMemory, RemoteError, SessionLost
+from gpud.protocol import BUILTIN_MODULE, gpu_info_to_wire
+from gpud.resources import GpuInfo
+from gpud_worker.device import (
+    BUSY_WINDOW_S,
+    MAX_SHARED_MEM,
+    BusyTracker,
+    Dims,
+    _check_dims,
+    _check_range,
+)
+from gpud_worker.kernels import (
+    BUILTINS,
+    CUDA_SOURCE,
+    F32_BYTES,
+    MAX_THREADS_PER_BLOCK,
+    Arg,
+    check_args,
+    lookup,
+)
+from gpud_worker.modules import (
+    MAX_MESSAGE_CHARS,
+    MAX_MODULE_BYTES,
+    MAX_MODULES,
+    ModuleCache,
+    Param,
+    Signature,
+    arch_of,
+    cache_key,
+    check_cuda_source,
+    check_launch_args,
+    check_load_args,
+    cuda_signatures,
+    decode_text,
+    default_cache_dir,
+    pack_format,
+    ptx_signatures,
+    wrap_extern_c,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+COMPILE_TIMEOUT_S = 120.0  # one nvcc run
+_MEMORY_IMAGES = 64  # compiled modules kept in memory per device (besides the disk cache)
+
+# --------------------------------------------------------------------------- pycuda, lazily
+
+_driver_lock = threading.Lock()
+_driver: Any = None
+
+
+def load_driver() -> Any:
+    """``pycuda.driver``, imported and initialized (``cuInit``) on the first call.
+
+    Raises
+    ------
+    ImportError
+        pycuda is not installed (extra ``cuda``).
+    pycuda.driver.Error
+        The CUDA driver cannot be initialized.
+    """
+    global _driver
+    with _driver_lock:
+        if _driver is None:
+            import pycuda.driver as drv
+
+            drv.init()
+            _driver = drv
+        return _driver
+
+
+# --------------------------------------------------------------------------- CUDA errors
+
+# CUDA's errors after which a context can run nothing more ("sticky"): cuda.h says of each that
+# "any further CUDA work will return the same error".
+STICKY_ERRORS = frozenset({
+    "CUDA_ERROR_ILLEGAL_ADDRESS",
+    "CUDA_ERROR_LAUNCH_TIMEOUT",
+    "CUDA_ERROR_ASSERT",
+    "CUDA_ERROR_HARDWARE_STACK_ERROR",
+    "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+    "CUDA_ERROR_MISALIGNED_ADDRESS",
+    "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+    "CUDA_ERROR_INVALID_PC",
+    "CUDA_ERROR_LAUNCH_FAILED",
+    "CUDA_ERROR_ECC_UNCORRECTABLE",
+    "CUDA_ERROR_CONTEXT_IS_DESTROYED",
+})
+
+# pycuda's messages carry cuGetErrorString's description, not the error's name. The names come
+# from the driver itself where it is loaded (``driver_error_names``); this table, from the
+# descriptions of cuda.h (CUDA 12 and 13), is the fallback.
+FALLBACK_ERROR_NAMES: dict[str, str] = {
+    "invalid argument": "CUDA_ERROR_INVALID_VALUE",
+    "out of memory": "CUDA_ERROR_OUT_OF_MEMORY",
+    "initialization error": "CUDA_ERROR_NOT_INITIALIZED",
+    "driver shutting down": "CUDA_ERROR_DEINITIALIZED",
+    "no CUDA-capable device is detected": "CUDA_ERROR_NO_DEVICE",
+    "invalid device ordinal": "CUDA_ERROR_INVALID_DEVICE",
+    "device kernel image is invalid": "CUDA_ERROR_INVALID_IMAGE",
+    "invalid device context": "CUDA_ERROR_INVALID_CONTEXT",
+    "no kernel image is available for execution on the device": "CUDA_ERROR_NO_BINARY_FOR_GPU",
+    "a PTX JIT compilation failed": "CUDA_ERROR_INVALID_PTX",
+    "the provided PTX was compiled with an unsupported toolchain.": "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
+    "invalid resource handle": "CUDA_ERROR_INVALID_HANDLE",
+    "named symbol not found": "CUDA_ERROR_NOT_FOUND",
+    "an illegal memory access was encountered": "CUDA_ERROR_ILLEGAL_ADDRESS",
+    "too many resources requested for launch": "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+    "the launch timed out and was terminated": "CUDA_ERROR_LAUNCH_TIMEOUT",
+    "device-side assert triggered": "CUDA_ERROR_ASSERT",
+    "an illegal instruction was encountered": "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+    "misaligned address": "CUDA_ERROR_MISALIGNED_ADDRESS",
+    "operation not supported on global/shared address space": "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+    "invalid program counter": "CUDA_ERROR_INVALID_PC",
+    "unspecified launch failure": "CUDA_ERROR_LAUNCH_FAILED",
+    "hardware stack error": "CUDA_ERROR_HARDWARE_STACK_ERROR",
+    "uncorrectable ECC error encountered": "CUDA_ERROR_ECC_UNCORRECTABLE",
+    "context is destroyed": "CUDA_ERROR_CONTEXT_IS_DESTROYED",
+    "unknown error": "CUDA_ERROR_UNKNOWN",
+}
+
+_MESSAGE_RE = re.compile(r"^(?P<routine>\w+) failed: (?P<desc>.*?)(?: - (?P<detail>.*))?$", re.DOTALL)
+
+
+def driver_error_names(lib: Any = None) -> dict[str, str]:
+    """Description -> name of every CUDA error the loaded driver knows (``cuGetErrorString`` and
+    ``cuGetErrorName`` of codes 0..999), merged over ``FALLBACK_ERROR_NAMES``. Never raises:
+    without libcuda, the fallback alone."""
+    names = dict(FALLBACK_ERROR_NAMES)
+    try:
+        cuda = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
+        for code in range(1, 1000):
+            desc, name = ctypes.c_char_p(), ctypes.c_char_p()
+            if cuda.cuGetErrorName(code, ctypes.byref(name)) != 0 or not name.value:
+                continue
+            if cuda.cuGetErrorString(code, ctypes.byref(desc)) != 0 or not desc.value:
+                continue
+            names[desc.value.decode(errors="replace")] = name.value.decode(errors="replace")
+    except (OSError, AttributeError) as exc:
+        log.debug("CUDA error names from the fallback table only: %s", exc)
+    return names
+
+
+@dataclass(frozen=True, slots=True)
+class CudaFailure:
+    """A CUDA error as the session reports it.
+
+    Attributes
+    ----------
+    error:
+        What the call raises (REMOTE_ERROR, or OUT_OF_MEMORY for CUDA's out of memory).
+    name:
+        The CUDA error's name (``CUDA_ERROR_ILLEGAL_ADDRESS``...), ``CUDA_ERROR_UNKNOWN_TEXT``
+        when the message matched no known error.
+    sticky:
+        Whether the context is unusable after it (``STICKY_ERRORS``).
+    """
+
+    error: GpudError
+    name: str
+    sticky: bool
+
+
+def map_cuda_error(exc: BaseException, what: str, names: Mapping[str, str] | None = None) -> CudaFailure:
+    """The failure a pycuda error (``pycuda.driver.Error`` or a subclass) stands for; ``what``
+    says which operation failed (``"kernel 'k' of module 'm'"``, ``"alloc"``...)."""
+    table = FALLBACK_ERROR_NAMES if names is None else names
+    text = str(exc).strip()
+    m = _MESSAGE_RE.match(text)
+    routine, desc, detail = (m.group("routine"), m.group("desc").strip(), m.group("detail")) if m else ("", text, None)
+    name = table.get(desc, "CUDA_ERROR_UNKNOWN_TEXT")
+    where = f"{what}, {routine}" if routine else what
+    extra = f": {detail.strip()[:MAX_MESSAGE_CHARS]}" if detail and detail.strip() else ""
+    message = f"{name}: {desc} ({where}){extra}"
+    if name == "CUDA_ERROR_OUT_OF_MEMORY":
+        return CudaFailure(OutOfMemory(f"{message}: the GPU has no memory left for it"), name, False)
+    sticky = name in STICKY_ERRORS
+    if sticky:
+        message += ("; CUDA leaves the context unusable after this error: the session's memory and "
+                    "modules are gone and its next call gets SESSION_LOST")
+    return CudaFailure(RemoteError(message), name, sticky)
+
+
+# --------------------------------------------------------------------------- the compiler
+
+
+def find_nvcc() -> str | None:
+    """``$GPUD_NVCC``, else nvcc on PATH, else ``$CUDA_HOME/bin/nvcc``, else
+    ``/usr/local/cuda/bin/nvcc``; None when none exists."""
+    for cand in (os.environ.get("GPUD_NVCC"), shutil.which("nvcc"),
+                 os.path.join(os.environ.get("CUDA_HOME", "/nonexistent"), "bin", "nvcc"),
+                 "/usr/local/cuda/bin/nvcc"):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+class NvccCompiler:
+    """nvcc, run as ``pycuda.compiler.compile`` runs it (``--cubin -arch sm_XY``), with a time
+    limit and the client's options already checked (``modules.check_options``).
+
+    Parameters
+    ----------
+    nvcc:
+        Its path (``find_nvcc()`` by default).
+    timeout:
+        Seconds one compilation may take.
+    """
+
+    def __init__(self, nvcc: str | None = None, timeout: float = COMPILE_TIMEOUT_S) -> None:
+        self.nvcc = nvcc or find_nvcc()
+        self.timeout = timeout
+        self._version: str | None = None
+
+    def version(self) -> str:
+        """nvcc's ``--version`` text (part of the cache key)."""
+        if self._version is None:
+            if self.nvcc is None:
+                return "no nvcc"
+            try:
+                out = subprocess.run([self.nvcc, "--version"], capture_output=True, timeout=30, check=False)
+                self._version = out.stdout.decode(errors="replace").strip() or f"nvcc exited {out.returncode}"
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                return f"nvcc failed: {exc}"
+        return self._version
+
+    def compile(self, source: str, arch: str, options: Sequence[str]) -> bytes:
+        """The cubin of ``source`` (already wrapped, see ``modules.wrap_extern_c``).
+
+        Raises
+        ------
+        RemoteError
+            No nvcc, or the compilation failed (the message is nvcc's, file paths removed) or
+            took too long.
+        """
+        if self.nvcc is None:
+            raise RemoteError("no CUDA compiler (nvcc) on this worker: load PTX or a cubin instead, "
+                              "or install the CUDA toolkit there (or set GPUD_NVCC)")
+        with tempfile.TemporaryDirectory(prefix="gpud-nvcc-") as tmp:
+            src = Path(tmp) / "kernel.cu"
+            src.write_text(source)
+            cmd = [self.nvcc, "--cubin", f"-arch={arch}", *options, "-o", "kernel.cubin", "kernel.cu"]
+            try:
+                out = subprocess.run(cmd, cwd=tmp, capture_output=True, timeout=self.timeout, check=False,
+                                     stdin=subprocess.DEVNULL)
+            except subprocess.TimeoutExpired:
+                raise RemoteError(f"compile error: nvcc took more than {self.timeout:g} s") from None
+            except OSError as exc:
+                raise RemoteError(f"compile error: nvcc could not run: {exc}") from None
+            text = (out.stderr + out.stdout).decode(errors="replace").replace(tmp + os.sep, "").strip()
+            cubin = Path(tmp) / "kernel.cubin"
+            if out.returncode != 0 or not cubin.exists():
+                raise RemoteError(f"compile error (nvcc exited with {out.returncode}):\n"
+                                  + _clip(text or "no message"))
+            if text:
+                log.debug("nvcc said: %s", text[:2000])
+            return cubin.read_bytes()
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 20] + "\n[... cut]"
+
+
+# --------------------------------------------------------------------------- the device
+
+
+def _builtin_signatures() -> dict[str, Signature]:
+    return {n: tuple(Param(p, t, (t,)) for p, t in zip(s.names, s.params, strict=True)) for n, s in BUILTINS.items()}
+
+
+class CudaDevice:
+    """One real GPU that sessions are opened on, through pycuda.
+
+    Parameters
+    ----------
+    gpu:
+        What NVML says of it (``simulated`` must be false).
+    ordinal:
+        Its CUDA device ordinal in this process (``cuda_devices`` matches them by PCI bus id).
+    driver:
+        ``pycuda.driver`` (``load_driver()`` by default; tests give a fake).
+    compiler:
+        What compiles CUDA C (``NvccCompiler()`` by default).
+    cache:
+        The on-disk module cache (``ModuleCache(default_cache_dir())`` by default).
+    """
+
+    simulated = False
+
+    def __init__(
+        self,
+        gpu: GpuInfo,
+        ordinal: int,
+        *,
+        driver: Any = None,
+        compiler: NvccCompiler | None = None,
+        cache: ModuleCache | None = None,
+        clock: Clock | None = None,
+        busy_window: float = BUSY_WINDOW_S,
+    ) -> None:
+        if gpu.simulated:
+            raise ValueError("CudaDevice serves real GPUs; SimulatedDevice serves simulated ones")
+        self.gpu = gpu
+        self.ordinal = ordinal
+        self.driver = driver if driver is not None else load_driver()
+        self.compiler = compiler if compiler is not None else NvccCompiler()
+        self.cache = cache if cache is not None else ModuleCache(default_cache_dir())
+        self.arch = arch_of(gpu.cc)
+        self.clock: Clock = clock if clock is not None else SystemClock()
+        self._lock = threading.Lock()
+        self._compile_lock = threading.Lock()
+        self._mem_used = 0
+        self._busy = BusyTracker(busy_window)
+        self._images: dict[str, bytes] = {}  # cache key -> cubin, the most recent ones
+        self._error_names: dict[str, str] | None = None
+
+    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None) -> CudaSession:
+        if type(mem_grant) is not int or mem_grant < 0:
+            raise InvalidRequest(f"memory grant must be an int >= 0, got {mem_grant!r}")
+        return CudaSession(self, mem_grant, mps)
+
+    def mem_used(self) -> int:
+        """Bytes allocated by this worker's sessions now (not the contexts' own overhead)."""
+        with self._lock:
+            return self._mem_used
+
+    def busy_fraction(self, now: float) -> float:
+        return self._busy.fraction(now)
+
+    def error_names(self) -> Mapping[str, str]:
+        """CUDA error descriptions -> names (``driver_error_names``), read once."""
+        if self._error_names is None:
+            self._error_names = driver_error_names()
+        return self._error_names
+
+    def compile(self, source: str, options: Sequence[str]) -> bytes:
+        """The cubin of a checked CUDA C source: from memory, from the disk cache, or nvcc."""
+        wrapped = wrap_extern_c(source)
+        key = cache_key("cuda", wrapped.encode(), options, self.gpu.cc, self.compiler.version())
+        with self._lock:
+            image = self._images.get(key)
+        if image is not None:
+            return image
+        with self._compile_lock:  # one nvcc at a time; a source asked for twice is compiled once
+            with self._lock:
+                image = self._images.get(key)
+            if image is None:
+                image = self.cache.get(key)
+            if image is None:
+                image = self.compiler.compile(wrapped, self.arch, options)
+                try:
+                    self.cache.put(key, image)
+                except OSError as exc:
+                    log.warning("module cache %s not written: %s", self.cache.root, exc)
+            with self._lock:
+                if len(self._images) >= _MEMORY_IMAGES:
+                    self._images.pop(next(iter(self._images)))
+                self._images[key] = image
+        return image
+
+    def builtin_image(self) -> bytes:
+        """The cubin of the built-in kernels (``kernels.CUDA_SOURCE``) for this GPU."""
+        return self.compile(CUDA_SOURCE, ())
+
+    def _reserve(self, nbytes: int) -> None:
+        with self._lock:
+            self._mem_used += nbytes
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._mem_used -= nbytes
+
+    @contextmanager
+    def _working(self) -> Iterator[None]:
+        token = self._busy.begin(self.clock.monotonic())
+        try:
+            yield
+        finally:
+            self._busy.end(token, self.clock.monotonic())
+
+
+class _SessionThread:
+    """The one thread of a session that makes, uses and destroys its CUDA context. A daemon: a
+    kernel that never ends must not keep the worker from exiting."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, future = item
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+            del item, fn, future  # nothing of the call outlives it here
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self._queue.put((fn, future))
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._queue.put(None)
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
+@dataclass(slots=True)
+class _Module:
+    module: Any  # pycuda Module
+    sigs: dict[str, Signature] | None  # None: unknown (a cubin)
+    functions: list[str]  # kernels found in it (cubin: the ones launched so far)
+    handles: dict[str, Any] = field(default_factory=dict)  # name -> pycuda Function
+
+
+class _Lost(Exception):
+    """Raised in the session's thread after a sticky CUDA error (carries the failure)."""
+
+    def __init__(self, failure: CudaFailure) -> None:
+        super().__init__(failure.error.message)
+        self.failure = failure
+
+
+class CudaSession:
+    """A session on a ``CudaDevice``: one CUDA context, used by one thread of its own.
+
+    Thread-safe: calls run one at a time, each in the session's thread with its context current.
+    """
+
+    def __init__(self, device: CudaDevice, mem_grant: int, mps: Mapping[str, str] | None = None) -> None:
+        self._device = device
+        self._drv = device.driver
+        self._grant = mem_grant
+        self._mps = dict(mps) if mps else None
+        self._lock = threading.Lock()
+        self._allocs: dict[int, tuple[Any, int]] = {}  # handle -> (DeviceAllocation, bytes)
+        self._next_handle = 0
+        self._used = 0
+        self._modules: dict[str, _Module] = {}
+        self._closed = False
+        self._lost: str | None = None  # why the context is gone (a sticky error)
+        self._ctx: Any = None
+        self._thread = _SessionThread(f"cuda{device.gpu.index}-session")
+        # The context is made in the session's thread, without waiting here (it takes a fraction of
+        # a second, and sessions are opened from the worker's main loop): the first call waits for
+        # it, as calls run in order in that thread. If it cannot be made, calls get SESSION_LOST.
+        self._thread.submit(self._make_context)
+        log.debug("%s: CUDA session opened with a grant of %d bytes", device.gpu.uuid, mem_grant)
+
+    # ---------------------------------------------------------------- the session's thread
+
+    def _make_context(self) -> None:
+        drv = self._drv
+        try:
+            self._ctx = drv.Device(self._device.ordinal).make_context()
+            drv.Context.pop()
+        except drv.Error as exc:
+            failure = map_cuda_error(exc, "creating the session's CUDA context", self._device.error_names())
+            self._lost = f"its CUDA context could not be created: {failure.error.message}"
+            log.error("%s: %s", self._device.gpu.uuid, self._lost)
+        except Exception as exc:
+            self._lost = f"its CUDA context could not be created: {type(exc).__name__}: {exc}"
+            log.exception("%s: creating a CUDA context failed", self._device.gpu.uuid)
+
+    def _in_thread(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in the session's thread and return its result or raise its error. The error
+        comes back without its traceback, so that no pycuda object of this session is freed from
+        another thread (pycuda refuses that)."""
+        def run() -> tuple[bool, Any]:
+            try:
+                return True, fn()
+            except BaseException as exc:
+                exc.__traceback__ = None
+                exc.__context__ = None
+                exc.__cause__ = None
+                return False, exc
+        ok, value = self._thread.submit(run).result()
+        if ok:
+            return value  # type: ignore[no-any-return]
+        raise value
+
+    def _op(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` with the session's context current, in its thread. CUDA errors become
+        ``CudaFailure`` errors; a sticky one also loses the session (``_lose``)."""
+        def run() -> T:
+            drv = self._drv
+            if self._ctx is None:  # it could not be made (the first call may get here before
+                raise SessionLost(f"the session's CUDA context is gone ({self._lost})")  # _lost shows)
+            try:
+                self._ctx.push()
+            except drv.Error as exc:
+                raise map_cuda_error(exc, what, self._device.error_names()).error from None
+            failure: CudaFailure | None = None
+            try:
+                return fn()
+            except drv.Error as exc:
+                failure = map_cuda_error(exc, what, self._device.error_names())
+                raise _Lost(failure) if failure.sticky else failure.error from None
+            finally:
+                try:
+                    drv.Context.pop()
+                except drv.Error as exc:
+                    log.warning("%s: popping a CUDA context failed: %s", self._device.gpu.uuid, exc)
+                if failure is not None and failure.sticky:
+                    self._lose(failure)
+        try:
+            return self._in_thread(run)
+        except _Lost as lost:
+            raise lost.failure.error from None
+
+    def _lose(self, failure: CudaFailure) -> None:
+        """In the session's thread: destroy the context after a sticky error, drop what it held."""
+        self._lost = f"lost after {failure.name} earlier in this session"
+        log.error("%s: session lost its CUDA context: %s", self._device.gpu.uuid, failure.error.message)
+        self._destroy()
+
+    def _destroy(self) -> None:
+        """In the session's thread: destroy the context (which frees its memory and modules), then
+        drop the pycuda objects (their clean-up then finds a dead context and does nothing)."""
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            try:
+                ctx.detach()
+            except self._drv.Error as exc:
+                log.warning("%s: destroying a CUDA context failed: %s", self._device.gpu.uuid, exc)
+        self._allocs.clear()
+        self._modules.clear()
+        self._device._release(self._used)
+        self._used = 0
+
+    # ---------------------------------------------------------------- the device interface
+
+    def alloc(self, nbytes: int) -> int:
+        if type(nbytes) is not int or nbytes < 1:
+            raise InvalidRequest(f"nbytes must be an int >= 1, got {nbytes!r}")
+        with self._lock:
+            self._check_open()
+            if self._used + nbytes > self._grant:
+                raise OutOfMemory(
+                    f"allocation of {nbytes} bytes exceeds the session's memory grant "
+                    f"({self._used} of {self._grant} bytes in use)"
+                )
+            mem = self._op("alloc", lambda: self._drv.mem_alloc(nbytes))
+            self._next_handle += 1
+            self._allocs[self._next_handle] = (mem, nbytes)
+            self._used += nbytes
+            self._device._reserve(nbytes)
+            return self._next_handle
+
+    def free(self, handle: int) -> None:
+        with self._lock:
+            self._check_open()
+            mem, nbytes = self._alloc_of(handle)
+
+            def free() -> None:
+                mem.free()
+                del self._allocs[handle]  # in the session's thread, as pycuda wants
+
+            self._op("free", free)
+            self._used -= nbytes
+            self._device._release(nbytes)
+
+    def htod(self, handle: int, offset: int, data: Any) -> None:
+        try:
+            view = memoryview(data)
+        except TypeError:
+            raise InvalidRequest("htod data must be a bytes-like object") from None
+        if not view.c_contiguous:
+            raise InvalidRequest("htod data must be contiguous")
+        view = view.cast("B")
+        with self._lock:
+            self._check_open()
+            mem, size = self._alloc_of(handle)
+            _check_range(handle, size, offset, len(view))
+            if not len(view):
+                return
+            with self._device._working():
+                self._op("htod", lambda: self._drv.memcpy_htod(int(mem) + offset, view))
+
+    def dtoh(self, handle: int, offset: int, nbytes: int | None = None) -> memoryview:
+        with self._lock:
+            self._check_open()
+            mem, size = self._alloc_of(handle)
+            if nbytes is None and type(offset) is int:
+                nbytes = max(size - offset, 0)
+            _check_range(handle, size, offset, nbytes)
+            assert nbytes is not None
+            out = bytearray(nbytes)
+            if nbytes:
+                with self._device._working():
+                    self._op("dtoh", lambda: self._drv.memcpy_dtoh(out, int(mem) + offset))
+            return memoryview(out)
+
+    def load(self, kind: str, name: str, data: Any, options: Sequence[str] = ()) -> dict[str, Any]:
+        kind, name, opts = check_load_args(kind, name, list(options))
+        sigs: dict[str, Signature] | None
+        if kind == "cubin":
+            image = bytes(data)
+            if len(image) > MAX_MODULE_BYTES:
+                raise InvalidRequest(f"a module is at most {MAX_MODULE_BYTES} bytes, got {len(image)}")
+            sigs = None
+        elif kind == "ptx":
+            text = decode_text(data, kind)
+            image = text.encode() + b"\0"
+            sigs = ptx_signatures(text)
+        else:
+            text = decode_text(data, kind)
+            sigs = cuda_signatures(check_cuda_source(text))
+            with self._lock:
+                self._check_open()
+            image = self._device.compile(text, opts)  # outside the lock: it may take seconds
+        with self._lock:
+            self._check_open()
+            if name in self._modules:
+                raise InvalidRequest(f"module {name!r} is already loaded in this session")
+            if len(self._modules) >= MAX_MODULES:
+                raise InvalidRequest(f"a session holds at most {MAX_MODULES} modules")
+
+            def load() -> list[str]:
+                mod = self._drv.module_from_buffer(image)
+                handles = {n: f for n in sorted(sigs or ()) if (f := self._find(mod, n)) is not None}
+                self._modules[name] = _Module(mod, sigs, list(handles), handles)
+                return list(handles)
+
+            functions = self._op(f"loading module {name!r}", load)
+        return {"module": name, "functions": functions[:1024]}
+
+    def _find(self, mod: Any, name: str) -> Any:
+        """The kernel ``name`` of a pycuda module, or None (session thread, context current)."""
+        try:
+            return mod.get_function(name)
+        except self._drv.Error:
+            return None
+
+    def launch(
+        self,
+        module: str,
+        name: str,
+        grid: Dims,
+        block: Dims,
+        args: Sequence[Arg],
+        shared_mem: int = 0,
+    ) -> None:
+        if type(module) is not str or type(name) is not str:
+            raise InvalidRequest("module and name must be strings")
+        builtin = module == BUILTIN_MODULE
+        sig: Signature | None = None
+        if builtin:
+            lookup(module, name)
+            check_args(name, args)
+        _check_dims("grid", grid)
+        _check_dims("block", block)
+        threads = block[0] * block[1] * block[2]
+        if threads > MAX_THREADS_PER_BLOCK:
+            raise InvalidRequest(f"block of {threads} threads, at most {MAX_THREADS_PER_BLOCK} per block")
+        if type(shared_mem) is not int or not 0 <= shared_mem <= MAX_SHARED_MEM:
+            raise InvalidRequest(f"shared_mem must be an int in 0..{MAX_SHARED_MEM}")
+        what = f"kernel {name!r} of module {module!r}"
+        with self._lock:
+            self._check_open()
+            if builtin:
+                entry = self._builtin()
+            else:
+                got = self._modules.get(module)
+                if got is None:
+                    loaded = ", ".join(sorted([BUILTIN_MODULE, *self._modules]))
+                    raise InvalidRequest(f"module {module!r} unknown (loaded: {loaded})")
+                entry = got
+                if entry.sigs is not None:
+                    if name not in entry.functions:
+                        raise InvalidRequest(f"unknown kernel {name!r} in module {module!r} "
+                                             f"(known: {', '.join(entry.functions) or 'none'})")
+                    sig = entry.sigs[name]
+                check_launch_args(module, name, sig, args)
+            values: list[int | float] = []
+            sizes: dict[int, int] = {}
+            for i, (tag, value) in enumerate(args):
+                if tag == "ptr":
+                    found = self._allocs.get(int(value))
+                    if found is None:
+                        raise InvalidRequest(f"{what} argument {i}: unknown handle {value}")
+                    values.append(int(found[0]))
+                    sizes[i] = found[1]
+                else:
+                    values.append(value)
+            if builtin:
+                self._check_footprint(name, args, sizes)
+            fmt = pack_format(args)
+
+            def run() -> None:
+                func = entry.handles.get(name)
+                if func is None:
+                    func = self._find(entry.module, name)
+                    if func is None:
+                        raise InvalidRequest(f"unknown kernel {name!r} in module {module!r}")
+                    entry.handles[name] = func
+                    if name not in entry.functions:
+                        entry.functions.append(name)
+                func.prepare(fmt)
+                func.prepared_call(grid, block, *values, shared_size=shared_mem)
+                self._drv.Context.synchronize()
+
+            with self._device._working():
+                self._op(what, run)
+
+    def _check_footprint(self, name: str, args: Sequence[Arg], sizes: Mapping[int, int]) -> None:
+        """The simulated GPU's check of a built-in's buffers (``KernelSig.footprint``), so that a
+        too small buffer is a REMOTE_ERROR "illegal address" before anything runs, as there."""
+        sig = BUILTINS[name]
+        values = [v for _, v in args]
+        for i, elems in sig.footprint(values).items():
+            if elems * F32_BYTES > sizes[i]:
+                raise RemoteError(
+                    f"illegal address: kernel {name!r} argument {i} ({sig.names[i]}) reaches "
+                    f"{elems * F32_BYTES} bytes, allocation {values[i]} holds {sizes[i]}"
+                )
+
+    def _builtin(self) -> _Module:
+        """The built-in module, loaded into this session's context on first use (lock held)."""
+        entry = self._modules.get(BUILTIN_MODULE)
+        if entry is None:
+            image = self._device.builtin_image()
+            sigs = _builtin_signatures()
+
+            def load() -> _Module:
+                return _Module(self._drv.module_from_buffer(image), sigs, sorted(sigs))
+
+            entry = self._modules[BUILTIN_MODULE] = self._op("loading the built-in kernels", load)
+        return entry
+
+    def sync(self) -> None:
+        with self._lock:
+            self._check_open()
+            self._op("sync", lambda: self._drv.Context.synchronize())
+
+    def info(self) -> dict[str, Any]:
+        with self._lock:
+            self._check_open()
+            out: dict[str, Any] = {
+                "gpu": gpu_info_to_wire(self._device.gpu),
+                "mem_granted": self._grant,
+                "mem_used": self._used,
+                "simulated": False,
+            }
+            if self._mps is not None:
+                out["mps"] = dict(self._mps)
+            return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._in_thread(self._destroy)
+            finally:
+                self._thread.shutdown(wait=True)
+            log.debug("%s: CUDA session closed", self._device.gpu.uuid)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionLost("session closed")
+        if self._lost is not None:
+            raise SessionLost(f"the session's CUDA context is gone ({self._lost})")
+
+    def _alloc_of(self, handle: Any) -> tuple[Any, int]:
+        found = self._allocs.get(handle) if type(handle) is int else None
+        if found is None:
+            raise InvalidRequest(f"unknown handle {handle!r}")
+        return found
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def normalize_bus_id(bus_id: str | bytes) -> str:
+    """A PCI bus id as ``dddd:bb:dd.f`` in lower case (NVML writes an 8-digit domain, CUDA 4)."""
+    text = bus_id.decode() if isinstance(bus_id, bytes) else bus_id
+    m = re.fullmatch(r"\s*(?:([0-9a-fA-F]+):)?([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-7])\s*", text.rstrip("\0"))
+    if m is None:
+        raise ValueError(f"bad PCI bus id {bus_id!r}")
+    domain, bus, dev, fn = (int(g, 16) if g else 0 for g in m.groups())
+    return f"{domain:04x}:{bus:02x}:{dev:02x}.{fn:x}"
+
+
+def cuda_devices(gpus: Sequence[GpuInfo], nvml: Any = None, driver: Any = None) -> tuple[dict[str, CudaDevice], str]:
+    """A ``CudaDevice`` for each GPU of NVML's inventory that CUDA sees, matched by PCI bus id.
+
+    Returns the devices by uuid and, when some or all GPUs get none, why (empty otherwise). Never
+    raises: a worker without pycuda still runs jobs; its sessions are refused.
+    """
+    if not gpus:
+        return {}, ""
+    try:
+        drv = driver if driver is not None else load_driver()
+    except ImportError as exc:
+        return {}, f"pycuda is not installed ({exc}): install the extra 'cuda' (pip install 'gpud[cuda]')"
+    except Exception as exc:  # pycuda.driver.Error: no usable driver
+        return {}, f"pycuda cannot initialize CUDA: {exc}"
+    if nvml is None:
+        import pynvml as nvml_module
+
+        nvml = nvml_module
+    ordinals: dict[str, int] = {}
+    try:
+        for i in range(drv.Device.count()):
+            ordinals[normalize_bus_id(drv.Device(i).pci_bus_id())] = i
+    except Exception as exc:
+        return {}, f"CUDA cannot list its devices: {exc}"
+    devices: dict[str, CudaDevice] = {}
+    missing: list[str] = []
+    nvml.nvmlInit()
+    try:
+        for g in gpus:
+            try:
+                bus = normalize_bus_id(nvml.nvmlDeviceGetPciInfo(nvml.nvmlDeviceGetHandleByUUID(g.uuid)).busId)
+            except (nvml.NVMLError, ValueError) as exc:
+                missing.append(f"{g.uuid} (no PCI bus id: {exc})")
+                continue
+            if bus not in ordinals:
+                missing.append(f"{g.uuid} (CUDA does not see {bus}: CUDA_VISIBLE_DEVICES?)")
+                continue
+            devices[g.uuid] = CudaDevice(g, ordinals[bus], driver=drv)
+    finally:
+        nvml.nvmlShutdown()
+    why = f"no CUDA device for GPU(s) {', '.join(missing)}" if missing else ""
+    return devices, why

@@ -44,38 +44,31 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpud.clock import Clock, SystemClock
+from gpud.clock import Clock
 from gpud.errors import GpudError, InvalidRequest, OutOfMemory, RemoteError, SessionLost
-from gpud.protocol import BUILTIN_MODULE, gpu_info_to_wire
+from gpud.protocol import BUILTIN_MODULE
 from gpud.resources import GpuInfo
 from gpud_worker.device import (
     BUSY_WINDOW_S,
-    MAX_SHARED_MEM,
-    BusyTracker,
     Dims,
-    _check_dims,
-    _check_range,
+    _BaseDevice,
+    _BaseSession,
+    _byte_view,
+    _check_footprint,
+    _check_grant,
+    _check_kernel,
+    _check_launch_shape,
 )
-from gpud_worker.kernels import (
-    BUILTINS,
-    CUDA_SOURCE,
-    F32_BYTES,
-    MAX_THREADS_PER_BLOCK,
-    Arg,
-    check_args,
-    lookup,
-)
+from gpud_worker.kernels import BUILTINS, CUDA_SOURCE, Arg, check_args, lookup
 from gpud_worker.modules import (
     MAX_MESSAGE_CHARS,
     MAX_MODULE_BYTES,
-    MAX_MODULES,
     ModuleCache,
     Param,
     Signature,
@@ -324,7 +317,7 @@ def _builtin_signatures() -> dict[str, Signature]:
     return {n: tuple(Param(p, t, (t,)) for p, t in zip(s.names, s.params, strict=True)) for n, s in BUILTINS.items()}
 
 
-class CudaDevice:
+class CudaDevice(_BaseDevice):
     """One real GPU that sessions are opened on, through pycuda.
 
     Parameters
@@ -362,26 +355,14 @@ class CudaDevice:
         self.compiler = compiler if compiler is not None else NvccCompiler()
         self.cache = cache if cache is not None else ModuleCache(default_cache_dir())
         self.arch = arch_of(gpu.cc)
-        self.clock: Clock = clock if clock is not None else SystemClock()
-        self._lock = threading.Lock()
+        super().__init__(clock, busy_window)
         self._compile_lock = threading.Lock()
-        self._mem_used = 0
-        self._busy = BusyTracker(busy_window)
         self._images: dict[str, bytes] = {}  # cache key -> cubin, the most recent ones
         self._error_names: dict[str, str] | None = None
 
     def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None) -> CudaSession:
-        if type(mem_grant) is not int or mem_grant < 0:
-            raise InvalidRequest(f"memory grant must be an int >= 0, got {mem_grant!r}")
+        _check_grant(mem_grant)
         return CudaSession(self, mem_grant, mps)
-
-    def mem_used(self) -> int:
-        """Bytes allocated by this worker's sessions now (not the contexts' own overhead)."""
-        with self._lock:
-            return self._mem_used
-
-    def busy_fraction(self, now: float) -> float:
-        return self._busy.fraction(now)
 
     def error_names(self) -> Mapping[str, str]:
         """CUDA error descriptions -> names (``driver_error_names``), read once."""
@@ -421,18 +402,6 @@ class CudaDevice:
     def _reserve(self, nbytes: int) -> None:
         with self._lock:
             self._mem_used += nbytes
-
-    def _release(self, nbytes: int) -> None:
-        with self._lock:
-            self._mem_used -= nbytes
-
-    @contextmanager
-    def _working(self) -> Iterator[None]:
-        token = self._busy.begin(self.clock.monotonic())
-        try:
-            yield
-        finally:
-            self._busy.end(token, self.clock.monotonic())
 
 
 class _SessionThread:
@@ -483,23 +452,21 @@ class _Lost(Exception):
         self.failure = failure
 
 
-class CudaSession:
+class CudaSession(_BaseSession[tuple[Any, int]]):
     """A session on a ``CudaDevice``: one CUDA context, used by one thread of its own.
 
     Thread-safe: calls run one at a time, each in the session's thread with its context current.
+    Its handle table maps a handle to ``(DeviceAllocation, bytes)``.
     """
 
+    _device: CudaDevice
+    _modules: dict[str, _Module]
+
     def __init__(self, device: CudaDevice, mem_grant: int, mps: Mapping[str, str] | None = None) -> None:
-        self._device = device
+        super().__init__(device, mem_grant, mps)
         self._drv = device.driver
-        self._grant = mem_grant
-        self._mps = dict(mps) if mps else None
-        self._lock = threading.Lock()
-        self._allocs: dict[int, tuple[Any, int]] = {}  # handle -> (DeviceAllocation, bytes)
         self._next_handle = 0
-        self._used = 0
-        self._modules: dict[str, _Module] = {}
-        self._closed = False
+        self._modules = {}
         self._lost: str | None = None  # why the context is gone (a sticky error)
         self._ctx: Any = None
         self._thread = _SessionThread(f"cuda{device.gpu.index}-session")
@@ -592,48 +559,30 @@ class CudaSession:
 
     # ---------------------------------------------------------------- the device interface
 
-    def alloc(self, nbytes: int) -> int:
-        if type(nbytes) is not int or nbytes < 1:
-            raise InvalidRequest(f"nbytes must be an int >= 1, got {nbytes!r}")
-        with self._lock:
-            self._check_open()
-            if self._used + nbytes > self._grant:
-                raise OutOfMemory(
-                    f"allocation of {nbytes} bytes exceeds the session's memory grant "
-                    f"({self._used} of {self._grant} bytes in use)"
-                )
-            mem = self._op("alloc", lambda: self._drv.mem_alloc(nbytes))
-            self._next_handle += 1
-            self._allocs[self._next_handle] = (mem, nbytes)
-            self._used += nbytes
-            self._device._reserve(nbytes)
-            return self._next_handle
+    def _allocate(self, nbytes: int) -> tuple[int, tuple[Any, int]]:
+        mem = self._op("alloc", lambda: self._drv.mem_alloc(nbytes))
+        self._device._reserve(nbytes)
+        self._next_handle += 1
+        return self._next_handle, (mem, nbytes)
 
-    def free(self, handle: int) -> None:
-        with self._lock:
-            self._check_open()
-            mem, nbytes = self._alloc_of(handle)
+    def _free(self, handle: int, alloc: tuple[Any, int]) -> int:
+        mem, nbytes = alloc
 
-            def free() -> None:
-                mem.free()
-                del self._allocs[handle]  # in the session's thread, as pycuda wants
+        def free() -> None:
+            mem.free()
+            del self._allocs[handle]  # in the session's thread, as pycuda wants
 
-            self._op("free", free)
-            self._used -= nbytes
-            self._device._release(nbytes)
+        self._op("free", free)
+        return nbytes
+
+    def _size(self, alloc: tuple[Any, int]) -> int:
+        return alloc[1]
 
     def htod(self, handle: int, offset: int, data: Any) -> None:
-        try:
-            view = memoryview(data)
-        except TypeError:
-            raise InvalidRequest("htod data must be a bytes-like object") from None
-        if not view.c_contiguous:
-            raise InvalidRequest("htod data must be contiguous")
-        view = view.cast("B")
+        view = _byte_view(data)
         with self._lock:
             self._check_open()
-            mem, size = self._alloc_of(handle)
-            _check_range(handle, size, offset, len(view))
+            (mem, _), _ = self._span(handle, offset, len(view))
             if not len(view):
                 return
             with self._device._working():
@@ -642,13 +591,9 @@ class CudaSession:
     def dtoh(self, handle: int, offset: int, nbytes: int | None = None) -> memoryview:
         with self._lock:
             self._check_open()
-            mem, size = self._alloc_of(handle)
-            if nbytes is None and type(offset) is int:
-                nbytes = max(size - offset, 0)
-            _check_range(handle, size, offset, nbytes)
-            assert nbytes is not None
-            out = bytearray(nbytes)
-            if nbytes:
+            (mem, _), end = self._span(handle, offset, nbytes)
+            out = bytearray(end - offset)
+            if out:
                 with self._device._working():
                     self._op("dtoh", lambda: self._drv.memcpy_dtoh(out, int(mem) + offset))
             return memoryview(out)
@@ -672,11 +617,7 @@ class CudaSession:
                 self._check_open()
             image = self._device.compile(text, opts)  # outside the lock: it may take seconds
         with self._lock:
-            self._check_open()
-            if name in self._modules:
-                raise InvalidRequest(f"module {name!r} is already loaded in this session")
-            if len(self._modules) >= MAX_MODULES:
-                raise InvalidRequest(f"a session holds at most {MAX_MODULES} modules")
+            self._check_loadable(name)
 
             def load() -> list[str]:
                 mod = self._drv.module_from_buffer(image)
@@ -710,13 +651,7 @@ class CudaSession:
         if builtin:
             lookup(module, name)
             check_args(name, args)
-        _check_dims("grid", grid)
-        _check_dims("block", block)
-        threads = block[0] * block[1] * block[2]
-        if threads > MAX_THREADS_PER_BLOCK:
-            raise InvalidRequest(f"block of {threads} threads, at most {MAX_THREADS_PER_BLOCK} per block")
-        if type(shared_mem) is not int or not 0 <= shared_mem <= MAX_SHARED_MEM:
-            raise InvalidRequest(f"shared_mem must be an int in 0..{MAX_SHARED_MEM}")
+        _check_launch_shape(grid, block, shared_mem)
         what = f"kernel {name!r} of module {module!r}"
         with self._lock:
             self._check_open()
@@ -725,28 +660,16 @@ class CudaSession:
             else:
                 got = self._modules.get(module)
                 if got is None:
-                    loaded = ", ".join(sorted([BUILTIN_MODULE, *self._modules]))
-                    raise InvalidRequest(f"module {module!r} unknown (loaded: {loaded})")
+                    raise self._unknown_module(module)
                 entry = got
                 if entry.sigs is not None:
-                    if name not in entry.functions:
-                        raise InvalidRequest(f"unknown kernel {name!r} in module {module!r} "
-                                             f"(known: {', '.join(entry.functions) or 'none'})")
+                    _check_kernel(module, name, entry.functions)
                     sig = entry.sigs[name]
                 check_launch_args(module, name, sig, args)
-            values: list[int | float] = []
-            sizes: dict[int, int] = {}
-            for i, (tag, value) in enumerate(args):
-                if tag == "ptr":
-                    found = self._allocs.get(int(value))
-                    if found is None:
-                        raise InvalidRequest(f"{what} argument {i}: unknown handle {value}")
-                    values.append(int(found[0]))
-                    sizes[i] = found[1]
-                else:
-                    values.append(value)
+            ptrs = self._ptr_allocs(args, lambda i: f"{what} argument {i}")
             if builtin:
-                self._check_footprint(name, args, sizes)
+                _check_footprint(name, BUILTINS[name], [v for _, v in args], {i: n for i, (_, n) in ptrs.items()})
+            values = [int(ptrs[i][0]) if i in ptrs else value for i, (_, value) in enumerate(args)]
             fmt = pack_format(args)
 
             def run() -> None:
@@ -764,18 +687,6 @@ class CudaSession:
 
             with self._device._working():
                 self._op(what, run)
-
-    def _check_footprint(self, name: str, args: Sequence[Arg], sizes: Mapping[int, int]) -> None:
-        """The simulated GPU's check of a built-in's buffers (``KernelSig.footprint``), so that a
-        too small buffer is a REMOTE_ERROR "illegal address" before anything runs, as there."""
-        sig = BUILTINS[name]
-        values = [v for _, v in args]
-        for i, elems in sig.footprint(values).items():
-            if elems * F32_BYTES > sizes[i]:
-                raise RemoteError(
-                    f"illegal address: kernel {name!r} argument {i} ({sig.names[i]}) reaches "
-                    f"{elems * F32_BYTES} bytes, allocation {values[i]} holds {sizes[i]}"
-                )
 
     def _builtin(self) -> _Module:
         """The built-in module, loaded into this session's context on first use (lock held)."""
@@ -795,19 +706,6 @@ class CudaSession:
             self._check_open()
             self._op("sync", lambda: self._drv.Context.synchronize())
 
-    def info(self) -> dict[str, Any]:
-        with self._lock:
-            self._check_open()
-            out: dict[str, Any] = {
-                "gpu": gpu_info_to_wire(self._device.gpu),
-                "mem_granted": self._grant,
-                "mem_used": self._used,
-                "simulated": False,
-            }
-            if self._mps is not None:
-                out["mps"] = dict(self._mps)
-            return out
-
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -820,16 +718,9 @@ class CudaSession:
             log.debug("%s: CUDA session closed", self._device.gpu.uuid)
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise SessionLost("session closed")
+        super()._check_open()
         if self._lost is not None:
             raise SessionLost(f"the session's CUDA context is gone ({self._lost})")
-
-    def _alloc_of(self, handle: Any) -> tuple[Any, int]:
-        found = self._allocs.get(handle) if type(handle) is int else None
-        if found is None:
-            raise InvalidRequest(f"unknown handle {handle!r}")
-        return found
 
 
 # --------------------------------------------------------------------------- discovery

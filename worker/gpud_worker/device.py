@@ -5,6 +5,9 @@ This module owns what a session does to a GPU (docs/PROTOCOL.md §5.4): ``Device
 it for machines without a GPU (DESIGN.md §5): device memory is host memory, the built-in kernels of
 ``gpud_worker.kernels`` run on the CPU with numpy, and utilization is modelled from the time spent
 running kernels and copies. It is always labelled simulated and never claims to be a real GPU.
+``_BaseDevice`` and ``_BaseSession`` hold what the simulated GPU and the pycuda backend
+(``gpud_worker.cuda``) share: memory accounting, busy time, the handle table, the memory grant and
+the checks of a call's arguments.
 """
 
 from __future__ import annotations
@@ -12,10 +15,10 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -28,6 +31,7 @@ from gpud_worker.kernels import (
     F32_BYTES,
     MAX_THREADS_PER_BLOCK,
     Arg,
+    KernelSig,
     Resolved,
     check_args,
     lookup,
@@ -48,6 +52,7 @@ MAX_SHARED_MEM = 48 * 1024  # bytes of dynamic shared memory per block, CUDA's d
 _MAX_BUSY_INTERVALS = 4096  # past this, the oldest busy intervals are merged (over-counts a little)
 
 Dims = tuple[int, int, int]
+A = TypeVar("A")  # what a session's handle table maps a handle to (its allocation)
 
 
 class DeviceSession(Protocol):
@@ -189,7 +194,42 @@ class BusyTracker:
         return min(max(busy / self.window, 0.0), 1.0)
 
 
-class SimulatedDevice:
+class _BaseDevice:
+    """What ``SimulatedDevice`` and ``gpud_worker.cuda.CudaDevice`` share: the bytes their
+    sessions hold (``_reserve`` is each device's own) and the busy time behind ``busy_fraction``."""
+
+    gpu: GpuInfo
+    simulated: bool
+
+    def __init__(self, clock: Clock | None, busy_window: float) -> None:
+        self.clock: Clock = clock if clock is not None else SystemClock()
+        self._lock = threading.Lock()
+        self._mem_used = 0
+        self._busy = BusyTracker(busy_window)
+
+    def mem_used(self) -> int:
+        """Bytes allocated by all sessions now (on a real GPU: not its contexts' own overhead)."""
+        with self._lock:
+            return self._mem_used
+
+    def busy_fraction(self, now: float) -> float:
+        return self._busy.fraction(now)
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._mem_used -= nbytes
+
+    @contextmanager
+    def _working(self) -> Iterator[None]:
+        """Count the enclosed work (a kernel or a copy) as device busy time."""
+        token = self._busy.begin(self.clock.monotonic())
+        try:
+            yield
+        finally:
+            self._busy.end(token, self.clock.monotonic())
+
+
+class SimulatedDevice(_BaseDevice):
     """A GPU simulated on the host: memory is host memory, kernels run on the CPU with numpy.
 
     Parameters
@@ -208,24 +248,13 @@ class SimulatedDevice:
         self, gpu: GpuInfo, clock: Clock | None = None, busy_window: float = BUSY_WINDOW_S
     ) -> None:
         self.gpu = gpu if gpu.simulated else replace(gpu, simulated=True)
-        self.clock: Clock = clock if clock is not None else SystemClock()
-        self._lock = threading.Lock()
-        self._mem_used = 0
+        super().__init__(clock, busy_window)
         self._next_handle = 0
-        self._busy = BusyTracker(busy_window)
 
     def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None) -> SimulatedSession:
-        if type(mem_grant) is not int or mem_grant < 0:
-            raise InvalidRequest(f"memory grant must be an int >= 0, got {mem_grant!r}")
+        _check_grant(mem_grant)
         log.debug("%s: session opened with a grant of %d bytes", self.gpu.uuid, mem_grant)
         return SimulatedSession(self, mem_grant, mps)
-
-    def mem_used(self) -> int:
-        with self._lock:
-            return self._mem_used
-
-    def busy_fraction(self, now: float) -> float:
-        return self._busy.fraction(now)
 
     def _reserve(self, nbytes: int) -> int:
         """Take ``nbytes`` of device memory and return a device-wide unique handle."""
@@ -240,34 +269,26 @@ class SimulatedDevice:
             self._next_handle += 1
             return self._next_handle
 
-    def _release(self, nbytes: int) -> None:
-        with self._lock:
-            self._mem_used -= nbytes
 
-    @contextmanager
-    def _working(self) -> Iterator[None]:
-        """Count the enclosed work (a kernel or a copy) as device busy time."""
-        token = self._busy.begin(self.clock.monotonic())
-        try:
-            yield
-        finally:
-            self._busy.end(token, self.clock.monotonic())
+class _BaseSession(Generic[A]):
+    """What ``SimulatedSession`` and ``gpud_worker.cuda.CudaSession`` share: the handle table
+    (handle -> allocation ``A``) and its checks, the memory grant's accounting, the closed check,
+    ``info``, and the checks of a call's arguments. How memory is allocated and copied and how
+    kernels run is each subclass's own (``_allocate``, ``_free``, ``_size``). Methods and hooks
+    marked "lock held" run under ``_lock``; calls on one session run one at a time.
+    """
 
+    _device: _BaseDevice
+    _modules: Mapping[str, object]  # loaded module name -> what the subclass keeps of it
 
-class SimulatedSession:
-    """A session on a ``SimulatedDevice``. Thread-safe; calls on one session run one at a time."""
-
-    def __init__(
-        self, device: SimulatedDevice, mem_grant: int, mps: Mapping[str, str] | None = None
-    ) -> None:
+    def __init__(self, device: _BaseDevice, mem_grant: int, mps: Mapping[str, str] | None) -> None:
         self._device = device
         self._grant = mem_grant
-        self._mps = dict(mps) if mps else None  # recorded only: a simulated GPU has no MPS
+        self._mps = dict(mps) if mps else None
         self._lock = threading.Lock()
-        self._bufs: dict[int, bytearray] = {}
-        self._used = 0
+        self._allocs: dict[int, A] = {}  # handle -> allocation
+        self._used = 0  # bytes allocated, against the grant
         self._closed = False
-        self._modules: dict[str, tuple[str, ...]] = {}  # loaded module -> its (built-in) kernels
 
     def alloc(self, nbytes: int) -> int:
         if type(nbytes) is not int or nbytes < 1:
@@ -279,36 +300,127 @@ class SimulatedSession:
                     f"allocation of {nbytes} bytes exceeds the session's memory grant "
                     f"({self._used} of {self._grant} bytes in use)"
                 )
-            handle = self._device._reserve(nbytes)
-            try:
-                buf = bytearray(nbytes)
-            except MemoryError:
-                self._device._release(nbytes)
-                raise OutOfMemory(f"host memory exhausted allocating {nbytes} bytes") from None
-            self._bufs[handle] = buf
+            handle, alloc = self._allocate(nbytes)
+            self._allocs[handle] = alloc
             self._used += nbytes
             return handle
 
     def free(self, handle: int) -> None:
         with self._lock:
             self._check_open()
-            buf = self._buf(handle)
-            del self._bufs[handle]
-            self._used -= len(buf)
-            self._device._release(len(buf))
+            nbytes = self._free(handle, self._alloc_of(handle))
+            self._used -= nbytes
+            self._device._release(nbytes)
 
-    def htod(self, handle: int, offset: int, data: Any) -> None:
-        try:
-            view = memoryview(data)
-        except TypeError:
-            raise InvalidRequest("htod data must be a bytes-like object") from None
-        if not view.c_contiguous:
-            raise InvalidRequest("htod data must be contiguous")
-        view = view.cast("B")
+    def info(self) -> dict[str, Any]:
         with self._lock:
             self._check_open()
-            buf = self._buf(handle)
-            end = _check_range(handle, len(buf), offset, len(view))
+            info: dict[str, Any] = {
+                "gpu": gpu_info_to_wire(self._device.gpu),
+                "mem_granted": self._grant,
+                "mem_used": self._used,
+                "simulated": self._device.simulated,
+            }
+            if self._mps is not None:
+                info["mps"] = dict(self._mps)
+            return info
+
+    # ---------------------------------------------------------------- each backend's own
+
+    def _allocate(self, nbytes: int) -> tuple[int, A]:
+        """(Lock held, grant checked) Allocate ``nbytes`` and take them from the device
+        (``_reserve``); returns the new handle and the allocation to keep under it."""
+        raise NotImplementedError
+
+    def _free(self, handle: int, alloc: A) -> int:
+        """(Lock held) Free ``alloc`` and drop ``handle`` from ``_allocs``; returns its bytes."""
+        raise NotImplementedError
+
+    def _size(self, alloc: A) -> int:
+        """The bytes of an allocation."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- shared checks
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionLost("session closed")
+
+    def _alloc_of(self, handle: Any) -> A:
+        found = self._allocs.get(handle) if type(handle) is int else None
+        if found is None:
+            raise InvalidRequest(f"unknown handle {handle!r}")
+        return found
+
+    def _span(self, handle: Any, offset: Any, nbytes: Any) -> tuple[A, int]:
+        """(Lock held) The allocation of ``handle`` and the end of the copy of ``nbytes`` at
+        ``offset`` in it (``nbytes`` None: to its end); InvalidRequest for an unknown handle or a
+        range outside the allocation."""
+        alloc = self._alloc_of(handle)
+        size = self._size(alloc)
+        if nbytes is None and type(offset) is int:
+            nbytes = max(size - offset, 0)
+        return alloc, _check_range(handle, size, offset, nbytes)
+
+    def _ptr_allocs(self, args: Sequence[Arg], where: Callable[[int], str]) -> dict[int, A]:
+        """(Lock held) The allocation of each pointer argument of a launch, by its index;
+        InvalidRequest ``"{where(i)}: unknown handle ..."`` for a handle not in the table."""
+        found: dict[int, A] = {}
+        for i, (tag, value) in enumerate(args):
+            if tag == "ptr":
+                alloc = self._allocs.get(int(value))
+                if alloc is None:
+                    raise InvalidRequest(f"{where(i)}: unknown handle {value}")
+                found[i] = alloc
+        return found
+
+    def _check_loadable(self, name: str) -> None:
+        """(Lock held) The session is open and has room for a new module ``name``."""
+        self._check_open()
+        if name in self._modules:
+            raise InvalidRequest(f"module {name!r} is already loaded in this session")
+        if len(self._modules) >= MAX_MODULES:
+            raise InvalidRequest(f"a session holds at most {MAX_MODULES} modules")
+
+    def _unknown_module(self, module: str) -> InvalidRequest:
+        """(Lock held) The error for a launch in a module that is not loaded."""
+        loaded = ", ".join(sorted([BUILTIN_MODULE, *self._modules]))
+        return InvalidRequest(f"module {module!r} unknown (loaded: {loaded})")
+
+
+class SimulatedSession(_BaseSession[bytearray]):
+    """A session on a ``SimulatedDevice``. Thread-safe; calls on one session run one at a time."""
+
+    _device: SimulatedDevice
+    _modules: dict[str, tuple[str, ...]]
+
+    def __init__(
+        self, device: SimulatedDevice, mem_grant: int, mps: Mapping[str, str] | None = None
+    ) -> None:
+        super().__init__(device, mem_grant, mps)  # mps is recorded only: a simulated GPU has no MPS
+        self._modules = {}  # loaded module -> its (built-in) kernels
+
+    def _allocate(self, nbytes: int) -> tuple[int, bytearray]:
+        handle = self._device._reserve(nbytes)
+        try:
+            buf = bytearray(nbytes)
+        except MemoryError:
+            self._device._release(nbytes)
+            raise OutOfMemory(f"host memory exhausted allocating {nbytes} bytes") from None
+        return handle, buf
+
+    def _free(self, handle: int, alloc: bytearray) -> int:
+        del self._allocs[handle]
+        return len(alloc)
+
+    def _size(self, alloc: bytearray) -> int:
+        return len(alloc)
+
+    def htod(self, handle: int, offset: int, data: Any) -> None:
+        view = _byte_view(data)
+        with self._lock:
+            self._check_open()
+            buf, end = self._span(handle, offset, len(view))
             with self._device._working():
                 # Through a memoryview: one memcpy. ``buf[a:b] = view`` would first copy ``view``
                 # into a temporary bytearray of its size (CPython does that for any non-bytearray).
@@ -317,10 +429,7 @@ class SimulatedSession:
     def dtoh(self, handle: int, offset: int, nbytes: int | None = None) -> bytes:
         with self._lock:
             self._check_open()
-            buf = self._buf(handle)
-            if nbytes is None and type(offset) is int:
-                nbytes = max(len(buf) - offset, 0)
-            end = _check_range(handle, len(buf), offset, nbytes)
+            buf, end = self._span(handle, offset, nbytes)
             with self._device._working():
                 # The one copy (a real GPU's device-to-host transfer): the worker sends these
                 # bytes as they are, and they must not change while zmq sends or re-sends them.
@@ -337,34 +446,12 @@ class SimulatedSession:
     ) -> None:
         sig = lookup(BUILTIN_MODULE, self._builtin_of(module, name))
         check_args(name, args)
-        _check_dims("grid", grid)
-        _check_dims("block", block)
-        threads = block[0] * block[1] * block[2]
-        if threads > MAX_THREADS_PER_BLOCK:
-            raise InvalidRequest(
-                f"block of {threads} threads, at most {MAX_THREADS_PER_BLOCK} per block"
-            )
-        if type(shared_mem) is not int or not 0 <= shared_mem <= MAX_SHARED_MEM:
-            raise InvalidRequest(f"shared_mem must be an int in 0..{MAX_SHARED_MEM}")
+        _check_launch_shape(grid, block, shared_mem)
         values = [value for _, value in args]
         with self._lock:
             self._check_open()
-            bufs: dict[int, bytearray] = {}
-            for i, (tag, value) in enumerate(args):
-                if tag == "ptr":
-                    buf = self._bufs.get(int(value))
-                    if buf is None:
-                        raise InvalidRequest(
-                            f"kernel {name!r} argument {i} ({sig.names[i]}): unknown handle {value}"
-                        )
-                    bufs[i] = buf
-            for i, elems in sig.footprint(values).items():
-                if elems * F32_BYTES > len(bufs[i]):
-                    raise RemoteError(
-                        f"illegal address: kernel {name!r} argument {i} ({sig.names[i]}) "
-                        f"reaches {elems * F32_BYTES} bytes, allocation {values[i]} "
-                        f"holds {len(bufs[i])}"
-                    )
+            bufs = self._ptr_allocs(args, lambda i: f"kernel {name!r} argument {i} ({sig.names[i]})")
+            _check_footprint(name, sig, values, {i: len(buf) for i, buf in bufs.items()})
             resolved: list[Resolved] = [
                 np.frombuffer(bufs[i], dtype=np.float32, count=len(bufs[i]) // F32_BYTES)
                 if i in bufs
@@ -399,11 +486,7 @@ class SimulatedSession:
                 + (", ".join(foreign) if foreign else "no __global__ kernel")
             )
         with self._lock:
-            self._check_open()
-            if name in self._modules:
-                raise InvalidRequest(f"module {name!r} is already loaded in this session")
-            if len(self._modules) >= MAX_MODULES:
-                raise InvalidRequest(f"a session holds at most {MAX_MODULES} modules")
+            self._check_loadable(name)
             self._modules[name] = tuple(sorted(sigs))
         return {"module": name, "functions": sorted(sigs)}
 
@@ -417,50 +500,40 @@ class SimulatedSession:
         with self._lock:
             kernels = self._modules.get(module)
             if kernels is None:
-                loaded = ", ".join(sorted([BUILTIN_MODULE, *self._modules]))
-                raise InvalidRequest(f"module {module!r} unknown (loaded: {loaded})")
-        if name not in kernels:
-            raise InvalidRequest(
-                f"unknown kernel {name!r} in module {module!r} (known: {', '.join(kernels)})"
-            )
+                raise self._unknown_module(module)
+        _check_kernel(module, name, kernels)  # kernels is never empty: load refuses that
         return name
 
     def sync(self) -> None:
         with self._lock:  # kernels and copies run synchronously: holding the lock is the wait
             self._check_open()
 
-    def info(self) -> dict[str, Any]:
-        with self._lock:
-            self._check_open()
-            info: dict[str, Any] = {
-                "gpu": gpu_info_to_wire(self._device.gpu),
-                "mem_granted": self._grant,
-                "mem_used": self._used,
-                "simulated": True,
-            }
-            if self._mps is not None:
-                info["mps"] = dict(self._mps)
-            return info
-
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._bufs.clear()
+            self._allocs.clear()
             self._device._release(self._used)
             log.debug("%s: session closed, %d bytes freed", self._device.gpu.uuid, self._used)
             self._used = 0
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SessionLost("session closed")
 
-    def _buf(self, handle: int) -> bytearray:
-        buf = self._bufs.get(handle) if type(handle) is int else None
-        if buf is None:
-            raise InvalidRequest(f"unknown handle {handle!r}")
-        return buf
+def _check_grant(mem_grant: Any) -> None:
+    """A session's memory grant is an int >= 0."""
+    if type(mem_grant) is not int or mem_grant < 0:
+        raise InvalidRequest(f"memory grant must be an int >= 0, got {mem_grant!r}")
+
+
+def _byte_view(data: Any) -> memoryview:
+    """htod's ``data`` as a flat view of bytes; InvalidRequest unless a contiguous buffer."""
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise InvalidRequest("htod data must be a bytes-like object") from None
+    if not view.c_contiguous:
+        raise InvalidRequest("htod data must be contiguous")
+    return view.cast("B")
 
 
 def _check_range(handle: int, size: int, offset: Any, nbytes: Any) -> int:
@@ -484,3 +557,36 @@ def _check_dims(what: str, dims: Any) -> None:
         or not all(type(d) is int and d >= 1 for d in dims)
     ):
         raise InvalidRequest(f"{what} must be three positive ints, got {dims!r}")
+
+
+def _check_launch_shape(grid: Any, block: Any, shared_mem: Any) -> None:
+    """A launch's grid, block (at most ``MAX_THREADS_PER_BLOCK`` threads) and dynamic shared
+    memory (at most ``MAX_SHARED_MEM`` bytes)."""
+    _check_dims("grid", grid)
+    _check_dims("block", block)
+    threads = block[0] * block[1] * block[2]
+    if threads > MAX_THREADS_PER_BLOCK:
+        raise InvalidRequest(f"block of {threads} threads, at most {MAX_THREADS_PER_BLOCK} per block")
+    if type(shared_mem) is not int or not 0 <= shared_mem <= MAX_SHARED_MEM:
+        raise InvalidRequest(f"shared_mem must be an int in 0..{MAX_SHARED_MEM}")
+
+
+def _check_kernel(module: str, name: str, known: Sequence[str]) -> None:
+    """InvalidRequest unless ``name`` is one of ``known``, the kernels of ``module``."""
+    if name not in known:
+        raise InvalidRequest(
+            f"unknown kernel {name!r} in module {module!r} (known: {', '.join(known) or 'none'})"
+        )
+
+
+def _check_footprint(
+    name: str, sig: KernelSig, values: Sequence[Any], sizes: Mapping[int, int]
+) -> None:
+    """A built-in kernel's buffers (``sizes``: bytes by argument index) hold what it reaches with
+    ``values`` (``KernelSig.footprint``); else RemoteError "illegal address", before it runs."""
+    for i, elems in sig.footprint(values).items():
+        if elems * F32_BYTES > sizes[i]:
+            raise RemoteError(
+                f"illegal address: kernel {name!r} argument {i} ({sig.names[i]}) "
+                f"reaches {elems * F32_BYTES} bytes, allocation {values[i]} holds {sizes[i]}"
+            )

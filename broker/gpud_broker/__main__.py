@@ -16,8 +16,8 @@ from gpud_broker.policies import FACTORIES
 
 if TYPE_CHECKING:
     from gpud.resources import TenantLimits
-    from gpud_standby.pair import PairConfig
     from gpud_broker.core import BrokerConfig
+    from gpud_standby.pair import PairConfig
 
 _D = config.BrokerSection()  # the defaults, for the help texts
 DEFAULT_FRONTEND = _D.frontend

@@ -27,11 +27,11 @@ import zmq
 from gpud import notify
 from gpud import protocol as P
 from gpud.errors import (
-    NotActive,
     GpudError,
     GpuFault,
     InternalError,
     InvalidRequest,
+    NotActive,
     RemoteError,
     SessionLost,
     ShuttingDown,

@@ -170,6 +170,16 @@ _COUNTS = ("workers", "gpus", "queued", "running", "sessions", "done")
 _COLUMNS = "{:<12} {:>3} {:<18} {:<3} {:>4} {:>11} {:>5} {:>5} {:<8}"
 
 
+def _role(broker: Mapping[str, Any]) -> str:
+    """``standalone``, or a pair member's role, state and epoch (``backup active e3``)."""
+    role = str(broker.get("role", "?"))
+    state = broker.get("state")
+    if role == "standalone" or not isinstance(state, str):
+        return role
+    epoch = broker.get("epoch")
+    return f"{role} {state}" + (f" e{epoch}" if isinstance(epoch, int) else "")
+
+
 def format_status(status: Mapping[str, Any]) -> str:
     """The ``status`` result as a table of at most 80 columns: one summary line, one row per GPU.
 
@@ -181,7 +191,7 @@ def format_status(status: Mapping[str, Any]) -> str:
     lines = [
         "broker {} ({}, {}) up {}  policy {}{}".format(
             _text(broker.get("name", "?"), 20),
-            _text(broker.get("role", "?"), 10),
+            _text(_role(broker), 22),
             _text(broker.get("version", "?"), 10),
             _duration(_num(broker.get("uptime_s"))),
             _text(broker.get("policy", "?"), 14),
@@ -502,7 +512,7 @@ def render(
     else:
         peer = broker.get("peer")
         first = "gpud top  {}  role {}  peer {}  up {}".format(
-            name, _text(broker.get("role", "?"), 12), _text(peer if peer is not None else "none", 12),
+            name, _text(_role(broker), 22), _text(peer if peer is not None else "none", 12),
             _duration(_num(broker.get("uptime_s"))),
         )
         rate = _rate(status, prev)

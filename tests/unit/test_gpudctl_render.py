@@ -109,3 +109,14 @@ def test_gpus_table_names_gpus_as_cordon_takes_them() -> None:
     text = render_result("gpus", status()["gpus"])
     assert text.splitlines()[0].split()[:2] == ["GPU", "MODEL"]
     assert text.splitlines()[4].startswith("w1/1") and text.splitlines()[4].rstrip().endswith("cordoned")
+
+
+def test_status_names_a_pair_members_state_and_epoch() -> None:
+    from gpud_client.ctl import format_status
+
+    pair = {"name": "backup", "role": "backup", "state": "active", "epoch": 3, "version": "0.1.0",
+            "uptime_s": 5, "policy": "balanced", "peer": "tcp://control-1:5557"}
+    first = format_status({"broker": pair, "counts": {}, "gpus": []}).splitlines()[0]
+    assert "(backup active e3," in first and len(first) <= 80
+    alone = {**pair, "role": "standalone", "state": "active", "peer": None}
+    assert "(standalone," in format_status({"broker": alone, "counts": {}, "gpus": []}).splitlines()[0]

@@ -205,8 +205,8 @@ class Pair:
                 self._on_snapshot(h, msg.frames, now)
             elif msg.command is Command.UPDATES:
                 self._on_updates(h, msg.frames, now)
-        except (KeyError, TypeError, ValueError) as exc:
-            log.error("unusable %s from the peer (%s); re-syncing", msg.command.name, exc)
+        except Exception as exc:  # never trust the wire, not even the peer's: log, re-sync, serve on
+            log.error("unusable %s from the peer (%s: %s); re-syncing", msg.command.name, exc.__class__.__name__, exc)
             if self.state is State.PASSIVE:
                 self._sync(now)
 

@@ -89,6 +89,7 @@ class Pair:
         self.applied = 0  # passive: seq of the last update applied
         self.synced = False  # passive: holds a snapshot and every update since
         self.sync_sent = 0.0  # passive: when SYNC went out (resent if unanswered)
+        self.snapshots = 0  # passive: snapshots loaded (more than one: it had to re-sync)
         self.streaming = False  # active: the peer has our snapshot and gets our updates
         self.handover_beats = 0
         self.held: list[tuple[list[Any], str | None, float]] = []
@@ -255,6 +256,7 @@ class Pair:
         replica.load(self.core, snap)
         self.applied = h["seq"]
         self.synced = True
+        self.snapshots += 1
         self.state_due = True
         log.info("pair: snapshot loaded: %d task(s), %d session(s) at seq %d",
                  len(snap["tasks"]), len(snap["sessions"]), self.applied)
@@ -350,6 +352,7 @@ class Pair:
             "peer": self.cfg.peer, "peer_state": self.peer_state.value if self.peer_state else None,
             "peer_silent_s": round(now - self.peer_heard, 3), "applied": self.applied if self.state is State.PASSIVE else self.core.seq,
             "peer_applied": self.peer_applied, "streaming": self.streaming, "synced": self.synced,
+            "snapshots": self.snapshots,
             "settling": self.core.settling_until is not None,
         }
 

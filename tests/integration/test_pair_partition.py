@@ -90,3 +90,34 @@ def test_two_actives_that_hear_each_other_leave_one(brokers: dict[str, Broker]) 
     wait_for(lambda: brokers[lower].pair.synced and rid2 in brokers[lower].core.tasks.tasks, what="the re-sync")
     for s, _ in held.values():
         s.close(0)
+
+
+@pytest.fixture
+def linked(brokers: dict[str, Broker]) -> dict[str, Broker]:
+    """The pair linked from the start: primary active, backup passive and in sync."""
+    brokers["primary"].pair.outbound.connect(brokers["backup"].pair.bound)
+    brokers["backup"].pair.outbound.connect(brokers["primary"].pair.bound)
+    wait_for(lambda: brokers["primary"].pair.state.value == "active" and brokers["backup"].pair.synced,
+             what="primary active, backup in sync")
+    return brokers
+
+
+def test_a_passive_broker_that_sees_a_gap_resyncs(linked: dict[str, Broker]) -> None:
+    ctx = zmq.Context.instance()
+    primary, backup = linked["primary"], linked["backup"]
+    s, rid = _request(ctx, primary.endpoints.frontend)  # queued on the primary (no workers)
+    wait_for(lambda: rid in backup.core.tasks.tasks, what="the request replicated")
+    # A batch that skips ahead (as if updates were lost on the way): the backup must notice.
+    inj = ctx.socket(zmq.DEALER)
+    inj.setsockopt(zmq.LINGER, 0)
+    inj.connect(backup.pair.bound)
+    snapshots = backup.pair.snapshots
+    inj.send_multipart(P.encode(Peer.BROKER, Command.UPDATES, {"seq": backup.pair.applied + 5, "count": 1},
+                                [P.packb([["forget", rid]])]))
+    # It re-syncs from the active broker's snapshot: the forged update was not applied.
+    wait_for(lambda: backup.pair.snapshots > snapshots and backup.pair.synced, what="the re-sync")
+    assert rid in backup.core.tasks.tasks
+    s2, rid2 = _request(ctx, primary.endpoints.frontend)
+    wait_for(lambda: rid2 in backup.core.tasks.tasks, what="updates flowing again after the re-sync")
+    for sock in (s, s2, inj):
+        sock.close(0)

@@ -694,6 +694,8 @@ class BrokerCore:
         running = h.get("running")
         if type(running) is list:
             worker.running = [r for r in running[:1000] if type(r) is dict]
+            if self.active and len(running) < 1000 and self.sessions:
+                self._end_sessions_gone(worker)
         if h.get("draining") is True and not worker.draining:
             log.info("worker %s is draining: no new work goes to it", worker.name)
             self.set_draining(worker, True)
@@ -736,6 +738,19 @@ class BrokerCore:
             self.acks.setdefault(ident, []).append(rid)
         acks, self.acks = self.acks, {}
         return acks
+
+    def _end_sessions_gone(self, worker: WorkerRecord) -> None:
+        """End the sessions this worker no longer lists (it closed them: a GPU fault, its idle
+        timeout), so their grants come back now rather than at the client's next call. Sessions
+        younger than a heartbeat interval are spared: the list may predate them."""
+        listed = {r.get("id") for r in worker.running if r.get("kind") == "session"}
+        young = self.now - worker.liveness.policy.interval
+        gone = [s.id for s in self.sessions.values()
+                if s.worker == worker.name and s.id not in listed and s.opened < young and not s.closing]
+        for sid in gone:
+            log.info("session %s is no longer on worker %s; ended", P.id_text(sid), worker.name)
+            self.lost_sessions[sid] = worker.name
+            self._end_session(sid)
 
     def _on_result(self, worker: WorkerRecord, msg: Message, raw_header: bytes) -> bool:
         """Take a RESULT; returns whether to ACK it (False: the worker must keep it)."""

@@ -832,3 +832,19 @@ def test_refused_ready_does_not_cost_a_live_worker() -> None:
     assert ident == W3 and msg.command is Command.DISCONNECT
     assert sorted(w.name for w in h.core.registry) == ["w1", "w2"]
     assert h.core.registry.get(W1) is not None
+
+
+def test_a_session_its_worker_no_longer_lists_is_ended_and_its_grant_freed(h: Harness) -> None:
+    h.ready(W1, "w1")
+    h.take_worker()
+    open_session(h, rid(1))
+    open_session(h, rid(2))
+    h.heartbeat(W1, 1, running=[{"id": rid(2), "kind": "session"}])  # too soon to judge rid(1)
+    assert rid(1) in h.core.sessions
+    h.advance(2.0)
+    h.heartbeat(W1, 2, running=[{"id": rid(2), "kind": "session"}])  # the worker closed rid(1)
+    assert rid(1) not in h.core.sessions and rid(2) in h.core.sessions
+    g = h.core.registry.gpus["GPU-w1-0"]
+    assert (g.granted_milli, g.tasks) == (100, 1)  # only rid(2)'s grant is left
+    h.client(C1, Command.CALL, {"id": rid(3), "session": rid(1), "op": "info"})
+    assert h.one_reply(C1).header["code"] == "SESSION_LOST"

@@ -12,6 +12,7 @@ the checks of a call's arguments.
 
 from __future__ import annotations
 
+import abc
 import collections
 import logging
 import threading
@@ -270,7 +271,7 @@ class SimulatedDevice(_BaseDevice):
             return self._next_handle
 
 
-class _BaseSession(Generic[A]):
+class _BaseSession(abc.ABC, Generic[A]):
     """What ``SimulatedSession`` and ``gpud_worker.cuda.CudaSession`` share: the handle table
     (handle -> allocation ``A``) and its checks, the memory grant's accounting, the closed check,
     ``info``, and the checks of a call's arguments. How memory is allocated and copied and how
@@ -327,18 +328,18 @@ class _BaseSession(Generic[A]):
 
     # ---------------------------------------------------------------- each backend's own
 
+    @abc.abstractmethod
     def _allocate(self, nbytes: int) -> tuple[int, A]:
         """(Lock held, grant checked) Allocate ``nbytes`` and take them from the device
         (``_reserve``); returns the new handle and the allocation to keep under it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _free(self, handle: int, alloc: A) -> int:
         """(Lock held) Free ``alloc`` and drop ``handle`` from ``_allocs``; returns its bytes."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _size(self, alloc: A) -> int:
         """The bytes of an allocation."""
-        raise NotImplementedError
 
     # ---------------------------------------------------------------- shared checks
 

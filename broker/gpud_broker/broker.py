@@ -286,7 +286,7 @@ class Broker:
                 if self._drain(pair.inbound, pair.on_peer):
                     busy = True
                 pair.flush()
-            if core.acks or core._ack_hold:
+            if core.unacked:
                 for ident, ids in core.take_acks().items():
                     send_frames(back, [ident, *ack, P.packb({"ids": ids})])
             if now >= next_tick:

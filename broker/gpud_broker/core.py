@@ -60,6 +60,7 @@ MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
 MAX_SLOTS = 100_000
 SAMPLE_ABOVE = 64  # workers: above this many, ``balanced`` looks at a random sample first
 SAMPLE_K = 16  # workers in that sample
+SESSION_SWEEP_S = 1.0  # how often sessions are checked against their workers' heartbeats
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +107,6 @@ _DISPATCH = P.CMD_BYTES[Command.DISPATCH]
 _packb = P.packb
 
 
-def _grant_header(g: Grant) -> dict[str, Any]:
-    """A grant as DISPATCH carries it (PROTOCOL.md §4.3): the worker's limits come from it."""
-    return {"gpus": list(g.gpus), "gpu_milli": g.gpu_milli, "mem": g.mem, "cpu_milli": g.cpu_milli, "host_mem": g.host_mem}
-
-
 class BrokerCore:
     def __init__(self, config: BrokerConfig, now: float, send_client: Send, send_worker: Send) -> None:
         self.config = config
@@ -153,17 +149,17 @@ class BrokerCore:
         self.seq = 0  # seq of the last update put in the journal
         self.durable_seq = 0  # updates up to here are held by the passive peer (set by the shell)
         self.acking = False  # in a pair: workers keep results until ACKed (standalone: no ACKs)
-        self.acks: dict[bytes, list[bytes]] = {}  # worker identity -> RESULT ids to ACK
+        self.unacked: deque[tuple[int, bytes, bytes]] = deque()  # (seq, worker, RESULT id) to ACK once durable
         self.lost_sessions: dict[bytes, str] = {}  # session id -> the worker it was lost with (recent)
-        self._ack_hold: deque[tuple[int, bytes, bytes]] = deque()  # (seq, worker, id) until durable
+        self._sweep_at = 0.0  # next look for sessions their workers no longer list
 
     # ------------------------------------------------------------------ replication
 
     def _rep(self, update: list[Any]) -> None:
-        """Journal one replication update (only while ``journal`` is a list)."""
-        assert self.journal is not None
+        """Journal one replication update (callers check that ``journal`` is a list: a pair's
+        active broker)."""
         self.seq += 1
-        self.journal.append(update)
+        self.journal.append(update)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ client dialog
 
@@ -435,17 +431,23 @@ class BrokerCore:
         worker.assigned[task.id] = task
         if self.journal is not None:
             self._rep([R.RUN, task.id, worker.name, R.grant_to_wire(task.grant)])
-        header: dict[str, Any] = {"id": task.id, "kind": task.kind, "tenant": task.tenant, "epoch": self.epoch}
-        g = task.grant
-        if g is not None:
+        if task.grant is not None:
             had = worker.has_slot
             worker.inflight += 1
             if had and not worker.has_slot:
                 self._open_changed(worker, had)
-            header["grant"] = _grant_header(g)
+        self.send_worker(worker.identity, self._dispatch_message(task))
+
+    def _dispatch_message(self, task: Task) -> list[Any]:
+        """The DISPATCH of ``task`` (PROTOCOL.md §4.3): the grant the worker sets its limits from."""
+        header: dict[str, Any] = {"id": task.id, "kind": task.kind, "tenant": task.tenant, "epoch": self.epoch}
+        g = task.grant
+        if g is not None:
+            header["grant"] = {"gpus": list(g.gpus), "gpu_milli": g.gpu_milli, "mem": g.mem,
+                               "cpu_milli": g.cpu_milli, "host_mem": g.host_mem}
         if task.body:
             header.update(task.body)
-        self.send_worker(worker.identity, [_WORKER_SIG, _DISPATCH, _packb(header), *task.frames])
+        return [_WORKER_SIG, _DISPATCH, _packb(header), *task.frames]
 
     # ------------------------------------------------------------------ free slots
 
@@ -568,7 +570,7 @@ class BrokerCore:
     def _finish(self, task: Task, reply: list[Any]) -> None:
         self.tasks.finish(task, reply, self.now)
         if self.journal is not None:
-            self._rep([R.DONE, task.id, R._bytes(reply)])
+            self._rep([R.DONE, task.id, R.frames_bytes(reply)])
         self.stats.finish(task.kind, self.now - task.created)
         if task.route is not None:
             self.send_client(task.route, reply)
@@ -596,8 +598,8 @@ class BrokerCore:
         if cmd is Command.RESULT:
             # A passive broker leaves results unacknowledged: the active one takes them. The ACK
             # waits for what the result changed to be durable (its updates are journalled now).
-            if self.active and self._on_result(worker, msg, raw_header):
-                self._ack(worker, P.get_id(msg.header))
+            if self.active and self._on_result(worker, msg, raw_header) and self.acking:
+                self.unacked.append((self.seq, identity, P.get_id(msg.header)))
         elif cmd is Command.HEARTBEAT:
             self._on_heartbeat(worker, msg.header)
         elif cmd is Command.DISCONNECT:
@@ -694,8 +696,7 @@ class BrokerCore:
         running = h.get("running")
         if type(running) is list:
             worker.running = [r for r in running[:1000] if type(r) is dict]
-            if self.active and len(running) < 1000 and self.sessions:
-                self._end_sessions_gone(worker)
+            worker.running_at = self.now if len(running) < 1000 else 0.0  # a full list: maybe cut short
         if h.get("draining") is True and not worker.draining:
             log.info("worker %s is draining: no new work goes to it", worker.name)
             self.set_draining(worker, True)
@@ -715,42 +716,33 @@ class BrokerCore:
             if not self.settle_wait:
                 self._settled()
 
-    def _ack(self, worker: WorkerRecord, rid: bytes) -> None:
-        """ACK a RESULT once it is durable: at once without a peer, else when the peer has it.
-        A standalone broker sends no ACKs (its workers keep nothing)."""
-        if not self.acking:
-            return
-        if self.journal is None or self.durable_seq >= self.seq:
-            acks = self.acks.get(worker.identity)
-            if acks is None:
-                self.acks[worker.identity] = [rid]
-            else:
-                acks.append(rid)
-        else:
-            self._ack_hold.append((self.seq, worker.identity, rid))
-
     def take_acks(self) -> dict[bytes, list[bytes]]:
-        """The ACKs due now, by worker identity (the shell sends one ACK message per worker)."""
-        held = self._ack_hold
-        durable = self.seq if self.journal is None else self.durable_seq
-        while held and held[0][0] <= durable:
-            _, ident, rid = held.popleft()
-            self.acks.setdefault(ident, []).append(rid)
-        acks, self.acks = self.acks, {}
+        """The ACKs due now (their RESULTs' updates are held by the peer, ``durable_seq``), by
+        worker identity: the shell sends one ACK message per worker."""
+        pending, durable = self.unacked, self.durable_seq
+        acks: dict[bytes, list[bytes]] = {}
+        while pending and pending[0][0] <= durable:
+            _, ident, rid = pending.popleft()
+            acks.setdefault(ident, []).append(rid)
         return acks
 
-    def _end_sessions_gone(self, worker: WorkerRecord) -> None:
-        """End the sessions this worker no longer lists (it closed them: a GPU fault, its idle
-        timeout), so their grants come back now rather than at the client's next call. Sessions
-        younger than a heartbeat interval are spared: the list may predate them."""
-        listed = {r.get("id") for r in worker.running if r.get("kind") == "session"}
-        young = self.now - worker.liveness.policy.interval
-        gone = [s.id for s in self.sessions.values()
-                if s.worker == worker.name and s.id not in listed and s.opened < young and not s.closing]
-        for sid in gone:
-            log.info("session %s is no longer on worker %s; ended", P.id_text(sid), worker.name)
-            self.lost_sessions[sid] = worker.name
-            self._end_session(sid)
+    def _end_sessions_gone(self) -> None:
+        """End the sessions their workers' last heartbeat no longer lists (the worker closed
+        them: a GPU fault, its idle timeout), so their grants come back now rather than at the
+        client's next call. A session opened after that heartbeat was sent is not judged: the
+        worker lists a session before it answers its opening, and on the same connection."""
+        listed: dict[str, set[Any]] = {}
+        for s in list(self.sessions.values()):
+            w = self.registry.by_name.get(s.worker)
+            if w is None or s.closing or s.opened >= w.running_at:
+                continue
+            ids = listed.get(w.name)
+            if ids is None:
+                ids = listed[w.name] = {r.get("id") for r in w.running if r.get("kind") == "session"}
+            if s.id not in ids:
+                log.info("session %s is no longer on worker %s; ended", P.id_text(s.id), w.name)
+                self.lost_sessions[s.id] = w.name
+                self._end_session(s.id)
 
     def _on_result(self, worker: WorkerRecord, msg: Message, raw_header: bytes) -> bool:
         """Take a RESULT; returns whether to ACK it (False: the worker must keep it)."""
@@ -872,13 +864,8 @@ class BrokerCore:
             return
         self.queue.drop_reservations_on(worker.name)
         for sid in [sid for sid, s in self.sessions.items() if s.worker == worker.name]:
-            s = self.sessions.pop(sid)
             self.lost_sessions[sid] = worker.name
-            if self.journal is not None:
-                self._rep([R.END, sid])
-            self.fair.release(s.tenant, s.grant.gpu_milli, self.now)
-            if self.limits:
-                self._charge(s.tenant, s.grant, True, -1)
+            self._end_session(sid)  # its ledger went with the worker's record
         retry: list[Task] = []
         for task in worker.assigned.values():
             if not isinstance(task, Task) or task.state is not State.RUNNING:
@@ -951,8 +938,7 @@ class BrokerCore:
         self.queue = PendingQueue(self.config.max_queue, self.fair, self.config.aging_s, self.config.reserve_after)
         self.sessions = {}
         self.usage = {}
-        self.acks = {}
-        self._ack_hold.clear()
+        self.unacked.clear()
         for w in self.registry.by_identity.values():
             w.assigned.clear()
             w.grants.clear()
@@ -991,13 +977,15 @@ class BrokerCore:
         self.journal = None
 
     def take_over(self, epoch: int, settle: float) -> None:
-        """Become the active broker at ``epoch`` with the replicated tables: rebuild the ledger
+        """Become the active broker at ``epoch`` with the replicated tables (and a new replication
+        journal): rebuild the ledger
         from the running work and sessions on connected workers, queue what was queued, tell
         every worker, and settle (place nothing) until each has answered at the new epoch or
         ``settle`` seconds pass (PROTOCOL.md §9.4)."""
         now = self.now
         self.active = True
         self.epoch = epoch
+        self.journal, self.seq, self.durable_seq = [], 0, 0  # a new stream: the peer syncs from a snapshot
         self.max_epoch_seen = max(self.max_epoch_seen, epoch)
         self.fenced = False
         self.takeover_at = now
@@ -1041,7 +1029,6 @@ class BrokerCore:
         self.beat_workers()
         for task in lost:
             name = task.worker or "?"
-            task.state = State.QUEUED  # so that _fail/_replace treat it as not running anywhere
             if task.kind == "call":
                 self._fail(task, SessionLost(f"the session's worker {name} is gone"))
             elif task.retryable:
@@ -1094,13 +1081,7 @@ class BrokerCore:
         for w in self.registry.by_identity.values():
             for task in list(w.assigned.values()):
                 if isinstance(task, Task) and task.state is State.RUNNING and task.dispatched_at <= self.takeover_at:
-                    header: dict[str, Any] = {"id": task.id, "kind": task.kind, "tenant": task.tenant, "epoch": self.epoch}
-                    g = task.grant
-                    if g is not None:
-                        header["grant"] = _grant_header(g)
-                    if task.body:
-                        header.update(task.body)
-                    self.send_worker(w.identity, [_WORKER_SIG, _DISPATCH, _packb(header), *task.frames])
+                    self.send_worker(w.identity, self._dispatch_message(task))
                     again += 1
         log.info("settled: %d dispatch(es) repeated for the workers to confirm; placing the queue", again)
         self.place_queued()
@@ -1108,9 +1089,12 @@ class BrokerCore:
     def beat_workers(self) -> None:
         """A HEARTBEAT to every worker now (our state changed: they must know at once)."""
         for worker in self.registry:
-            seq = worker.liveness.sent(self.now)
-            self.send_worker(worker.identity, [_WORKER_SIG, P.CMD_BYTES[Command.HEARTBEAT],
-                                               _packb({"seq": seq, "active": self.active, "epoch": self.epoch, "acks": self.acking})])
+            self._beat(worker)
+
+    def _beat(self, worker: WorkerRecord) -> None:
+        seq = worker.liveness.sent(self.now)
+        self.send_worker(worker.identity, [_WORKER_SIG, P.CMD_BYTES[Command.HEARTBEAT],
+                                           _packb({"seq": seq, "active": self.active, "epoch": self.epoch, "acks": self.acking})])
 
     # ------------------------------------------------------------------ timers
 
@@ -1121,9 +1105,7 @@ class BrokerCore:
             if worker.liveness.expired(now):
                 self.worker_lost(worker, f"silent for {worker.liveness.silence(now):.1f}s")
             elif worker.liveness.beat_due(now):
-                seq = worker.liveness.sent(now)
-                self.send_worker(worker.identity, [_WORKER_SIG, P.CMD_BYTES[Command.HEARTBEAT],
-                                                   _packb({"seq": seq, "active": self.active, "epoch": self.epoch, "acks": self.acking})])
+                self._beat(worker)
         if self.settling_until is not None and now >= self.settling_until:
             log.warning("settling timed out; %d worker(s) did not answer at epoch %d: %s",
                         len(self.settle_wait), self.epoch, ", ".join(sorted(self.settle_wait)))
@@ -1133,6 +1115,9 @@ class BrokerCore:
         if not self.active:
             self.tasks.evict(now)
             return
+        if self.sessions and now >= self._sweep_at:
+            self._end_sessions_gone()
+            self._sweep_at = now + SESSION_SWEEP_S
         for task in self.queue.expire(now):
             self._fail(task, Timeout("no GPU could take the request before its deadline"))
         lease = self.config.session_lease

@@ -70,6 +70,7 @@ class WorkerRecord:
     inflight: int = 0  # dispatched requests not yet answered (counts against slots)
     draining: bool = False
     running: list[dict[str, Any]] = field(default_factory=list)  # as its last heartbeat said
+    running_at: float = 0.0  # when that heartbeat came (0: none yet, or its list was cut short)
     assigned: dict[bytes, object] = field(default_factory=dict)  # task id -> task dispatched to it
     grants: dict[int, object] = field(default_factory=dict)  # id(grant) -> live grant (the ledger's)
     connected_at: float = 0.0

@@ -131,9 +131,6 @@ class Pair:
         core = self.core
         epoch = next_epoch(max(core.epoch, self.peer_epoch, core.max_epoch_seen), self.cfg.role == "primary")
         core.now = now
-        core.journal = []
-        core.seq = 0
-        core.durable_seq = 0
         self.streaming = False
         core.take_over(epoch, self.cfg.settle)
         self.set_serving(True)
@@ -299,10 +296,10 @@ class Pair:
     def tick(self, now: float) -> None:
         core = self.core
         if core.fenced and self.state is State.ACTIVE:
-            log.error("pair: a broker with a later epoch is active; stepping down")
-            self.state = State.PASSIVE
-            self._step_down(now, handover=False)
-            self.state_due = True
+            # A worker knows a later epoch than ours: that broker is active. The table decides.
+            log.error("pair: a worker has seen epoch %d, later than ours (%d)", core.max_epoch_seen, core.epoch)
+            self.peer_epoch = max(self.peer_epoch, core.max_epoch_seen)
+            self.event(Event.PEER_ACTIVE, now)
         if self.held:
             f = self.facts(now)
             if f.peer_expired or not f.peer_silent or f.witness:

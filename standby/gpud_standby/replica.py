@@ -35,15 +35,16 @@ def grant_from_wire(raw: Any) -> Grant | None:
                  host_mem=host_mem, exclusive=bool(exclusive))
 
 
-def _bytes(frames: list[Any]) -> list[bytes]:
+def frames_bytes(frames: list[Any]) -> list[bytes]:
+    """Frames (bytes or zmq.Frame) as bytes, for msgpack."""
     return [f if type(f) is bytes else bytes(f) for f in frames]
 
 
 def task_to_wire(t: Task, now: float) -> list[Any]:
     return [
-        t.id, t.kind, P.need_to_wire(t.need) if t.need is not None else None, t.body, _bytes(t.frames),
+        t.id, t.kind, P.need_to_wire(t.need) if t.need is not None else None, t.body, frames_bytes(t.frames),
         now - t.created, t.deadline - now, t.tenant, t.retryable, t.attempts, sorted(t.avoid), t.session,
-        t.state.value, t.worker, grant_to_wire(t.grant), _bytes(t.reply) if t.reply is not None else None,
+        t.state.value, t.worker, grant_to_wire(t.grant), frames_bytes(t.reply) if t.reply is not None else None,
     ]
 
 

@@ -121,3 +121,25 @@ def test_a_passive_broker_that_sees_a_gap_resyncs(linked: dict[str, Broker]) -> 
     wait_for(lambda: rid2 in backup.core.tasks.tasks, what="updates flowing again after the re-sync")
     for sock in (s, s2, inj):
         sock.close(0)
+
+
+def test_a_worker_that_knows_a_later_epoch_makes_the_active_broker_step_down(brokers: dict[str, Broker]) -> None:
+    """Fencing through a worker: two brokers that cannot hear each other both took over; a
+    worker that has seen the later epoch tells the other one, which steps down at once."""
+    ctx = zmq.Context.instance()
+    time.sleep(1.0)
+    held = [_request(ctx, b.endpoints.frontend) for b in brokers.values()]
+    wait_for(lambda: all(b.pair.state.value == "active" for b in brokers.values()), what="both to take over")
+    lower, higher = sorted(brokers.values(), key=lambda b: b.core.epoch)
+    worker = ctx.socket(zmq.DEALER)
+    worker.setsockopt(zmq.LINGER, 0)
+    worker.connect(lower.endpoints.backend)
+    worker.send_multipart(P.encode(Peer.WORKER, Command.READY, {"name": "w", "gpus": []}))
+    worker.send_multipart(P.encode(Peer.WORKER, Command.HEARTBEAT, {"seq": 1, "epoch": higher.core.epoch}))
+    wait_for(lambda: lower.pair.state.value == "passive", what="the fenced broker to step down")
+    assert higher.pair.state.value == "active"
+    sock, rid = held[0] if lower is brokers["primary"] else held[1]
+    h = _answer(sock)
+    assert (h["id"], h["code"]) == (rid, "NOT_ACTIVE")
+    for s in (worker, *(s for s, _ in held)):
+        s.close(0)

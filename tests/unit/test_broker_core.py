@@ -839,10 +839,11 @@ def test_a_session_its_worker_no_longer_lists_is_ended_and_its_grant_freed(h: Ha
     h.take_worker()
     open_session(h, rid(1))
     open_session(h, rid(2))
-    h.heartbeat(W1, 1, running=[{"id": rid(2), "kind": "session"}])  # too soon to judge rid(1)
-    assert rid(1) in h.core.sessions
+    h.tick()
+    assert rid(1) in h.core.sessions  # no heartbeat since it opened: nothing to judge by
     h.advance(2.0)
     h.heartbeat(W1, 2, running=[{"id": rid(2), "kind": "session"}])  # the worker closed rid(1)
+    h.tick()
     assert rid(1) not in h.core.sessions and rid(2) in h.core.sessions
     g = h.core.registry.gpus["GPU-w1-0"]
     assert (g.granted_milli, g.tasks) == (100, 1)  # only rid(2)'s grant is left

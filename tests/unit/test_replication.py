@@ -39,7 +39,6 @@ def ship(a: Harness, b: Harness) -> int:
 def take_over(b: Harness, epoch: int = 3) -> None:
     b.to_worker.clear()  # WELCOMEs and heartbeats of the passive days
     b.core.now = b.clock.monotonic()
-    b.core.journal = []
     b.core.take_over(epoch, settle=2.0)
 
 

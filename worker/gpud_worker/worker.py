@@ -469,10 +469,7 @@ class Worker:
     def _result(self, idx: int, rid: bytes, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> None:
         """Queue a RESULT from any thread; the loop sends it."""
         header["id"] = rid
-        header.setdefault("worker", self.config.name)
-        tenant = self.owner.get(rid)
-        if tenant is not None:
-            header["tenant"] = tenant
+        self._stamp(rid, header)
         self.results.put((idx, rid, [_SIG, _RESULT, P.packb(header), *frames]))
         self._wake()
 
@@ -489,8 +486,8 @@ class Worker:
                             P.id_text(rid), link.endpoint, epoch, self.max_epoch)
                 self._send(link, Command.RESULT, P.error_header(rid, NotActive(f"a broker of epoch {self.max_epoch} is active")))
                 return
-            if not link.active or epoch > link.epoch:
-                self._broker_state(idx, link, {"active": True, "epoch": epoch}, now)
+            if not link.active or epoch > link.epoch:  # its HEARTBEAT saying so went missing
+                self._broker_state(idx, link, {"active": True, "epoch": epoch, "acks": link.acks}, now)
         kept = self.unacked.get(rid)
         if kept is not None:  # answered already: the broker asks again after a failover
             if link.sock is not None:
@@ -539,11 +536,16 @@ class Worker:
             self.running.pop(rid, None)
             self._send_now(idx, rid, P.error_header(rid, InvalidRequest(f"unknown kind {kind!r}")))
 
-    def _send_now(self, idx: int, rid: bytes, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> None:
+    def _stamp(self, rid: bytes, header: dict[str, Any]) -> None:
+        """What every RESULT header says besides its outcome: this worker, and the tenant of the
+        DISPATCH (a broker that takes over keeps a result it never dispatched for that tenant)."""
         header.setdefault("worker", self.config.name)
         tenant = self.owner.get(rid)
         if tenant is not None:
             header["tenant"] = tenant
+
+    def _send_now(self, idx: int, rid: bytes, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> None:
+        self._stamp(rid, header)
         self._deliver(idx, rid, P.encode(Peer.WORKER, Command.RESULT, header, frames))
 
     def _run_job(self, idx: int, rid: bytes, h: dict[str, Any], frames: list[Any], uuids: list[str], tenant: str) -> None:

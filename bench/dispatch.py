@@ -156,15 +156,10 @@ class BaselineCluster:
         return [p.pid for p in self.procs[1:]]
 
     def stop(self) -> None:
+        from gpud.cluster import terminate
+
+        terminate(self.procs, timeout=10)
         for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
             if p.stdout is not None:
                 p.stdout.close()
         self.procs.clear()

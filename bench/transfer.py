@@ -211,15 +211,10 @@ class Bare:
         if hasattr(self, "sock"):
             self.sock.close(0)
             self.ctx.term()
+        from gpud.cluster import terminate
+
+        terminate(self.procs, timeout=10)
         for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
             if p.stdout is not None:
                 p.stdout.close()
 

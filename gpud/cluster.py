@@ -337,19 +337,8 @@ class LocalCluster:
 
     def stop(self, timeout: float = 15.0) -> dict[str, int | None]:
         """SIGTERM every child (workers first), wait, SIGKILL stragglers; returns exit codes."""
-        codes: dict[str, int | None] = {}
-        procs = list(self.worker_procs.items()) + list(self.brokers.items())
-        for _, proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for name, proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            codes[name] = proc.returncode
+        procs = {**self.worker_procs, **self.brokers}
+        codes = dict(zip(procs, terminate(list(procs.values()), timeout), strict=True))
         self.worker_procs.clear()
         self.brokers.clear()
         self.broker = None
@@ -358,6 +347,22 @@ class LocalCluster:
             self._tmp = None
             self.rundir = None
         return codes
+
+
+def terminate(procs: list[subprocess.Popen[bytes]], timeout: float = 15.0) -> list[int | None]:
+    """SIGTERM every process still running, wait for all (``timeout`` in all), SIGKILL the
+    stragglers; their exit codes, in order."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return [proc.returncode for proc in procs]
 
 
 def _free_port() -> int:

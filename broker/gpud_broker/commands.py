@@ -250,9 +250,7 @@ def drain(target: Any, args: dict[str, Any]) -> dict[str, Any]:
     core = _active_core(target)
     w = _worker(core, args["worker"])
     was = w.draining
-    core.set_draining(w, True)
-    core.registry.drained.add(w.name)
-    core.marks_changed()
+    core.mark_drained(w.name, True)
     n = len(w.assigned)
     if was:
         message = f"worker {w.name} was already draining; {n} request(s) still running there"
@@ -266,14 +264,11 @@ def undrain(target: Any, args: dict[str, Any]) -> dict[str, Any]:
     core = _active_core(target)
     name = args["worker"]
     if name not in core.registry.by_name and name in core.registry.drained:
-        core.registry.drained.discard(name)
-        core.marks_changed()
+        core.mark_drained(name, False)
         return {"worker": name, "draining": False, "placed": 0,
                 "message": f"worker {name} is not connected; it takes work when it connects"}
-    w = _worker(core, name)
-    core.registry.drained.discard(name)
-    core.set_draining(w, False)
-    core.marks_changed()
+    _worker(core, name)
+    core.mark_drained(name, False)
     placed = core.place_queued()
     return {"worker": name, "draining": False, "placed": placed,
             "message": f"worker {name} takes new work again; {placed} queued request(s) placed"}

@@ -910,6 +910,19 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ the broker pair
 
+    def mark_drained(self, name: str, drained: bool) -> None:
+        """The operator's (or the OpenStack controller's) drain mark on worker ``name``: kept
+        across its reconnects, applied to it now if connected, and replicated."""
+        reg = self.registry
+        if drained:
+            reg.drained.add(name)
+        else:
+            reg.drained.discard(name)
+        w = reg.by_name.get(name)
+        if w is not None and w.draining != drained:
+            self.set_draining(w, drained)
+        self.marks_changed()
+
     def marks_changed(self) -> None:
         """The operator drained or cordoned something (or undid it): replicate the marks."""
         if self.journal is not None:

@@ -129,13 +129,11 @@ class Controller:
             if op.kind in NOVA_OPS:
                 self._ops.put(op)
             elif op.kind == "drain":
-                w = core.registry.by_name.get(op.name)
-                core.registry.drained.add(op.name)
-                if w is not None and not w.draining:
-                    core.set_draining(w, True)
+                if op.name not in core.registry.drained:
                     log.warning("openstack: worker %s drained: its server is to be deleted (action %d)", op.name, op.action)
+                core.mark_drained(op.name, True)
             elif op.kind == "forget":
-                core.registry.drained.discard(op.name)
+                core.mark_drained(op.name, False)
 
     def admin(self, core: Any, args: Mapping[str, Any]) -> dict[str, Any]:
         """``gpudctl openstack ACTION``: list and actions read; boot, replace and retire start actions

@@ -120,7 +120,7 @@ def test_builtin_kernels_match_numpy(cluster: Any) -> None:
         for block in [(1,), (37,), (1024,), (16, 16, 4)]:
             s.launch(BUILTIN, "reduce_sum", (3,), block, [pa, ps, np.int32(n)])
             got, want = np.frombuffer(s.memcpy_dtoh(ps), F32)[0], F32(a.astype(np.float64).sum())
-            assert abs(got - want) <= np.spacing(want), (block, got, want)  # a double sum, rounded once
+            assert abs(got - want) <= abs(np.spacing(want)), (block, got, want)  # a double sum, rounded once
         s.launch(BUILTIN, "reduce_sum", (1,), (128,), [pa, ps, np.int32(-5)])  # negative: zero
         assert np.frombuffer(s.memcpy_dtoh(ps), F32)[0] == 0
         s.synchronize()
@@ -271,9 +271,10 @@ def test_a_job_sees_exactly_its_gpu(cluster: Any, gpus: list[Any]) -> None:
 def test_two_sessions_share_one_gpu(cluster: Any, gpus: list[Any]) -> None:
     n = 1 << 20
     errors: list[BaseException] = []
-    with Client(cluster.frontend, timeout=60) as client:
+    # One Client per thread (a Client is not thread-safe), each with a session on the one GPU.
+    with Client(cluster.frontend, timeout=60) as client, Client(cluster.frontend, timeout=60) as other:
         a = client.session(gpu_milli=500, mem=64 * MiB)
-        b = client.session(gpu_milli=500, mem=64 * MiB)
+        b = other.session(gpu_milli=500, mem=64 * MiB)
         assert a.id != b.id
         if len(gpus) == 1:
             assert a.gpu["uuid"] == b.gpu["uuid"]

@@ -8,6 +8,9 @@ with pycuda, in one run, on the same GPU.
 - memcpy bandwidth: ``--mib`` MiB host -> device and device -> host from pageable numpy memory,
   through gpud (``memcpy_htod`` / ``memcpy_dtoh``, chunked by the client) and with pycuda
   (``memcpy_htod`` / ``memcpy_dtoh``).
+- both through gpud twice: with the session in a process of its own (the worker's default on a
+  real GPU, ``gpud``) and in the worker's process (``--session-processes off``,
+  ``gpud_in_worker``), to show what the session process costs.
 
 Medians (and p90 for round trips) over ``--launches`` launches and ``--repeat`` copies after a
 warm-up. The last line of output is one JSON object (with the test counts of ``--junit`` when
@@ -105,14 +108,16 @@ def local_pycuda(launches: int, nbytes: int, repeat: int) -> dict[str, Any]:
         ctx.detach()
 
 
-def remote_gpud(launches: int, nbytes: int, repeat: int) -> dict[str, Any]:
-    """The same operations through a broker and a worker on this machine's GPU."""
+def remote_gpud(launches: int, nbytes: int, repeat: int, processes: str = "auto") -> dict[str, Any]:
+    """The same operations through a broker and a worker on this machine's GPU; ``processes``:
+    the worker's ``--session-processes`` ("auto": the session in a process of its own)."""
     from gpud.cluster import LocalCluster
     from gpud_client import BUILTIN, Client
 
     paths = os.pathsep.join(str(ROOT / p) for p in (".", "broker", "worker", "standby", "libclient"))
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [paths, os.environ.get("PYTHONPATH")])), "GPUD_LOG_LEVEL": "WARNING"}
-    with LocalCluster(workers=1, simulate=False, env=env, log_level="WARNING") as cluster, \
+    with LocalCluster(workers=1, simulate=False, env=env, log_level="WARNING",
+                      worker_args=["--session-processes", processes]) as cluster, \
             Client(cluster.frontend, timeout=60, journal_bytes=0) as client, \
             client.session(mem=nbytes + (64 << 20)) as s:
         assert s.device_info()["simulated"] is False
@@ -161,22 +166,27 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ET.ParseError) as exc:
             result["tests"] = {"error": f"no test results: {exc}"}
             ok = False
-    for side, fn in (("local", local_pycuda), ("gpud", remote_gpud)):
+    sides: list[tuple[str, Callable[[int, int, int], dict[str, Any]]]] = [
+        ("local", local_pycuda), ("gpud", remote_gpud),
+        ("gpud_in_worker", lambda n, b, r: remote_gpud(n, b, r, "off"))]
+    for side, fn in sides:
         try:
             result[side] = fn(args.launches, nbytes, args.repeat)
         except Exception as exc:
             traceback.print_exc()
             result[side] = {"error": f"{type(exc).__name__}: {exc}"}
             ok = False
-    loc, rem = result.get("local", {}), result.get("gpud", {})
+    loc, rem, inw = result.get("local", {}), result.get("gpud", {}), result.get("gpud_in_worker", {})
     print(f"GPU: {loc.get('gpu', '?')} (driver {loc.get('driver', '?')}, CUDA {loc.get('cuda', '?')})")
-    print(f"{'':28} {'gpud (remote)':>16} {'pycuda (local)':>16}")
+    print(f"{'':28} {'gpud (remote)':>16} {'pycuda (local)':>16} {'gpud, in worker':>16}")
     for label, key, unit in (("launch round trip p50", "launch_rtt_us", "us"), ("launch round trip p90", "launch_rtt_us", "us")):
         q = "p50" if "p50" in label else "p90"
-        print(f"{label:28} {_fmt(rem.get(key, {}).get(q), unit):>16} {_fmt(loc.get(key, {}).get(q), unit):>16}")
-    print(f"{'sync round trip p50':28} {_fmt(rem.get('sync_rtt_us', {}).get('p50'), 'us'):>16} {'-':>16}")
+        print(f"{label:28} {_fmt(rem.get(key, {}).get(q), unit):>16} {_fmt(loc.get(key, {}).get(q), unit):>16}"
+              f" {_fmt(inw.get(key, {}).get(q), unit):>16}")
+    print(f"{'sync round trip p50':28} {_fmt(rem.get('sync_rtt_us', {}).get('p50'), 'us'):>16} {'-':>16}"
+          f" {_fmt(inw.get('sync_rtt_us', {}).get('p50'), 'us'):>16}")
     for label, key in ((f"htod {args.mib} MiB", "htod_GBps"), (f"dtoh {args.mib} MiB", "dtoh_GBps")):
-        print(f"{label:28} {_fmt(rem.get(key), 'GB/s'):>16} {_fmt(loc.get(key), 'GB/s'):>16}")
+        print(f"{label:28} {_fmt(rem.get(key), 'GB/s'):>16} {_fmt(loc.get(key), 'GB/s'):>16} {_fmt(inw.get(key), 'GB/s'):>16}")
     if "tests" in result:
         print(f"tests/gpu: {result['tests']}")
     result["elapsed_s"] = round(time.monotonic() - t0, 1)

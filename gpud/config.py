@@ -191,6 +191,9 @@ class WorkerSection:
     job_user_prefix: str = _key("gpud-job", _nonempty)
     job_uids: str = _key("", _uids)  # "FIRST-LAST": dynamic uids instead of pool users
     session_idle: float = _key(600.0, _above(0))
+    session_processes: str = _key("auto", _one_of("auto", "on", "off"))  # auto: on for real GPUs
+    session_staging: int = _key(8 << 20, _at_least(4096))  # a session process's shared copy buffer
+    compile_user: str = _key("nobody", _nonempty)  # as root, nvcc runs as this user
     drain_timeout: float = _key(30.0, _at_least(0))
     replica_of: str = _key("")  # the worker whose work this one takes first when it is lost
     probation_s: float = _key(300.0, _at_least(0))  # a failed GPU's checks pass this long before it serves

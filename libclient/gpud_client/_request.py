@@ -440,6 +440,8 @@ def parse_info(msg: Message) -> dict[str, Any]:
     }
     if "worker" in header:
         out["worker"] = _field(header, "worker", str, "")
+    if "process" in header:  # the session runs in a process of its own (its pid and uid)
+        out["process"] = _field(header, "process", dict, {})
     return out
 
 

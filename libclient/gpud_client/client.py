@@ -1481,7 +1481,8 @@ class Session:
         self._call("sync", {}, rq.parse_empty, timeout)
 
     def device_info(self, *, timeout: float | None = None) -> dict[str, Any]:
-        """The session's GPU and memory: ``gpu``, ``mem_granted``, ``mem_used``, ``simulated``."""
+        """The session's GPU and memory: ``gpu``, ``mem_granted``, ``mem_used``, ``simulated``;
+        ``process`` (``pid``, ``uid``) where the worker runs the session in a process of its own."""
         return self._call("info", {}, rq.parse_info, timeout)
 
     def close(self, *, timeout: float | None = None) -> None:

@@ -677,6 +677,8 @@ def test_worker_passes_the_grant_to_sessions_and_jobs(make_worker: Callable[...,
     grant = {"gpus": [uuid], "gpu_milli": 125, "mem": 64 << 20}
     sid = os.urandom(16)
     worker._on_dispatch(0, worker.links[0], {"id": sid, "kind": "session", "tenant": "t", "grant": grant}, [], time.monotonic())
+    _, rid, frames = worker.results.get(timeout=30)  # opened in the session's thread
+    assert rid == sid and P.unpackb(frames[2])["ok"] is True
     header, _ = worker._session_op(worker.sessions[sid], "info", {}, [])
     assert header["mps"] == {
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "13",
@@ -702,6 +704,8 @@ def test_worker_without_mps_sets_no_mps_values(make_worker: Callable[..., Worker
     sid = os.urandom(16)
     grant = {"gpus": [uuid], "gpu_milli": 125, "mem": 64 << 20}
     worker._on_dispatch(0, worker.links[0], {"id": sid, "kind": "session", "tenant": "t", "grant": grant}, [], time.monotonic())
+    _, rid, frames = worker.results.get(timeout=30)  # opened in the session's thread
+    assert rid == sid and P.unpackb(frames[2])["ok"] is True
     header, _ = worker._session_op(worker.sessions[sid], "info", {}, [])
     assert "mps" not in header
 

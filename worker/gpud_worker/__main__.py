@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 _D = WorkerSection()  # the defaults, for the help texts
 FLAGS = {"brokers": "broker", **{key: key for key in (
     "name", "simulate", "gpu_model", "gpu_mem", "slots", "heartbeat_ms", "liveness", "workdir",
-    "job_user_prefix", "job_uids", "session_idle", "drain_timeout", "fault_file", "instance_id", "replica_of",
+    "job_user_prefix", "job_uids", "session_idle", "session_processes", "session_staging", "compile_user", "drain_timeout", "fault_file", "instance_id", "replica_of",
     "cgroups", "cgroup_parent", "job_memory", "mps", "mps_pipe_dir", "mps_log_dir")}, "probation_s": "probation"}
 """[worker] key -> its flag's argparse dest (--broker, repeated, gives brokers)."""
 LOG_FLAGS = {"level": "log_level", "file": "log_file"}
@@ -57,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mps-log-dir", default=None, metavar="DIR",
                    help="the MPS control daemon's log directory (default $CUDA_MPS_LOG_DIRECTORY, else /var/log/nvidia-mps)")
     p.add_argument("--session-idle", type=float, help=f"seconds without operations before a session is reclaimed (default {_D.session_idle:g})")
+    p.add_argument("--session-processes", choices=("auto", "on", "off"), default=None,
+                   help=f"on: each session in a process of its own, as a pool user; off: in the worker; auto: on for real GPUs (default {_D.session_processes})")
+    p.add_argument("--session-staging", type=int, metavar="BYTES", help=f"shared copy buffer of a session process (default {_D.session_staging})")
+    p.add_argument("--compile-user", default=None, metavar="USER", help=f"as root, compile CUDA C as this unprivileged user (default {_D.compile_user})")
     p.add_argument("--drain-timeout", type=float, help=f"seconds running work may take to finish on SIGTERM (default {_D.drain_timeout:g})")
     p.add_argument("--replica-of", default=None, metavar="WORKER",
                    help="take the work of worker WORKER first when it is lost (its replica)")
@@ -82,6 +86,21 @@ def _host_mem() -> int:
         return int(psutil.virtual_memory().total)
     except ImportError:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _compile_user(name: str) -> tuple[int, int] | None:
+    """As root: the (uid, gid) nvcc runs as (``compile_user``); None otherwise. Refuses root."""
+    if os.geteuid() != 0:
+        return None
+    import pwd
+
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise ConfigError(f"compile_user {name!r} does not exist: create it or name another unprivileged user") from None
+    if entry.pw_uid == 0 or entry.pw_gid == 0:
+        raise ConfigError(f"compile_user {name!r} is root: name an unprivileged user")
+    return entry.pw_uid, entry.pw_gid
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,7 +143,12 @@ def run(args: argparse.Namespace) -> int:
         log.info("found %d NVIDIA GPU(s) through NVML", len(probe.inventory()))
         from gpud_worker.cuda import cuda_devices  # imports pycuda only now, on a GPU host
 
-        cuda, why = cuda_devices(probe.inventory())
+        try:
+            compile_as = _compile_user(w.compile_user)
+        except ConfigError as exc:
+            print(f"gpud worker: {exc}", file=sys.stderr)
+            return 2
+        cuda, why = cuda_devices(probe.inventory(), compile_user=compile_as)
         devices.update(cuda)
         if why:
             log.error("sessions are refused on the GPUs without a CUDA device: %s; jobs run on every GPU", why)
@@ -164,6 +188,14 @@ def run(args: argparse.Namespace) -> int:
         log.info("CUDA MPS: jobs and sessions get their grant's MPS limits (pipes in %s)", mps.pipe_dir)
     limits = JobLimits(memory=w.job_memory or None)
     runner = JobRunner(Path(w.workdir) if w.workdir else default_workroot(), pool, limits=limits, cgroups=cgroups, mps=mps)
+    if w.session_processes == "on" or (w.session_processes == "auto" and not w.simulate and devices):
+        from gpud_worker.session_host import SessionHosts, hosted
+
+        hosts = SessionHosts(runner.lease_user, runner.end_lease, cuda=not w.simulate, staging=w.session_staging)
+        devices = dict(hosted(devices, hosts))
+        if w.simulate:  # the simulated GPUs' state counts what their hosted sessions hold
+            probe = SimulatedProbe(list(devices.values()), probation_s=w.probation_s, fault_file=w.fault_file or None)  # type: ignore[arg-type]
+        log.info("sessions run in processes of their own%s", ", as pool users" if root else "")
     config = WorkerConfig(
         name=name,
         brokers=w.brokers,

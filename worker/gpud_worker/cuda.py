@@ -28,9 +28,12 @@ A session:
   later call gets SESSION_LOST (the broker then ends the session; the client library replays its
   journal onto a new one where it can).
 
-Known limits: a kernel that never ends blocks its session (nothing here can preempt it; the
-session's other calls wait); MPS limits of a grant are recorded in ``info`` but not applied to the
-session's context.
+The worker runs each such session in a process of its own (``gpud_worker.session_host``): a sticky
+error poisons CUDA for the whole process, not only the faulting context (seen on an H200), and
+there it ends one session's process only. That process also applies the grant's MPS limits (CUDA
+reads them at ``cuInit``), and the worker can kill it when a kernel never ends. Run in the worker's
+own process (``session_processes = "off"``), a kernel that never ends blocks its session and MPS
+limits are only recorded in ``info``.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from gpud_worker.device import (
     _check_grant,
     _check_kernel,
     _check_launch_shape,
+    _out_view,
 )
 from gpud_worker.kernels import BUILTINS, CUDA_SOURCE, Arg, check_args, lookup
 from gpud_worker.modules import (
@@ -254,11 +258,16 @@ class NvccCompiler:
         Its path (``find_nvcc()`` by default).
     timeout:
         Seconds one compilation may take.
+    user:
+        ``(uid, gid)`` to run nvcc as (a worker running as root gives an unprivileged user, so
+        that a source's ``#include`` reaches only what that user may read); None: as this process.
     """
 
-    def __init__(self, nvcc: str | None = None, timeout: float = COMPILE_TIMEOUT_S) -> None:
+    def __init__(self, nvcc: str | None = None, timeout: float = COMPILE_TIMEOUT_S,
+                 user: tuple[int, int] | None = None) -> None:
         self.nvcc = nvcc or find_nvcc()
         self.timeout = timeout
+        self.user = user
         self._version: str | None = None
 
     def version(self) -> str:
@@ -288,10 +297,17 @@ class NvccCompiler:
         with tempfile.TemporaryDirectory(prefix="gpud-nvcc-") as tmp:
             src = Path(tmp) / "kernel.cu"
             src.write_text(source)
+            as_user: dict[str, Any] = {}
+            if self.user is not None:
+                uid, gid = self.user
+                os.chown(tmp, uid, gid)
+                os.chown(src, uid, gid)
+                as_user = {"user": uid, "group": gid, "extra_groups": [],
+                           "env": {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tmp, "TMPDIR": tmp}}
             cmd = [self.nvcc, "--cubin", f"-arch={arch}", *options, "-o", "kernel.cubin", "kernel.cu"]
             try:
                 out = subprocess.run(cmd, cwd=tmp, capture_output=True, timeout=self.timeout, check=False,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, **as_user)
             except subprocess.TimeoutExpired:
                 raise RemoteError(f"compile error: nvcc took more than {self.timeout:g} s") from None
             except OSError as exc:
@@ -332,6 +348,8 @@ class CudaDevice(_BaseDevice):
         What compiles CUDA C (``NvccCompiler()`` by default).
     cache:
         The on-disk module cache (``ModuleCache(default_cache_dir())`` by default).
+    builtin:
+        The built-in kernels' cubin, compiled already (by default compiled on first use).
     """
 
     simulated = False
@@ -346,6 +364,7 @@ class CudaDevice(_BaseDevice):
         cache: ModuleCache | None = None,
         clock: Clock | None = None,
         busy_window: float = BUSY_WINDOW_S,
+        builtin: bytes | None = None,
     ) -> None:
         if gpu.simulated:
             raise ValueError("CudaDevice serves real GPUs; SimulatedDevice serves simulated ones")
@@ -359,8 +378,9 @@ class CudaDevice(_BaseDevice):
         self._compile_lock = threading.Lock()
         self._images: dict[str, bytes] = {}  # cache key -> cubin, the most recent ones
         self._error_names: dict[str, str] | None = None
+        self._builtin = builtin
 
-    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None) -> CudaSession:
+    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None, tenant: str = "default") -> CudaSession:
         _check_grant(mem_grant)
         return CudaSession(self, mem_grant, mps)
 
@@ -396,8 +416,11 @@ class CudaDevice(_BaseDevice):
         return image
 
     def builtin_image(self) -> bytes:
-        """The cubin of the built-in kernels (``kernels.CUDA_SOURCE``) for this GPU."""
-        return self.compile(CUDA_SOURCE, ())
+        """The cubin of the built-in kernels (``kernels.CUDA_SOURCE``) for this GPU (the one given
+        at construction, if any)."""
+        if self._builtin is None:
+            self._builtin = self.compile(CUDA_SOURCE, ())
+        return self._builtin
 
     def _reserve(self, nbytes: int) -> None:
         with self._lock:
@@ -588,17 +611,19 @@ class CudaSession(_BaseSession[tuple[Any, int]]):
             with self._device._working():
                 self._op("htod", lambda: self._drv.memcpy_htod(int(mem) + offset, view))
 
-    def dtoh(self, handle: int, offset: int, nbytes: int | None = None) -> memoryview:
+    def dtoh(self, handle: int, offset: int, nbytes: int | None = None, out: Any = None) -> memoryview:
         with self._lock:
             self._check_open()
             (mem, _), end = self._span(handle, offset, nbytes)
-            out = bytearray(end - offset)
-            if out:
+            dest = memoryview(bytearray(end - offset)) if out is None else _out_view(out, end - offset)
+            if len(dest):
                 with self._device._working():
-                    self._op("dtoh", lambda: self._drv.memcpy_dtoh(out, int(mem) + offset))
-            return memoryview(out)
+                    self._op("dtoh", lambda: self._drv.memcpy_dtoh(dest, int(mem) + offset))
+            return dest
 
-    def load(self, kind: str, name: str, data: Any, options: Sequence[str] = ()) -> dict[str, Any]:
+    def load(self, kind: str, name: str, data: Any, options: Sequence[str] = (), image: bytes | None = None) -> dict[str, Any]:
+        """As ``DeviceSession.load``; ``image``: for CUDA C, its cubin compiled already (by the
+        worker, for a session in a process of its own: ``gpud_worker.session_host``)."""
         kind, name, opts = check_load_args(kind, name, list(options))
         sigs: dict[str, Signature] | None
         if kind == "cubin":
@@ -613,9 +638,10 @@ class CudaSession(_BaseSession[tuple[Any, int]]):
         else:
             text = decode_text(data, kind)
             sigs = cuda_signatures(check_cuda_source(text))
-            with self._lock:
-                self._check_open()
-            image = self._device.compile(text, opts)  # outside the lock: it may take seconds
+            if image is None:
+                with self._lock:
+                    self._check_open()
+                image = self._device.compile(text, opts)  # outside the lock: it may take seconds
         with self._lock:
             self._check_loadable(name)
 
@@ -736,8 +762,10 @@ def normalize_bus_id(bus_id: str | bytes) -> str:
     return f"{domain:04x}:{bus:02x}:{dev:02x}.{fn:x}"
 
 
-def cuda_devices(gpus: Sequence[GpuInfo], nvml: Any = None, driver: Any = None) -> tuple[dict[str, CudaDevice], str]:
-    """A ``CudaDevice`` for each GPU of NVML's inventory that CUDA sees, matched by PCI bus id.
+def cuda_devices(gpus: Sequence[GpuInfo], nvml: Any = None, driver: Any = None,
+                 compile_user: tuple[int, int] | None = None) -> tuple[dict[str, CudaDevice], str]:
+    """A ``CudaDevice`` for each GPU of NVML's inventory that CUDA sees, matched by PCI bus id;
+    ``compile_user``: ``(uid, gid)`` its nvcc runs as (``NvccCompiler``).
 
     Returns the devices by uuid and, when some or all GPUs get none, why (empty otherwise). Never
     raises: a worker without pycuda still runs jobs; its sessions are refused.
@@ -773,7 +801,7 @@ def cuda_devices(gpus: Sequence[GpuInfo], nvml: Any = None, driver: Any = None) 
             if bus not in ordinals:
                 missing.append(f"{g.uuid} (CUDA does not see {bus}: CUDA_VISIBLE_DEVICES?)")
                 continue
-            devices[g.uuid] = CudaDevice(g, ordinals[bus], driver=drv)
+            devices[g.uuid] = CudaDevice(g, ordinals[bus], driver=drv, compiler=NvccCompiler(user=compile_user))
     finally:
         nvml.nvmlShutdown()
     why = f"no CUDA device for GPU(s) {', '.join(missing)}" if missing else ""

@@ -75,8 +75,15 @@ class DeviceSession(Protocol):
         """Copy ``data`` (any contiguous buffer) to the allocation at ``offset``; bounds checked."""
         ...
 
-    def dtoh(self, handle: int, offset: int, nbytes: int | None = None) -> bytes | memoryview:
-        """Copy ``nbytes`` from the allocation at ``offset`` (None: to its end); bounds checked."""
+    def dtoh(self, handle: int, offset: int, nbytes: int | None = None, out: Any = None) -> bytes | memoryview:
+        """Copy ``nbytes`` from the allocation at ``offset`` (None: to its end); bounds checked.
+        With ``out`` (a writable buffer of at least that many bytes) the bytes go there and a view
+        of them is returned."""
+        ...
+
+    def extent(self, handle: int, offset: int, nbytes: int | None = None) -> int:
+        """The bytes a copy of ``nbytes`` at ``offset`` covers (None: to the allocation's end);
+        InvalidRequest for an unknown handle or a range outside the allocation."""
         ...
 
     def launch(
@@ -124,9 +131,10 @@ class Device(Protocol):
     gpu: GpuInfo
     simulated: bool
 
-    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None) -> DeviceSession:
+    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None, tenant: str = "default") -> DeviceSession:
         """A new session that may hold at most ``mem_grant`` bytes at once; ``mps``: its CUDA MPS
-        client variables (active thread percentage, pinned memory limit) where MPS runs."""
+        client variables (active thread percentage, pinned memory limit) where MPS runs;
+        ``tenant``: whom it is for (a device that runs sessions as pool users picks one by it)."""
         ...
 
     def mem_used(self) -> int:
@@ -252,7 +260,7 @@ class SimulatedDevice(_BaseDevice):
         super().__init__(clock, busy_window)
         self._next_handle = 0
 
-    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None) -> SimulatedSession:
+    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None, tenant: str = "default") -> SimulatedSession:
         _check_grant(mem_grant)
         log.debug("%s: session opened with a grant of %d bytes", self.gpu.uuid, mem_grant)
         return SimulatedSession(self, mem_grant, mps)
@@ -325,6 +333,12 @@ class _BaseSession(abc.ABC, Generic[A]):
             if self._mps is not None:
                 info["mps"] = dict(self._mps)
             return info
+
+    def extent(self, handle: int, offset: int, nbytes: int | None = None) -> int:
+        with self._lock:
+            self._check_open()
+            _, end = self._span(handle, offset, nbytes)
+            return end - offset
 
     # ---------------------------------------------------------------- each backend's own
 
@@ -427,11 +441,15 @@ class SimulatedSession(_BaseSession[bytearray]):
                 # into a temporary bytearray of its size (CPython does that for any non-bytearray).
                 memoryview(buf)[offset:end] = view
 
-    def dtoh(self, handle: int, offset: int, nbytes: int | None = None) -> bytes:
+    def dtoh(self, handle: int, offset: int, nbytes: int | None = None, out: Any = None) -> bytes | memoryview:
         with self._lock:
             self._check_open()
             buf, end = self._span(handle, offset, nbytes)
             with self._device._working():
+                if out is not None:
+                    dest = _out_view(out, end - offset)
+                    dest[:] = memoryview(buf)[offset:end]
+                    return dest
                 # The one copy (a real GPU's device-to-host transfer): the worker sends these
                 # bytes as they are, and they must not change while zmq sends or re-sends them.
                 return bytes(memoryview(buf)[offset:end])
@@ -535,6 +553,14 @@ def _byte_view(data: Any) -> memoryview:
     if not view.c_contiguous:
         raise InvalidRequest("htod data must be contiguous")
     return view.cast("B")
+
+
+def _out_view(out: Any, nbytes: int) -> memoryview:
+    """The first ``nbytes`` of the writable buffer ``out``, as bytes."""
+    view = _byte_view(out)
+    if view.readonly or len(view) < nbytes:
+        raise InvalidRequest(f"dtoh needs a writable buffer of at least {nbytes} bytes")
+    return view[:nbytes]
 
 
 def _check_range(handle: int, size: int, offset: Any, nbytes: Any) -> int:

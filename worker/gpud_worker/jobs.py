@@ -621,6 +621,21 @@ class JobRunner:
             raise RemoteError(f"job user {user.pw_name} has uid 0: refusing to run a job as root")
         return user
 
+    def lease_user(self, tenant: str) -> pwd.struct_passwd | None:
+        """A pool user held for ``tenant`` until ``end_lease``, for work that is not a job (a
+        session's process, ``gpud_worker.session_host``); None without root, where such work runs
+        as this process's user. RemoteError as for a job: no pool, or no user free in time."""
+        return self._acquire_user(tenant) if self._root else None
+
+    def end_lease(self, user: pwd.struct_passwd | None) -> None:
+        """Kill whatever still runs as ``user`` (taken with ``lease_user``) and give it back."""
+        if user is None or not self._root or self.pool is None:
+            return
+        try:
+            self._kill_user_processes(user)
+        finally:
+            self.pool.release(user)
+
     @contextmanager
     def _claim(self, hexid: str) -> Iterator[None]:
         with self._lock:

@@ -124,7 +124,7 @@ class BrokerLink:
 class SessionRunner:
     """A device session and the thread that runs its operations in order."""
 
-    def __init__(self, sid: bytes, dev_session: DeviceSession, gpu: GpuInfo, tenant: str) -> None:
+    def __init__(self, sid: bytes, dev_session: DeviceSession | None, gpu: GpuInfo, tenant: str) -> None:
         self.id = sid
         self.dev = dev_session
         self.gpu = gpu
@@ -584,26 +584,46 @@ class Worker:
     # ---------------------------------------------------------------- sessions
 
     def _open_session(self, idx: int, rid: bytes, uuid: str, mem: int, tenant: str, grant: dict[str, Any] | None = None) -> None:
+        """Open a session in its own thread (a device may take a while: a session process, a CUDA
+        context), which then runs its calls; the reply goes out when it is open."""
         device = self.devices.get(uuid)
-        mps = self.runner.mps  # where MPS runs, a session gets its grant's MPS limits as a job does
-        try:
-            if device is None:
-                raise RemoteError("sessions on this GPU need the pycuda device backend (extra 'cuda'), which this worker lacks or could not start on it (its log says why)")
-            if mps is None:
-                dev_session = device.open_session(mem)
-            else:
-                dev_session = device.open_session(mem, mps=mps.environment(JobGrant.from_wire(grant).gpu_milli, [mem]))
-        except GpudError as exc:
+        if device is None:
             self.running.pop(rid, None)
-            self._send_now(idx, rid, P.error_header(rid, exc))
+            self._send_now(idx, rid, P.error_header(rid, RemoteError("sessions on this GPU need the pycuda device backend (extra 'cuda'), which this worker lacks or could not start on it (its log says why)")))
             return
-        s = SessionRunner(rid, dev_session, self.gpus[uuid], tenant)
-        s.thread = threading.Thread(target=self._session_thread, args=(s,), name=f"session-{rid.hex()[:8]}", daemon=True)
-        s.thread.start()
+        mps = self.runner.mps  # where MPS runs, a session gets its grant's MPS limits as a job does
+        env = None if mps is None else mps.environment(JobGrant.from_wire(grant).gpu_milli, [mem])
+        s = SessionRunner(rid, None, self.gpus[uuid], tenant)
+        s.thread = threading.Thread(target=self._session_thread, args=(s, idx, device, mem, env), name=f"session-{rid.hex()[:8]}", daemon=True)
         self.sessions[rid] = s
-        self.running.pop(rid, None)
-        log.info("session %s opened on GPU %s (%d bytes granted)", P.id_text(rid), uuid, mem)
-        self._send_now(idx, rid, {"id": rid, "ok": True, "session": rid, "gpu": P.gpu_info_to_wire(self.gpus[uuid])})
+        s.thread.start()
+
+    def _start_session(self, s: SessionRunner, idx: int, device: Device, mem: int, env: dict[str, str] | None) -> bool:
+        """(Session thread) Open the device session of ``s`` and answer the DISPATCH."""
+        rid = s.id
+        try:
+            s.dev = device.open_session(mem, mps=env, tenant=s.tenant)
+        except GpudError as exc:
+            self._drop_session(s)
+            self._error(idx, rid, exc)
+            return False
+        except Exception as exc:
+            log.exception("session %s could not be opened", P.id_text(rid))
+            self._drop_session(s)
+            self._error(idx, rid, InternalError(f"the worker failed to open the session: {exc.__class__.__name__}"))
+            return False
+        if s.closed:  # reclaimed or its GPU failed while it opened
+            s.dev.close()
+            self._error(idx, rid, SessionLost(s.lost or "the session was closed while it opened"))
+            return False
+        log.info("session %s opened on GPU %s (%d bytes granted)", P.id_text(rid), s.gpu.uuid, mem)
+        self._result(idx, rid, {"ok": True, "session": rid, "gpu": P.gpu_info_to_wire(s.gpu)})
+        return True
+
+    def _drop_session(self, s: SessionRunner) -> None:
+        s.closed = True
+        if self.sessions.get(s.id) is s:
+            self.sessions.pop(s.id, None)
 
     def _on_call(self, idx: int, rid: bytes, h: dict[str, Any], frames: list[Any]) -> None:
         sid = h.get("session")
@@ -617,7 +637,9 @@ class Worker:
             del self.sessions[s.id]
         s.ops.put((idx, h, frames))
 
-    def _session_thread(self, s: SessionRunner) -> None:
+    def _session_thread(self, s: SessionRunner, idx: int, device: Device, mem: int, env: dict[str, str] | None) -> None:
+        if not self._start_session(s, idx, device, mem, env):
+            return
         while True:
             item = s.ops.get()
             if item is None:
@@ -638,12 +660,14 @@ class Worker:
                 self._error(idx, rid, InternalError(f"session op {op!r} failed in the worker: {exc.__class__.__name__}"))
             if op == "close":
                 break
+        assert s.dev is not None
         s.dev.close()
 
     def _session_op(self, s: SessionRunner, op: Any, args: Any, frames: list[Any]) -> tuple[dict[str, Any], list[Any]]:
         if type(args) is not dict:
             raise InvalidRequest("'args' must be a map")
         dev = s.dev
+        assert dev is not None  # set before the session's first call
         if op == "alloc":
             return {"handle": dev.alloc(P.req(args, "nbytes", int))}, []
         if op == "free":
@@ -684,17 +708,21 @@ class Worker:
             return {}, []
         raise InvalidRequest(f"unknown session op {op!r}")
 
-    def _close_session(self, s: SessionRunner) -> None:
+    def _close_session(self, s: SessionRunner, kill: str = "") -> None:
+        """Close ``s`` after the calls queued before; ``kill``: why to end a session that runs in
+        a process of its own at once, also mid-call (``HostedSession.kill``)."""
         s.closed = True
         self.sessions.pop(s.id, None)
         s.ops.put(None)
+        if kill and s.dev is not None and hasattr(s.dev, "kill"):
+            s.dev.kill(kill)
 
     def _reclaim_idle_sessions(self) -> None:
         limit = time.monotonic() - self.config.session_idle
         for s in list(self.sessions.values()):
             if s.last_used < limit:
                 log.info("session %s idle past %.0fs; reclaimed", P.id_text(s.id), self.config.session_idle)
-                self._close_session(s)
+                self._close_session(s, kill=f"idle for more than {self.config.session_idle:g} s")
 
     def _fail_work_on_failed_gpus(self) -> None:
         """Fail the work on GPUs that failed a health check (``probe.failed()``): their jobs are
@@ -716,7 +744,7 @@ class Worker:
         for s in [s for s in self.sessions.values() if s.gpu.uuid in failed]:
             log.error("session %s: GPU %s failed (%s); closing the session", P.id_text(s.id), s.gpu.uuid, failed[s.gpu.uuid])
             s.lost = failed[s.gpu.uuid]
-            self._close_session(s)
+            self._close_session(s, kill=f"its GPU failed ({s.lost})")
 
 
 def _on_stop_signal(worker: Worker) -> None:

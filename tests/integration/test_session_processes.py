@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from gpud.cluster import LocalCluster
-from gpud.errors import InvalidRequest, OutOfMemory, RemoteError, SessionLost
+from gpud.errors import InvalidRequest, OutOfMemory, RemoteError, SessionLost, Timeout
 from gpud.protocol import BUILTIN_MODULE
 from gpud_client import BUILTIN, Client
 from gpud_worker.device import SimulatedDevice
@@ -190,7 +190,7 @@ def test_no_free_pool_user_refuses_the_session_clearly(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def hosted_cluster() -> Iterator[LocalCluster]:
     with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200,
-                      worker_args=["--session-processes", "on", "--session-staging", "65536"]) as c:
+                      worker_args=["--session-processes", "on", "--session-staging", "65536", "--session-idle", "2"]) as c:
         yield c
 
 
@@ -222,3 +222,37 @@ def test_worker_runs_each_session_in_its_own_process(hosted_cluster: LocalCluste
         assert t.memcpy_dtoh(g) == b"12345678" and t.replays == 0
     if ROOT:
         wait_for(lambda: not processes_of(us) and not processes_of(ut), "the sessions' processes to end", timeout=20)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_long_call_is_not_idleness_but_a_close_ends_it(hosted_cluster: LocalCluster) -> None:
+    """--session-idle 2: a call that runs longer (its process stopped, as a kernel that never
+    ends would hold it) is not reclaimed as idle; closing the session ends its process at once."""
+    with Client(hosted_cluster.frontend, timeout=30) as client:
+        s = client.session(gpu_milli=100, mem=1 << 20)
+        h = s.mem_alloc(8)
+        s.memcpy_htod(h, b"abcdefgh")
+        pid = session_pid(s)[0]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(Timeout):
+                s.synchronize(timeout=4)  # twice the idle limit, in a call
+            assert not gone(pid)  # not reclaimed: it was busy, not idle
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert s.memcpy_dtoh(h) == b"abcdefgh" and s.replays == 0  # the same session goes on
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(Timeout):
+            s.synchronize(timeout=1)
+        s.close()  # the worker kills the process: the stopped call will never be waited for
+        wait_for(lambda: gone(pid), "the closed session's process to end", timeout=10)
+        # Idle for real: reclaimed, and its process ends.
+        t = client.session(gpu_milli=100, mem=1 << 20, )
+        tpid = session_pid(t)[0]
+        wait_for(lambda: gone(tpid), "the idle session's process to end", timeout=15)

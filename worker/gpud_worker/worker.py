@@ -132,6 +132,7 @@ class SessionRunner:
         self.ops: queue.SimpleQueue[tuple[int, dict[str, Any], list[Any]] | None] = queue.SimpleQueue()
         self.opened = self.last_used = time.monotonic()
         self.closed = False
+        self.busy = False  # a call is running (a long kernel is not idleness)
         self.lost = ""  # why its GPU failed: its calls are answered SESSION_LOST
         self.thread: threading.Thread | None = None
 
@@ -635,6 +636,10 @@ class Worker:
         if h.get("op") == "close":
             s.closed = True
             del self.sessions[s.id]
+            if s.busy and s.dev is not None and hasattr(s.dev, "kill"):
+                # Closed (by its client, or by the broker for a client gone) while a call runs:
+                # nobody waits for that call, and a kernel that never ends would hold it for good.
+                s.dev.kill("the session was closed while a call ran")
         s.ops.put((idx, h, frames))
 
     def _session_thread(self, s: SessionRunner, idx: int, device: Device, mem: int, env: dict[str, str] | None) -> None:
@@ -647,6 +652,7 @@ class Worker:
             idx, h, frames = item
             rid: bytes = h["id"]
             op = h.get("op")
+            s.busy = True
             try:
                 if s.lost:
                     raise SessionLost(f"the session's GPU failed ({s.lost})")
@@ -658,6 +664,9 @@ class Worker:
             except Exception as exc:
                 log.exception("session op %s failed", op)
                 self._error(idx, rid, InternalError(f"session op {op!r} failed in the worker: {exc.__class__.__name__}"))
+            finally:
+                s.last_used = time.monotonic()
+                s.busy = False
             if op == "close":
                 break
         assert s.dev is not None
@@ -720,7 +729,7 @@ class Worker:
     def _reclaim_idle_sessions(self) -> None:
         limit = time.monotonic() - self.config.session_idle
         for s in list(self.sessions.values()):
-            if s.last_used < limit:
+            if s.last_used < limit and not s.busy:
                 log.info("session %s idle past %.0fs; reclaimed", P.id_text(s.id), self.config.session_idle)
                 self._close_session(s, kill=f"idle for more than {self.config.session_idle:g} s")
 

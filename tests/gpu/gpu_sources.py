@@ -51,6 +51,15 @@ __global__ void broken(float* x)
 }
 """
 
+# A kernel that never ends while flag[0] is 0 (the session's process must be killed to end it).
+SPIN = r"""
+extern "C" __global__ void spin(volatile int* flag)
+{
+    while (flag[0] == 0) {
+    }
+}
+"""
+
 # For PTX and cubin loads (compiled by the test with nvcc).
 SCALE = r"""
 extern "C" __global__ void scale(float* x, float a, int n)

@@ -20,7 +20,7 @@ import gpu_sources as sources
 import numpy as np
 import pytest
 
-from gpud.errors import InvalidRequest, OutOfMemory, RemoteError, SessionLost
+from gpud.errors import InvalidRequest, OutOfMemory, RemoteError, SessionLost, Timeout
 from gpud_client import BUILTIN, Client
 
 F32 = np.float32
@@ -257,6 +257,30 @@ def test_sessions_are_reclaimed(tmp_path: Path, gpus: list[Any]) -> None:
                 s.memcpy_dtoh(p, 16)
     finally:
         c.stop()
+
+
+def test_a_kernel_that_never_ends_is_ended_by_close(cluster: Any, gpus: list[Any]) -> None:
+    """Closing a session whose kernel never ends kills the session's process: its memory comes
+    back and the GPU serves the next session."""
+    with Client(cluster.frontend, timeout=60, journal_bytes=0) as client:
+        s = client.session(mem=600 * MiB)
+        index = s.gpu["index"]
+        flag = s.mem_alloc(4)
+        s.memcpy_htod(flag, np.zeros(1, np.int32))
+        big = s.mem_alloc(512 * MiB)
+        held = nvml_used(index)
+        s.module_load(sources.SPIN, name="spin")
+        with pytest.raises(Timeout):
+            s.launch("spin", "spin", 1, 1, [flag], timeout=3)
+        s.close()
+        assert wait_for(lambda: nvml_used(index) < held - 400 * MiB), "the spinning session kept its memory"
+        del big
+        with client.session(mem=16 * MiB) as t:
+            p = t.mem_alloc(1024)
+            x = np.arange(256, dtype=F32)
+            t.memcpy_htod(p, x)
+            t.launch(BUILTIN, "saxpy", 1, 256, [F32(1), p, p, np.int32(256)])
+            np.testing.assert_array_equal(np.frombuffer(t.memcpy_dtoh(p), F32), 2 * x)
 
 
 # --------------------------------------------------------------------------- jobs and sharing

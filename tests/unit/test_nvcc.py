@@ -7,6 +7,8 @@ that a source that does not compile shows here, before a GPU machine is borrowed
 
 from __future__ import annotations
 
+import os
+import pwd
 import sys
 from pathlib import Path
 
@@ -42,7 +44,7 @@ def test_builtins_compile() -> None:
 
 
 @needs_nvcc
-@pytest.mark.parametrize("name", ["MIX", "WILD", "SMALL_BLOCK", "SCALE"])
+@pytest.mark.parametrize("name", ["MIX", "WILD", "SMALL_BLOCK", "SCALE", "SPIN"])
 def test_gpu_check_sources_compile(name: str) -> None:
     source = getattr(sources, name)
     check_cuda_source(source)  # they pass the worker's source checks too
@@ -84,3 +86,21 @@ def test_ptx_parameters_agree_with_the_source() -> None:
 def test_compile_time_limit() -> None:
     with pytest.raises(RemoteError, match="took more than"):
         C.NvccCompiler(timeout=0.001).compile(wrap_extern_c(sources.MIX), ARCH, [])
+
+
+@needs_nvcc
+@pytest.mark.skipif(os.geteuid() != 0, reason="running nvcc as another user needs root")
+def test_nvcc_runs_as_the_compile_user(tmp_path: Path) -> None:
+    """Defence in depth behind the source checks: as root the worker compiles as an unprivileged
+    user (compile_user), so even an include the checks missed reads only what that user may."""
+    nobody = pwd.getpwnam("nobody")
+    secret = tmp_path / "secret.h"
+    secret.write_text("#define SECRET 42\n")
+    secret.chmod(0o600)
+    os.chmod(tmp_path, 0o755)  # the directory is not what stops it: the file's mode is
+    source = wrap_extern_c(f'#include "{secret}"\n__global__ void k(int* x) {{ x[0] = SECRET; }}\n')
+    as_nobody = C.NvccCompiler(user=(nobody.pw_uid, nobody.pw_gid))
+    assert as_nobody.compile(wrap_extern_c(sources.SCALE), ARCH, []).startswith(ELF)
+    with pytest.raises(RemoteError, match="(?i)permission denied"):
+        as_nobody.compile(source, ARCH, [])
+    assert C.NvccCompiler().compile(source, ARCH, []).startswith(ELF)  # as root it reads the file

@@ -666,8 +666,7 @@ def make_worker(make_runner: Callable[..., JobRunner]) -> Iterator[Callable[...,
         for s in list(worker.sessions.values()):
             worker._close_session(s)
         worker.jobs.shutdown(wait=True)
-        os.close(worker._wake_r)
-        os.close(worker._wake_w)
+        worker.close_wake_pipe()
         ctx.term()
 
 

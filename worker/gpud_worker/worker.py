@@ -156,6 +156,7 @@ class Worker:
         self.links = [BrokerLink(self.ctx, ep, config.heartbeat, now, config.curve) for ep in config.brokers]
         self.jobs = ThreadPoolExecutor(max_workers=config.slots, thread_name_prefix="job")
         self.sessions: dict[bytes, SessionRunner] = {}
+        self._session_threads: list[threading.Thread] = []  # running or ended not long ago
         self.running: dict[bytes, tuple[str, float, list[str]]] = {}  # id -> kind, since, gpus
         self.gpu_faults: dict[str, str] = {}  # GPUs out of service (probe.failed()): uuid -> reason
         self._job_cancels: dict[bytes, threading.Event] = {}  # set: kill the job, answer GPU_FAULT
@@ -187,6 +188,19 @@ class Worker:
         self._reload_requested = True
         self._wake()
 
+    def close_wake_pipe(self, wait_s: float = 5.0) -> None:
+        """Close the pipe that threads wake the loop through, once the session threads have ended
+        (up to ``wait_s`` in all): a thread that wrote to a closed descriptor could write into
+        whatever file reused its number."""
+        deadline = time.monotonic() + wait_s
+        for t in list(self._session_threads):
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+        r, w = self._wake_r, self._wake_w
+        self._wake_r = self._wake_w = -1
+        os.close(r)
+        os.close(w)
+
     def reload(self) -> None:
         """Re-read the configuration (SIGHUP), in the loop's thread. Nothing is re-read yet: the
         worker keeps its start-up configuration. Tells systemd RELOADING=1, then READY=1."""
@@ -195,8 +209,11 @@ class Worker:
         notify.ready()
 
     def _wake(self) -> None:
+        fd = self._wake_w
+        if fd < 0:  # stopped: nothing waits for the loop any more
+            return
         try:
-            os.write(self._wake_w, b"x")
+            os.write(fd, b"x")
         except BlockingIOError:
             pass
 
@@ -310,8 +327,7 @@ class Worker:
                 self._send(link, Command.DISCONNECT, {"reason": "worker stopping"})
             link.close()
         self.jobs.shutdown(wait=False, cancel_futures=True)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self.close_wake_pipe()
         self.probe.close()
         log.info("worker %s stopped", self.config.name)
 
@@ -597,6 +613,8 @@ class Worker:
         s = SessionRunner(rid, None, self.gpus[uuid], tenant)
         s.thread = threading.Thread(target=self._session_thread, args=(s, idx, device, mem, env), name=f"session-{rid.hex()[:8]}", daemon=True)
         self.sessions[rid] = s
+        self._session_threads = [t for t in self._session_threads if t.is_alive()]
+        self._session_threads.append(s.thread)
         s.thread.start()
 
     def _start_session(self, s: SessionRunner, idx: int, device: Device, mem: int, env: dict[str, str] | None) -> bool:

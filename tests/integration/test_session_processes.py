@@ -256,3 +256,24 @@ def test_a_long_call_is_not_idleness_but_a_close_ends_it(hosted_cluster: LocalCl
         t = client.session(gpu_milli=100, mem=1 << 20, )
         tpid = session_pid(t)[0]
         wait_for(lambda: gone(tpid), "the idle session's process to end", timeout=15)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_nothing_outlives_the_worker(sig: signal.Signals) -> None:
+    """A worker stopped (SIGTERM: it ends its sessions) or killed (SIGKILL: nothing of it runs
+    on) while a session is stuck in a call leaves no session process, forkserver or resource
+    tracker behind: the forkserver ends with the worker, and the sessions with the forkserver."""
+    with LocalCluster(workers=1, gpus_per_worker=1, worker_args=["--session-processes", "on"]) as c, \
+            Client(c.frontend, timeout=30) as client:
+        stuck, idle = client.session(mem=1 << 20), client.session(mem=1 << 20)
+        pid = session_pid(stuck)[0]
+        worker = c.worker_procs["w0"]
+        helpers = psutil.Process(worker.pid).children(recursive=True)
+        assert pid in {p.pid for p in helpers} and len(helpers) >= 3  # forkserver, 2 sessions
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(Timeout):
+            stuck.synchronize(timeout=1)
+        os.kill(worker.pid, sig)
+        worker.wait(10)  # SIGTERM: it does not wait for the stuck call
+        wait_for(lambda: all(gone(p.pid) for p in helpers), "the worker's helper processes to end", timeout=10)
+        del idle

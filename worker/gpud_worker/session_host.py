@@ -124,7 +124,7 @@ class SessionHosts:
             ours, theirs = self._ctx.Pipe(duplex=True)
             ids = None if user is None else (user.pw_uid, user.pw_gid, user.pw_name)
             proc = self._ctx.Process(target=_serve, args=(theirs, _Fd(fd), self.staging, spec, ids),
-                                     name=f"gpud-session-{spec['gpu']['index']}", daemon=False)
+                                     name=f"gpud-session-{spec['gpu']['index']}", daemon=True)
             try:
                 proc.start()
             finally:
@@ -419,6 +419,23 @@ def _builtin_image(device: Any) -> bytes | None:
 # --------------------------------------------------------------------------- the process's side
 
 
+def _let_go_of_the_worker() -> None:
+    """Close what a forkserver child inherits and a session process must not hold: the write end
+    of the forkserver's "worker alive" pipe and the resource tracker's. Held here, they would keep
+    the forkserver (and so this process, whose death signal is the forkserver's end) alive after
+    the worker died, for as long as a kernel of this session ran."""
+    from multiprocessing import forkserver, resource_tracker
+
+    for owner, attr in ((forkserver._forkserver, "_forkserver_alive_fd"), (resource_tracker._resource_tracker, "_fd")):
+        fd = getattr(owner, attr, None)
+        if isinstance(fd, int) and fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            setattr(owner, attr, None)
+
+
 def _become(ids: tuple[int, int, str] | None) -> None:
     """In the session's process, before anything of the user's: become the pool user ``ids``
     (none: stay), die with the forkserver, never gain privileges, dump no core."""
@@ -465,6 +482,7 @@ def _serve(conn: Any, fd: _Fd, staging: int, spec: dict[str, Any], ids: tuple[in
     logging.basicConfig(level=spec.get("log_level", logging.INFO),
                         format=f"%(asctime)s gpud-session[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in `gpud up` is the worker's to handle
+    _let_go_of_the_worker()
     try:
         raw = fd.detach()
         buf = mmap.mmap(raw, staging)

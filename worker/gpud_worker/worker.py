@@ -320,8 +320,8 @@ class Worker:
         link.retry_at = now + link.backoff * (0.5 + random.random() / 2)
 
     def _shutdown(self) -> None:
-        for s in list(self.sessions.values()):
-            self._close_session(s)
+        for s in list(self.sessions.values()):  # a session process ends at once: its memory with it
+            self._close_session(s, kill="the worker is stopping")
         for link in self.links:
             if link.sock is not None:
                 self._send(link, Command.DISCONNECT, {"reason": "worker stopping"})

@@ -8,9 +8,10 @@ with pycuda, in one run, on the same GPU.
 - memcpy bandwidth: ``--mib`` MiB host -> device and device -> host from pageable numpy memory,
   through gpud (``memcpy_htod`` / ``memcpy_dtoh``, chunked by the client) and with pycuda
   (``memcpy_htod`` / ``memcpy_dtoh``).
-- both through gpud twice: with the session in a process of its own (the worker's default on a
-  real GPU, ``gpud``) and in the worker's process (``--session-processes off``,
-  ``gpud_in_worker``), to show what the session process costs.
+- both through gpud two ways, with the session in a process of its own (the worker's default on
+  a real GPU, ``gpud``) and in the worker's process (``--session-processes off``,
+  ``gpud_in_worker``), to show what the session process costs: each way twice, in the order
+  A B B A, each figure the mean of its two runs.
 
 Medians (and p90 for round trips) over ``--launches`` launches and ``--repeat`` copies after a
 warm-up. The last line of output is one JSON object (with the test counts of ``--junit`` when
@@ -166,16 +167,22 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ET.ParseError) as exc:
             result["tests"] = {"error": f"no test results: {exc}"}
             ok = False
+    # The two remote ways in the order A B B A, each figure the mean of its two runs: neither gets
+    # the first run's (or the machine's drifting) advantage.
     sides: list[tuple[str, Callable[[int, int, int], dict[str, Any]]]] = [
         ("local", local_pycuda), ("gpud", remote_gpud),
-        ("gpud_in_worker", lambda n, b, r: remote_gpud(n, b, r, "off"))]
+        ("gpud_in_worker", lambda n, b, r: remote_gpud(n, b, r, "off")),
+        ("gpud_in_worker", lambda n, b, r: remote_gpud(n, b, r, "off")), ("gpud", remote_gpud)]
+    runs: dict[str, list[dict[str, Any]]] = {}
     for side, fn in sides:
         try:
-            result[side] = fn(args.launches, nbytes, args.repeat)
+            runs.setdefault(side, []).append(fn(args.launches, nbytes, args.repeat))
         except Exception as exc:
             traceback.print_exc()
             result[side] = {"error": f"{type(exc).__name__}: {exc}"}
             ok = False
+    for side, got in runs.items():
+        result.setdefault(side, _mean(got))
     loc, rem, inw = result.get("local", {}), result.get("gpud", {}), result.get("gpud_in_worker", {})
     print(f"GPU: {loc.get('gpu', '?')} (driver {loc.get('driver', '?')}, CUDA {loc.get('cuda', '?')})")
     print(f"{'':28} {'gpud (remote)':>16} {'pycuda (local)':>16} {'gpud, in worker':>16}")
@@ -195,6 +202,22 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(line + "\n")
     print(line)
     return 0 if ok else 1
+
+
+def _mean(runs: list[dict[str, Any]], top: bool = True) -> dict[str, Any]:
+    """The runs' figures averaged (numbers, and numbers in nested maps); other values from the
+    first run."""
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        if isinstance(value, dict):
+            out[key] = _mean([r[key] for r in runs], top=False)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = round(statistics.fmean(r[key] for r in runs), 2)
+        else:
+            out[key] = value
+    if top and len(runs) > 1:
+        out["runs"] = len(runs)
+    return out
 
 
 def _fmt(v: Any, unit: str) -> str:

@@ -466,3 +466,25 @@ def test_cuda_devices_match_by_pci_bus_id(tmp_path: Path, monkeypatch: pytest.Mo
     assert {u: d.ordinal for u, d in devices.items()} == {"GPU-a": 1, "GPU-b": 0}
     assert "GPU-c" in why and "0000:01:00.0" in why
     assert nvml.inits == 0
+
+
+def test_an_inline_session_runs_in_the_calling_thread(tmp_path: Path, compiler: fake.FakeCompiler) -> None:
+    """inline=True (a session process, whose one thread makes every call): the context is made,
+    used and destroyed by the calling thread itself, and left current nowhere between calls."""
+    fake.reset()
+    fake.Device.total = 1 << 20
+    dev = C.CudaDevice(GPU, 0, driver=fake, compiler=compiler, cache=ModuleCache(tmp_path / "cache"), inline=True)  # type: ignore[arg-type]
+    before = threading.active_count()
+    s = dev.open_session(1 << 16)
+    assert threading.active_count() == before  # no thread of its own
+    ctx = fake.CONTEXTS[-1]
+    assert ctx.thread == threading.get_ident()
+    h = put(s, np.arange(8, dtype=F32))
+    s.launch(BUILTIN_MODULE, "saxpy", G1, B256, [("f32", 1.0), ("ptr", h), ("ptr", h), ("i32", 8)])
+    assert list(get(s, h, 3)) == [0, 2, 4]
+    assert not fake._stack()
+    with pytest.raises(InvalidRequest):
+        s.free(h + 1)
+    s.close()
+    assert not ctx.valid
+    fake.reset()

@@ -350,6 +350,10 @@ class CudaDevice(_BaseDevice):
         The on-disk module cache (``ModuleCache(default_cache_dir())`` by default).
     builtin:
         The built-in kernels' cubin, compiled already (by default compiled on first use).
+    inline:
+        Run each session's calls in the thread that makes them, which must then be one thread for
+        the session's whole life (a session process: ``gpud_worker.session_host``), instead of a
+        thread of the session's own: one thread hand-off less per call.
     """
 
     simulated = False
@@ -365,6 +369,7 @@ class CudaDevice(_BaseDevice):
         clock: Clock | None = None,
         busy_window: float = BUSY_WINDOW_S,
         builtin: bytes | None = None,
+        inline: bool = False,
     ) -> None:
         if gpu.simulated:
             raise ValueError("CudaDevice serves real GPUs; SimulatedDevice serves simulated ones")
@@ -379,6 +384,7 @@ class CudaDevice(_BaseDevice):
         self._images: dict[str, bytes] = {}  # cache key -> cubin, the most recent ones
         self._error_names: dict[str, str] | None = None
         self._builtin = builtin
+        self.inline = inline
 
     def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None, tenant: str = "default") -> CudaSession:
         _check_grant(mem_grant)
@@ -459,6 +465,21 @@ class _SessionThread:
             self._thread.join()
 
 
+class _Inline:
+    """``_SessionThread``'s interface, running each call at once in the calling thread."""
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
 @dataclass(slots=True)
 class _Module:
     module: Any  # pycuda Module
@@ -492,7 +513,8 @@ class CudaSession(_BaseSession[tuple[Any, int]]):
         self._modules = {}
         self._lost: str | None = None  # why the context is gone (a sticky error)
         self._ctx: Any = None
-        self._thread = _SessionThread(f"cuda{device.gpu.index}-session")
+        self._thread: _SessionThread | _Inline = (
+            _Inline() if device.inline else _SessionThread(f"cuda{device.gpu.index}-session"))
         # The context is made in the session's thread, without waiting here (it takes a fraction of
         # a second, and sessions are opened from the worker's main loop): the first call waits for
         # it, as calls run in order in that thread. If it cannot be made, calls get SESSION_LOST.

@@ -471,7 +471,7 @@ def _open(spec: dict[str, Any]) -> Any:
     os.environ["CUDA_VISIBLE_DEVICES"] = gpu.uuid
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     os.environ.update(spec["mps"] or {})
-    device = CudaDevice(gpu, 0, builtin=spec["builtin"])
+    device = CudaDevice(gpu, 0, builtin=spec["builtin"], inline=True)  # this thread makes every call
     session = device.open_session(grant, spec["mps"] or None)
     session.sync()  # waits for its context: an error now is the open's, not the first call's
     return session

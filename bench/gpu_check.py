@@ -206,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _mean(runs: list[dict[str, Any]], top: bool = True) -> dict[str, Any]:
     """The runs' figures averaged (numbers, and numbers in nested maps); other values from the
-    first run."""
+    first run. One run is returned as it is."""
+    if len(runs) == 1:
+        return runs[0]
     out: dict[str, Any] = {}
     for key, value in runs[0].items():
         if isinstance(value, dict):

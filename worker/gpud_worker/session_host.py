@@ -122,7 +122,7 @@ class SessionHosts:
             os.ftruncate(fd, self.staging)
             buf = mmap.mmap(fd, self.staging)
             ours, theirs = self._ctx.Pipe(duplex=True)
-            ids = None if user is None else (user.pw_uid, user.pw_gid, user.pw_name)
+            ids = None if user is None else (user.pw_uid, user.pw_gid)
             proc = self._ctx.Process(target=_serve, args=(theirs, _Fd(fd), self.staging, spec, ids),
                                      name=f"gpud-session-{spec['gpu']['index']}", daemon=True)
             try:
@@ -163,7 +163,6 @@ class HostedDevice:
         self.gpu: GpuInfo = inner.gpu
         self.simulated: bool = inner.simulated
         self.clock = inner.clock
-        self.ordinal: int = getattr(inner, "ordinal", 0)
         self._lock = threading.Lock()
         self._hosted = 0  # bytes the hosted sessions hold
 
@@ -204,7 +203,6 @@ class HostedSession:
         spec: dict[str, Any] = {
             "backend": "simulated" if device.simulated else "cuda",
             "gpu": gpu_info_to_wire(device.gpu),
-            "ordinal": device.ordinal,
             "grant": mem_grant,
             "mps": mps,
             "builtin": None if device.simulated else _builtin_image(inner),
@@ -436,7 +434,7 @@ def _let_go_of_the_worker() -> None:
             setattr(owner, attr, None)
 
 
-def _become(ids: tuple[int, int, str] | None) -> None:
+def _become(ids: tuple[int, int] | None) -> None:
     """In the session's process, before anything of the user's: become the pool user ``ids``
     (none: stay), die with the forkserver, never gain privileges, dump no core."""
     import ctypes
@@ -444,7 +442,7 @@ def _become(ids: tuple[int, int, str] | None) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     parent = os.getppid()
     if ids is not None:
-        uid, gid, _ = ids
+        uid, gid = ids
         os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
@@ -477,7 +475,7 @@ def _open(spec: dict[str, Any]) -> Any:
     return session
 
 
-def _serve(conn: Any, fd: _Fd, staging: int, spec: dict[str, Any], ids: tuple[int, int, str] | None) -> None:
+def _serve(conn: Any, fd: _Fd, staging: int, spec: dict[str, Any], ids: tuple[int, int] | None) -> None:
     """The body of a session process (forked from the forkserver; see the module's doc)."""
     logging.basicConfig(level=spec.get("log_level", logging.INFO),
                         format=f"%(asctime)s gpud-session[{os.getpid()}] %(levelname)s %(name)s: %(message)s")

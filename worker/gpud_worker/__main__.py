@@ -189,12 +189,10 @@ def run(args: argparse.Namespace) -> int:
     limits = JobLimits(memory=w.job_memory or None)
     runner = JobRunner(Path(w.workdir) if w.workdir else default_workroot(), pool, limits=limits, cgroups=cgroups, mps=mps)
     if w.session_processes == "on" or (w.session_processes == "auto" and not w.simulate and devices):
-        from gpud_worker.session_host import SessionHosts, hosted
+        from gpud_worker.session_host import HostedDevice, SessionHosts
 
         hosts = SessionHosts(runner.lease_user, runner.end_lease, cuda=not w.simulate, staging=w.session_staging)
-        devices = dict(hosted(devices, hosts))
-        if w.simulate:  # the simulated GPUs' state counts what their hosted sessions hold
-            probe = SimulatedProbe(list(devices.values()), probation_s=w.probation_s, fault_file=w.fault_file or None)  # type: ignore[arg-type]
+        devices = {uuid: HostedDevice(d, hosts) for uuid, d in devices.items()}  # type: ignore[arg-type]
         log.info("sessions run in processes of their own%s", ", as pool users" if root else "")
     config = WorkerConfig(
         name=name,

@@ -428,10 +428,6 @@ class CudaDevice(_BaseDevice):
             self._builtin = self.compile(CUDA_SOURCE, ())
         return self._builtin
 
-    def _reserve(self, nbytes: int) -> None:
-        with self._lock:
-            self._mem_used += nbytes
-
 
 class _SessionThread:
     """The one thread of a session that makes, uses and destroys its CUDA context. A daemon: a
@@ -606,7 +602,7 @@ class CudaSession(_BaseSession[tuple[Any, int]]):
 
     def _allocate(self, nbytes: int) -> tuple[int, tuple[Any, int]]:
         mem = self._op("alloc", lambda: self._drv.mem_alloc(nbytes))
-        self._device._reserve(nbytes)
+        self._device._count(nbytes)
         self._next_handle += 1
         return self._next_handle, (mem, nbytes)
 

@@ -205,7 +205,8 @@ class BusyTracker:
 
 class _BaseDevice:
     """What ``SimulatedDevice`` and ``gpud_worker.cuda.CudaDevice`` share: the bytes their
-    sessions hold (``_reserve`` is each device's own) and the busy time behind ``busy_fraction``."""
+    sessions hold (``_count``; the simulated GPU's ``_reserve`` also checks its capacity) and the
+    busy time behind ``busy_fraction``."""
 
     gpu: GpuInfo
     simulated: bool
@@ -224,9 +225,13 @@ class _BaseDevice:
     def busy_fraction(self, now: float) -> float:
         return self._busy.fraction(now)
 
-    def _release(self, nbytes: int) -> None:
+    def _count(self, delta: int) -> None:
+        """Count ``delta`` more bytes (less, when negative) held by sessions."""
         with self._lock:
-            self._mem_used -= nbytes
+            self._mem_used += delta
+
+    def _release(self, nbytes: int) -> None:
+        self._count(-nbytes)
 
     @contextmanager
     def _working(self) -> Iterator[None]:
@@ -320,6 +325,11 @@ class _BaseSession(abc.ABC, Generic[A]):
             nbytes = self._free(handle, self._alloc_of(handle))
             self._used -= nbytes
             self._device._release(nbytes)
+
+    @property
+    def used(self) -> int:
+        """Bytes the session holds now, against its grant."""
+        return self._used
 
     def info(self) -> dict[str, Any]:
         with self._lock:

@@ -59,6 +59,7 @@ from gpud.protocol import gpu_info_to_wire, parse_gpu_info
 from gpud.resources import GpuInfo
 from gpud_worker.device import Dims, _BaseDevice, _byte_view, _check_grant, _out_view
 from gpud_worker.kernels import Arg
+from gpud_worker.modules import check_cuda_source, check_load_args, decode_text
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +164,6 @@ class HostedDevice:
         self.gpu: GpuInfo = inner.gpu
         self.simulated: bool = inner.simulated
         self.clock = inner.clock
-        self._lock = threading.Lock()
-        self._hosted = 0  # bytes the hosted sessions hold
 
     def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None, tenant: str = "default") -> HostedSession:
         """Start a session process (this waits until its context is made) and return its session.
@@ -173,16 +172,12 @@ class HostedDevice:
         return HostedSession(self, mem_grant, dict(mps or {}), tenant)
 
     def mem_used(self) -> int:
-        with self._lock:
-            hosted = self._hosted
-        return self.inner.mem_used() + hosted
+        """Bytes the sessions hold, counted by the wrapped device (the simulated GPU's state,
+        which its heartbeats report, sees them)."""
+        return self.inner.mem_used()
 
     def busy_fraction(self, now: float) -> float:
         return self.inner.busy_fraction(now)
-
-    def _account(self, delta: int) -> None:
-        with self._lock:
-            self._hosted += delta
 
 
 class HostedSession:
@@ -246,12 +241,9 @@ class HostedSession:
         with self._lock:
             if type(offset) is not int:
                 raise InvalidRequest("offset must be an int")
-            if not len(view):  # still checks the handle and the offset
-                self._call({"op": "htod", "handle": handle, "offset": offset, "n": 0})
-                return
             step = len(self._buf)
             with self._device.inner._working():
-                for pos in range(0, len(view), step):
+                for pos in range(0, len(view) or 1, step):  # an empty copy still checks its range
                     piece = view[pos : pos + step]
                     self._buf[: len(piece)] = piece
                     self._call({"op": "htod", "handle": handle, "offset": offset + pos, "n": len(piece)})
@@ -290,8 +282,6 @@ class HostedSession:
         if kind == "cuda" and not self._device.simulated:
             # Compiled here, by the worker's device (its module cache; nvcc as an unprivileged
             # user): a session's process compiles nothing. The same checks as the session's first.
-            from gpud_worker.modules import check_cuda_source, check_load_args, decode_text
-
             _, _, opts = check_load_args(kind, name, list(options))
             text = decode_text(raw, kind)
             check_cuda_source(text)
@@ -386,7 +376,7 @@ class HostedSession:
         raise SessionLost(f"the session is lost: {why}")
 
     def _track(self, used: int) -> None:
-        self._device._account(int(used) - self._used)
+        self._device.inner._count(int(used) - self._used)
         self._used = int(used)
 
     def _stop(self, kill: bool) -> None:
@@ -515,10 +505,10 @@ def _answer(session: Any, view: memoryview, r: dict[str, Any]) -> dict[str, Any]
     op = r.get("op")
     try:
         if op == "alloc":
-            return {"ok": True, "handle": session.alloc(r["nbytes"]), "used": session._used}
+            return {"ok": True, "handle": session.alloc(r["nbytes"]), "used": session.used}
         if op == "free":
             session.free(r["handle"])
-            return {"ok": True, "used": session._used}
+            return {"ok": True, "used": session.used}
         if op == "htod":
             session.htod(r["handle"], r["offset"], view[: r["n"]])
             return {"ok": True}
@@ -551,10 +541,3 @@ def _answer(session: Any, view: memoryview, r: dict[str, Any]) -> dict[str, Any]
     except Exception as exc:
         log.exception("session op %s failed", op)
         return {"ok": False, "code": "INTERNAL", "message": f"session op {op!r} failed: {type(exc).__name__}"}
-
-
-def hosted(devices: Mapping[str, Any], hosts: SessionHosts) -> dict[str, HostedDevice]:
-    """Each device of ``devices`` wrapped so that its sessions run in processes of their own."""
-    return {uuid: HostedDevice(d, hosts) for uuid, d in devices.items()}
-
-

@@ -623,12 +623,12 @@ class Worker:
         try:
             s.dev = device.open_session(mem, mps=env, tenant=s.tenant)
         except GpudError as exc:
-            self._drop_session(s)
+            self._close_session(s)
             self._error(idx, rid, exc)
             return False
         except Exception as exc:
             log.exception("session %s could not be opened", P.id_text(rid))
-            self._drop_session(s)
+            self._close_session(s)
             self._error(idx, rid, InternalError(f"the worker failed to open the session: {exc.__class__.__name__}"))
             return False
         if s.closed:  # reclaimed or its GPU failed while it opened
@@ -638,11 +638,6 @@ class Worker:
         log.info("session %s opened on GPU %s (%d bytes granted)", P.id_text(rid), s.gpu.uuid, mem)
         self._result(idx, rid, {"ok": True, "session": rid, "gpu": P.gpu_info_to_wire(s.gpu)})
         return True
-
-    def _drop_session(self, s: SessionRunner) -> None:
-        s.closed = True
-        if self.sessions.get(s.id) is s:
-            self.sessions.pop(s.id, None)
 
     def _on_call(self, idx: int, rid: bytes, h: dict[str, Any], frames: list[Any]) -> None:
         sid = h.get("session")

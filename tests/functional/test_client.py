@@ -41,6 +41,7 @@ from gpud.errors import (
 from gpud.protocol import Command, Peer, decode, encode
 from gpud_client import BUILTIN, Client, DevicePtr, JobResult, ctl
 from gpud_client._request import encode_launch_arg
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = 0.15  # ping interval for liveness tests, seconds
@@ -88,16 +89,6 @@ STATUS: dict[str, Any] = {
         for i in range(2)
     ],
 }
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """Poll a condition that another thread makes true (events where there are some)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 class FakeBroker:

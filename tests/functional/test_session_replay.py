@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,19 +29,10 @@ from gpud.cluster import LocalCluster
 from gpud.errors import GpudError, InvalidRequest, NotActive, SessionLost, Timeout
 from gpud.protocol import Command, Peer, decode, encode
 from gpud_client import BUILTIN, Client
+from tests.waiting import wait_for
 
 F32 = np.float32
 SETTLE = 0.05  # seconds; short, so that tests that alternate do so often
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    """Poll a condition that another thread or process makes true."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 # --------------------------------------------------------------------------- a scripted broker

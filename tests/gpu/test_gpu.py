@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import pytest
 
 from gpud.errors import InvalidRequest, OutOfMemory, RemoteError, SessionLost, Timeout
 from gpud_client import BUILTIN, Client
+from tests.waiting import wait_for
 
 F32 = np.float32
 MiB = 1 << 20
@@ -36,15 +36,6 @@ def nvml_used(index: int) -> int:
         return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
     finally:
         pynvml.nvmlShutdown()
-
-
-def wait_for(cond: Any, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def nvcc(args: list[str], source: str) -> bytes:

@@ -408,10 +408,12 @@ def test_deadline_when_broker_stays_silent(brokers: Callable[..., FakeBroker]) -
         assert 0.55 < time.monotonic() - start < 2.0
         with pytest.raises(Timeout):  # the sync call abandons and cancels; same deadline
             client.echo(b"again", timeout=0.3)
+        # Seen before the client closes: closing drops what zmq has not sent yet, and on a busy
+        # machine the CANCEL may still be queued right after the call returns.
+        assert wait_for(lambda: any(c is Command.CANCEL for c, _, _ in silent.seen))
     # It was PINGed, given up and reconnected to (one endpoint), with the same id re-sent.
     assert wait_for(lambda: silent.requests().count(pending.id) >= 2)
     assert any(c is Command.PING for c, _, _ in silent.seen)
-    assert any(c is Command.CANCEL for c, _, _ in silent.seen)
 
 
 def test_failover_resends_the_same_id_to_the_next_endpoint(

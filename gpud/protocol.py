@@ -33,6 +33,12 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_FRAMES = 4096
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
+# BATCH (PROTOCOL.md §2.1): at most this many messages in one; what ``batched`` combines.
+BATCH_MAX_MESSAGES = 1024
+BATCH_ITEM_PAYLOAD = 64 * 1024  # a message with more payload than this goes alone
+BATCH_PAYLOAD = 1 << 20  # payload bytes in one BATCH at most
+_BATCH_ITEM_OVERHEAD = 16  # msgpack bytes around one entry's header: array, command, bin and int prefixes
+
 
 class Peer(bytes, enum.Enum):
     """Signature frame of each peer kind: ``GPUD`` + kind letter + version digit."""
@@ -64,6 +70,7 @@ class Command(enum.IntEnum):
     SYNC = 0x31
     SNAPSHOT = 0x32
     UPDATES = 0x33
+    BATCH = 0x40
     ERROR = 0x7F
 
 
@@ -71,7 +78,7 @@ class Command(enum.IntEnum):
 SENDABLE: dict[Peer, frozenset[Command]] = {
     Peer.CLIENT: frozenset({Command.REQUEST, Command.CANCEL, Command.CALL, Command.PING}),
     Peer.WORKER: frozenset(
-        {Command.READY, Command.HEARTBEAT, Command.RESULT, Command.DISCONNECT}
+        {Command.READY, Command.HEARTBEAT, Command.RESULT, Command.DISCONNECT, Command.BATCH}
     ),
     Peer.ADMIN: frozenset({Command.ADMIN}),
     Peer.BROKER: frozenset({Command.STATE, Command.SYNC, Command.SNAPSHOT, Command.UPDATES}),
@@ -79,7 +86,9 @@ SENDABLE: dict[Peer, frozenset[Command]] = {
 
 _PEER_BY_SIG: dict[bytes, Peer] = {p.value: p for p in Peer}
 _CMD_BY_BYTE: dict[bytes, Command] = {bytes([c]): c for c in Command}
+_CMD_BY_INT: dict[int, Command] = {int(c): c for c in Command}
 CMD_BYTES: dict[Command, bytes] = {c: bytes([c]) for c in Command}
+_BATCH = CMD_BYTES[Command.BATCH]
 
 ID_BYTES = 16
 KINDS = ("echo", "job", "session")
@@ -154,6 +163,10 @@ def decode(
         total += sum([f.nbytes if type(f) is memoryview else _nbytes(f) for f in frames[3:]])
     if total > max_bytes:
         raise TooLarge(f"message is {total} bytes; the limit is {max_bytes}")
+    return Message(peer, command, _header(raw), list(frames[3:]))
+
+
+def _header(raw: bytes) -> dict[str, Any]:
     try:
         header = unpackb(raw)
     except Exception as exc:  # msgpack raises many types on garbage
@@ -163,7 +176,94 @@ def decode(
     for key in header:
         if type(key) is not str:
             raise ProtocolError("header keys must be strings")
-    return Message(peer, command, header, list(frames[3:]))
+    return header
+
+
+# --------------------------------------------------------------------------- batches (§2.1)
+
+
+def batch(messages: Sequence[Sequence[Any]]) -> list[Any]:
+    """One BATCH carrying ``messages`` (each the frames of one message of the same dialog,
+    ``[signature, command, header, *payload]``, in the order they would have been sent). The caller
+    keeps to the limits; ``batched`` does."""
+    items = []
+    payload: list[Any] = []
+    for m in messages:
+        items.append((m[1][0], m[2], len(m) - 3))
+        if len(m) > 3:
+            payload += m[3:]
+    return [messages[0][0], _BATCH, _packb({"msgs": items}), *payload]
+
+
+def batched(messages: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
+    """What to send for ``messages`` (frames of messages to one peer, in order): runs of small
+    messages as BATCHes, anything larger alone, the order kept."""
+    if len(messages) == 1:
+        return list(messages)
+    out: list[Sequence[Any]] = []
+    run: list[Sequence[Any]] = []
+    head = frames = size = 0
+    for m in messages:
+        n = len(m) - 3
+        mine = sum([_nbytes(f) for f in m[3:]]) if n else 0
+        if mine > BATCH_ITEM_PAYLOAD:
+            if run:
+                out.append(run[0] if len(run) == 1 else batch(run))
+                run = []
+            out.append(m)
+            continue
+        h = len(m[2]) + _BATCH_ITEM_OVERHEAD
+        if run and (len(run) == BATCH_MAX_MESSAGES or head + h > MAX_HEADER_BYTES - 64
+                    or frames + n > MAX_PAYLOAD_FRAMES or size + mine > BATCH_PAYLOAD):
+            out.append(run[0] if len(run) == 1 else batch(run))
+            run = []
+        if not run:
+            head = frames = size = 0
+        run.append(m)
+        head += h
+        frames += n
+        size += mine
+    if run:
+        out.append(run[0] if len(run) == 1 else batch(run))
+    return out
+
+
+def unbatch(msg: Message) -> list[tuple[Message, bytes]]:
+    """The messages a BATCH carries, in order, each with its raw header (as frame 2 of the message
+    alone). The whole BATCH is checked first: ProtocolError (or a subclass) if any part of it is
+    malformed, and then none of it is to be handled."""
+    items = msg.header.get("msgs")
+    if type(items) is not list or not 1 <= len(items) <= BATCH_MAX_MESSAGES:
+        raise ProtocolError(f"BATCH needs 'msgs': a list of 1..{BATCH_MAX_MESSAGES} messages")
+    frames = msg.frames
+    total = len(frames)
+    at = 0
+    out = []
+    for item in items:
+        if type(item) is not list or len(item) != 3:
+            raise ProtocolError("a BATCH entry must be [command, header, frames]")
+        code, raw, count = item
+        command = _CMD_BY_INT.get(code) if type(code) is int else None
+        if command is None:
+            raise UnknownCommand(f"unknown command {code!r} in a BATCH")
+        if command is Command.BATCH:
+            raise ProtocolError("a BATCH may not carry a BATCH")
+        if type(raw) is not bytes:
+            raise ProtocolError("a BATCH entry's header must be bin")
+        if len(raw) > MAX_HEADER_BYTES:
+            raise TooLarge(f"header is {len(raw)} bytes; the limit is {MAX_HEADER_BYTES}")
+        if type(count) is not int or count < 0 or at + count > total:
+            raise ProtocolError("a BATCH's frame counts do not match its payload frames")
+        out.append((Message(msg.peer, command, _header(raw), frames[at:at + count]), raw))
+        at += count
+    if at != total:
+        raise ProtocolError("a BATCH's frame counts do not match its payload frames")
+    return out
+
+
+def messages(msg: Message) -> list[Message]:
+    """The messages a received message stands for: itself, or what a BATCH carries."""
+    return [m for m, _ in unbatch(msg)] if msg.command is Command.BATCH else [msg]
 
 
 def _as_bytes(frame: Any) -> bytes:

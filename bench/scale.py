@@ -113,39 +113,43 @@ def fake_workers(backend: str, first: int, count: int, gpus: int, hb_ms: int) ->
 
     def serve(i: int) -> None:
         """Handle everything waiting on worker ``i``'s socket."""
-        nonlocal n_welcomed
         sock = socks[i]
         while True:
             try:
                 frames = recv_frames(sock, NOBLOCK)
             except zmq.Again:
                 return
-            msg = decode(frames, Peer.WORKER)
-            cmd = msg.command
-            if cmd is Command.DISPATCH:
-                h = msg.header
-                grant = h.get("grant") or {}
-                if h.get("kind") == "echo":
-                    out = {"id": h["id"], "ok": True, "worker": names[i], "gpus": grant.get("gpus", [])}
-                    send_frames(sock, encode(Peer.WORKER, Command.RESULT, out, msg.frames))
-                else:
-                    out = {"id": h["id"], "ok": False, "code": "INVALID_REQUEST",
-                           "message": "the scale benchmark's workers run echo only"}
-                    send_frames(sock, encode(Peer.WORKER, Command.RESULT, out))
-                counters["results"] += 1
-            elif cmd is Command.HEARTBEAT:
-                pass
-            elif cmd is Command.WELCOME:
-                if not welcomed[i]:
-                    welcomed[i] = True
-                    n_welcomed += 1
-                    # Spread the heartbeats evenly over the interval, as independent hosts are.
-                    heapq.heappush(beats, (monotonic() + interval * (i + 0.5) / count, i))
-            elif cmd is Command.DISCONNECT:
-                counters["disconnects"] += 1
-                ready(i)  # "unknown worker": register again
+            for msg in P.messages(decode(frames, Peer.WORKER)):  # a BATCH: each of its messages
+                handle(i, sock, msg)
+
+    def handle(i: int, sock: zmq.Socket[bytes], msg: P.Message) -> None:
+        """One message from the broker to worker ``i``."""
+        nonlocal n_welcomed
+        cmd = msg.command
+        if cmd is Command.DISPATCH:
+            h = msg.header
+            grant = h.get("grant") or {}
+            if h.get("kind") == "echo":
+                out = {"id": h["id"], "ok": True, "worker": names[i], "gpus": grant.get("gpus", [])}
+                send_frames(sock, encode(Peer.WORKER, Command.RESULT, out, msg.frames))
             else:
-                counters["errors"] += 1
+                out = {"id": h["id"], "ok": False, "code": "INVALID_REQUEST",
+                       "message": "the scale benchmark's workers run echo only"}
+                send_frames(sock, encode(Peer.WORKER, Command.RESULT, out))
+            counters["results"] += 1
+        elif cmd is Command.HEARTBEAT:
+            pass
+        elif cmd is Command.WELCOME:
+            if not welcomed[i]:
+                welcomed[i] = True
+                n_welcomed += 1
+                # Spread the heartbeats evenly over the interval, as independent hosts are.
+                heapq.heappush(beats, (monotonic() + interval * (i + 0.5) / count, i))
+        elif cmd is Command.DISCONNECT:
+            counters["disconnects"] += 1
+            ready(i)  # "unknown worker": register again
+        else:
+            counters["errors"] += 1
 
     for i in range(count):
         ready(i)

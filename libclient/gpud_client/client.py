@@ -49,6 +49,7 @@ from gpud.protocol import (
     new_id,
     parse_dims,
     parse_need,
+    unbatch,
 )
 from gpud.security import CurveKeys, apply_client_keys
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
@@ -832,9 +833,19 @@ class Client:
         self._ping_at = None
         try:
             msg = decode(frames, expect=Peer.CLIENT)
+            # Several messages in one (PROTOCOL.md §2.1), all checked before any is taken.
+            batch = unbatch(msg) if msg.command is Command.BATCH else None
         except GpudError as exc:
             self._drop(f"malformed message ({exc.code}: {exc.message})")
             return
+        if batch is None:
+            self._take(msg)
+        else:
+            for one, _ in batch:
+                self._take(one)
+
+    def _take(self, msg: Message) -> None:
+        """One message from the broker, alone or out of a BATCH."""
         command = msg.command
         if command is Command.PONG:
             return

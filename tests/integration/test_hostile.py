@@ -192,6 +192,9 @@ FRONTEND_ERRORS: list[tuple[str, list[bytes], str, bytes | None]] = [
     ("REQUEST with a nil id", client_msg(Command.REQUEST, echo_header(None, id=None)), "PROTOCOL", None),
     ("CANCEL with a list id", client_msg(Command.CANCEL, header(id=[1, 2])), "PROTOCOL", None),
     ("CALL without id", client_msg(Command.CALL, header(session=RID, op="info")), "PROTOCOL", None),
+    # Only the broker and workers send BATCH (PROTOCOL.md §2.1), however well-formed.
+    ("client sends BATCH", P.batch([client_msg(Command.REQUEST, echo_header(RID), b"x"),
+                                    client_msg(Command.PING, header())]), "UNKNOWN_COMMAND", None),
 ]
 
 
@@ -299,6 +302,10 @@ def _random_message(rng: random.Random, sig: bytes) -> list[bytes]:
     return frames
 
 
+def _count(reply: list[bytes], peer: Peer) -> int:
+    return len(P.messages(P.decode(reply, expect=peer)))
+
+
 @pytest.mark.parametrize("side", ["frontend", "backend"])
 def test_random_frames(cluster: LocalCluster, ctx: zmq.Context[Any], side: str) -> None:
     peer = Peer.CLIENT if side == "frontend" else Peer.WORKER
@@ -310,13 +317,14 @@ def test_random_frames(cluster: LocalCluster, ctx: zmq.Context[Any], side: str) 
         for frames in messages:
             sock.send_multipart(frames)
         deadline = time.monotonic() + 10.0
-        while len(got) < len(messages) and time.monotonic() < deadline:
+        while sum(_count(reply, peer) for reply in got) < len(messages) and time.monotonic() < deadline:
             if sock.poll(200):
                 got.append(sock.recv_multipart())
         assert not sock.poll(100)
-    assert len(got) == len(messages), f"{len(got)} answers to {len(messages)} messages"
-    for reply in got:
-        msg = P.decode(reply, expect=peer)
+    # Answers to a burst may come as BATCHes (PROTOCOL.md §2.1): what counts is the messages in them.
+    answers = [one for reply in got for one in P.messages(P.decode(reply, expect=peer))]
+    assert len(answers) == len(messages), f"{len(answers)} answers to {len(messages)} messages"
+    for msg in answers:
         assert msg.command in allowed, (msg.command, msg.header)
         if msg.command is Command.ERROR and side == "frontend":  # backend: some are "bad READY"
             sent_bad[0] += 1
@@ -411,6 +419,13 @@ def test_admin_socket_malformed_gets_error(cluster: LocalCluster, ctx: zmq.Conte
                      "TOO_LARGE", id="oversized header"),
         pytest.param(worker_msg(Command.RESULT, header(id=RID, ok=True), *([b""] * (P.MAX_PAYLOAD_FRAMES + 1))),
                      "TOO_LARGE", id="too many frames"),
+        pytest.param(worker_msg(Command.BATCH, header(msgs=[[int(Command.HEARTBEAT), header(seq=1), 0],
+                                                             [int(Command.RESULT), b"\xc1", 0]])),
+                     "PROTOCOL", id="batch with a garbage inner header"),
+        pytest.param(worker_msg(Command.BATCH, header(msgs=[[int(Command.BATCH), header(msgs=[]), 0]])),
+                     "PROTOCOL", id="batch in a batch"),
+        pytest.param(worker_msg(Command.BATCH, header(msgs=[[int(Command.RESULT), header(id=RID, ok=True), 2]]), b"x"),
+                     "PROTOCOL", id="batch frame counts off"),
     ],
 )
 def test_backend_malformed_gets_error(
@@ -453,10 +468,23 @@ def test_registered_worker_that_lies(cluster: LocalCluster, ctx: zmq.Context[Any
             reply = exchange(sock, worker_msg(cmd, hdr))
             sent_bad[0] += 1
             expect_error(reply, Peer.WORKER, "UNKNOWN_COMMAND")
+        # A BATCH with one malformed part is refused whole: its DISCONNECT is not acted on.
+        bye = worker_msg(Command.DISCONNECT, header(reason="done lying"))
+        reply = exchange(sock, P.batch([bye, worker_msg(Command.HEARTBEAT, b"\xc1")]))
+        sent_bad[0] += 1
+        expect_error(reply, Peer.WORKER, "PROTOCOL")
+        # A well-formed BATCH: each inner message is judged as if it came alone, one ERROR each.
+        sock.send_multipart(P.batch([worker_msg(Command.RESULT, header(id=b"short", ok=True)),
+                                     worker_msg(Command.HEARTBEAT, header(seq=3)),
+                                     worker_msg(Command.REQUEST, echo_header(RID))]))
+        codes = [P.decode(recv(sock), expect=Peer.WORKER).header.get("code") for _ in range(2)]
+        sent_bad[0] += 2
+        assert codes == ["PROTOCOL", "UNKNOWN_COMMAND"]
         # The garbage GPU state must not have made the status unreadable.
         st = cluster.status()
         assert {w["name"] for w in st["workers"]} == {"w0", "hostile"}
-        sock.send_multipart(worker_msg(Command.DISCONNECT, header(reason="done lying")))
+        # Goodbye, inside a BATCH: acted on.
+        sock.send_multipart(P.batch([worker_msg(Command.HEARTBEAT, header(seq=4)), bye]))
         deadline = time.monotonic() + ANSWER_TIMEOUT_S
         while cluster.status()["counts"]["workers"] != 1:
             assert time.monotonic() < deadline, "the broker kept the worker that said goodbye"

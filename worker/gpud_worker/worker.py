@@ -89,6 +89,9 @@ class BrokerLink:
         self.epoch = 0  # the epoch it said that with
         self.backoff = 0.0
         self.retry_at = now
+        # Messages wait here until the loop's turn ends (``flush``): a burst of RESULTs to a burst
+        # of DISPATCHes then goes out as one BATCH (PROTOCOL.md §2.1), in the order queued.
+        self.out: list[list[Any]] = []
 
     def open(self, now: float) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self.ctx.socket(zmq.DEALER)
@@ -110,7 +113,21 @@ class BrokerLink:
         if self.monitor is not None:
             self.handshakes.drain(self.monitor)
 
+    def send(self, frames: list[Any]) -> None:
+        """Queue one message for this broker; the loop sends it at the end of its turn."""
+        if self.sock is not None:
+            self.out.append(frames)
+
+    def flush(self) -> None:
+        """Send what is queued, runs of small messages as one BATCH each."""
+        if self.sock is not None:
+            for frames in P.batched(self.out):
+                send_frames(self.sock, frames)
+        self.out.clear()
+
     def close(self) -> None:
+        if self.out:
+            self.flush()
         if self.sock is not None:
             if self.monitor is not None:
                 self.check_handshakes()
@@ -267,6 +284,9 @@ class Worker:
                     self._beat_all(now)
                 if not self.running or now >= drain_deadline:
                     return
+            for link in self.links:
+                if link.out:
+                    link.flush()
             # Poll only after a round that found nothing to do: while work keeps coming, reading
             # until empty costs fewer system calls than a poll per round.
             if not busy:
@@ -334,8 +354,7 @@ class Worker:
     # ---------------------------------------------------------------- socket side
 
     def _send(self, link: BrokerLink, cmd: Command, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> None:
-        if link.sock is not None:
-            send_frames(link.sock, P.encode(Peer.WORKER, cmd, header, frames))
+        link.send(P.encode(Peer.WORKER, cmd, header, frames))
 
     def _beat_all(self, now: float) -> None:
         for link in self.links:
@@ -377,14 +396,29 @@ class Worker:
             link.liveness.heard(now)
             try:
                 msg = P.decode(frames, Peer.WORKER)
-                self._on_broker(idx, link, msg, poller, now)
+                batch = P.unbatch(msg) if msg.command is Command.BATCH else None
             except GpudError as exc:
                 log.warning("bad message from broker %s: %s %s", link.endpoint, exc.code, exc.message)
-            except Exception:
-                log.exception("bug while handling a broker message")
+                continue
+            if batch is None:
+                self._handle(idx, link, msg, poller, now)
+            else:
+                for one, _ in batch:
+                    self._handle(idx, link, one, poller, now)
+                    if link.sock is not sock:  # it told us to reconnect: the rest was for the old link
+                        break
             if link.sock is not sock:
                 return n + 1
         return 256
+
+    def _handle(self, idx: int, link: BrokerLink, msg: P.Message, poller: zmq.Poller, now: float) -> None:
+        """One message from a broker, alone or out of a BATCH."""
+        try:
+            self._on_broker(idx, link, msg, poller, now)
+        except GpudError as exc:
+            log.warning("bad message from broker %s: %s %s", link.endpoint, exc.code, exc.message)
+        except Exception:
+            log.exception("bug while handling a broker message")
 
     def _on_broker(self, idx: int, link: BrokerLink, msg: P.Message, poller: zmq.Poller, now: float) -> None:
         cmd = msg.command
@@ -447,7 +481,7 @@ class Worker:
                  link.endpoint, link.epoch, len(self.unacked))
         if link.sock is not None:
             for frames, _ in list(self.unacked.values()):
-                send_frames(link.sock, frames)
+                link.send(frames)
             self._beat(link, now)
 
     def _deliver(self, idx: int, rid: bytes, frames: list[Any]) -> None:
@@ -460,9 +494,7 @@ class Worker:
         link = self.links[to]
         if link.acks or self.active_idx is None:  # no active broker known: keep it for the next one
             self.unacked[rid] = (frames, time.monotonic())
-        sock = link.sock
-        if sock is not None:
-            send_frames(sock, frames)
+        link.send(frames)
 
     def _drop_old_unacked(self, now: float) -> None:
         """Results no broker ACKed for UNACKED_TTL_S (e.g. a broker that does not ACK): dropped."""
@@ -507,8 +539,7 @@ class Worker:
                 self._broker_state(idx, link, {"active": True, "epoch": epoch, "acks": link.acks}, now)
         kept = self.unacked.get(rid)
         if kept is not None:  # answered already: the broker asks again after a failover
-            if link.sock is not None:
-                send_frames(link.sock, kept[0])
+            link.send(kept[0])
             return
         if rid in self.running or rid in self.calls:
             return  # running already: its RESULT goes out when it is done

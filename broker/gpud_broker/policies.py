@@ -125,7 +125,8 @@ def _place(
     key: Callable[[GpuRecord, Need], float],
 ) -> Placement | None:
     """Pick the best-scoring (lowest ``key``) placement; ties go to the first seen."""
-    best: Placement | None = None
+    best: WorkerRecord | None = None
+    best_gpus: list[GpuRecord] = []
     best_score = 0.0
     count = need.gpu_count
     for w in workers:
@@ -136,16 +137,17 @@ def _place(
         gpus = feasible_gpus(need, w)
         if len(gpus) < count:
             continue
-        if count == 1:
-            g = min(gpus, key=lambda r: key(r, need))
-            score = key(g, need)
-            chosen = [g]
-        else:
-            chosen = sorted(gpus, key=lambda r: key(r, need))[:count]
-            score = sum(key(g, need) for g in chosen) / count
+        if count == 1:  # the common case, on the broker's hot path: each GPU scored once
+            for g in gpus:
+                score = key(g, need)
+                if best is None or score < best_score:
+                    best, best_gpus, best_score = w, [g], score
+            continue
+        scored = sorted([(key(g, need), i) for i, g in enumerate(gpus)])[:count]
+        score = sum(s for s, _ in scored) / count
         if best is None or score < best_score:
-            best, best_score = Placement(w, chosen), score
-    return best
+            best, best_gpus, best_score = w, [gpus[i] for _, i in scored], score
+    return None if best is None else Placement(best, best_gpus)
 
 
 def balanced_score(g: GpuRecord, need: Need) -> float:

@@ -368,7 +368,8 @@ def parse_echo(msg: Message) -> bytes:
     header = check_reply(msg)
     _field(header, "worker", str, "")
     _str_list(header, "gpus")
-    return b"".join(as_bytes(f) for f in msg.frames)
+    frames = msg.frames
+    return as_bytes(frames[0]) if len(frames) == 1 else b"".join([as_bytes(f) for f in frames])
 
 
 def parse_job_result(msg: Message) -> JobResult:

@@ -439,11 +439,10 @@ class Client:
         limit = self.timeout if timeout is None else timeout
         need = rq.build_need(tenant=self.tenant)
         rid = new_id()
-        frames = rq.request_frames(
-            rid, "echo", need, _ms(limit), payload=[rq.as_view(payload, "payload")]
-        )
+        view = rq.as_view(payload, "payload")
+        frames = rq.request_frames(rid, "echo", need, _ms(limit), payload=[view])
         what = f"echo {id_text(rid)}"
-        self._submit(rid, frames, what, expect=_payload_bytes(frames))
+        self._submit(rid, frames, what, expect=view.nbytes)
         return Pending(self, rid, rq.parse_echo, limit, what, cancellable=True)
 
     def run(
@@ -1543,7 +1542,7 @@ def _real_handle(handles: Mapping[int, int], handle: Any) -> int:
 
 def _payload_bytes(frames: Sequence[Any]) -> int:
     """Bytes of a message's payload frames (those after signature, command and header)."""
-    return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames[3:])
+    return sum([f.nbytes if type(f) is memoryview else len(f) for f in frames[3:]])
 
 
 def _ms(seconds: float) -> int:

@@ -9,7 +9,7 @@ BINDIR     ?= /usr/bin
 SYSCONFDIR ?= /etc
 UNITDIR    ?= build/systemd
 
-.PHONY: run test lint typecheck check bench units clean gpu-check
+.PHONY: run test lint typecheck check bench bench-others units clean gpu-check
 
 $(STAMP): setup.cfg pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -34,6 +34,17 @@ check: lint typecheck test
 bench: $(STAMP)
 	$(BIN)/python bench/dispatch.py
 
+# gpud against Ray, dask.distributed and ipyparallel on this machine (bench/others.py), from a venv
+# of its own: gpud depends on none of them.
+CMP := .venv-compare
+$(CMP)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(CMP)
+	$(CMP)/bin/pip install -q -e '.[worker]' ray 'dask[distributed]' ipyparallel
+	@touch $@
+
+bench-others: $(CMP)/.installed
+	$(CMP)/bin/python bench/others.py
+
 # The GPU check, on a GPU machine without network: a venv of its own from the files of ./wheels
 # (GPUD_WHEELS; made by scripts/gpu-wheels.sh where there is network), pycuda built there, tests/gpu
 # and the remote-vs-local GPU figures (docs/OPERATIONS.md, GPU check). Not needed by `make test`.
@@ -49,4 +60,4 @@ units:
 	@echo "units in $(UNITDIR): install *.service in /etc/systemd/system, gpud-sysusers.conf as /usr/lib/sysusers.d/gpud.conf, gpud-tmpfiles.conf as /usr/lib/tmpfiles.d/gpud.conf"
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(CMP) build *.egg-info

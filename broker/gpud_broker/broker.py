@@ -409,6 +409,10 @@ class Broker:
         except GpudError as exc:
             self._bad(self.backend, Peer.WORKER, ident, frames, exc)
             return
+        except Exception:
+            log.exception("bug while decoding a worker message")
+            self._bad(self.backend, Peer.WORKER, ident, frames, InternalError("internal error in the broker"))
+            return
         if msg.command is not Command.BATCH:
             self._from_worker(ident, msg, frames[3], frames)
             return

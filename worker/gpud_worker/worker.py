@@ -400,6 +400,9 @@ class Worker:
             except GpudError as exc:
                 log.warning("bad message from broker %s: %s %s", link.endpoint, exc.code, exc.message)
                 continue
+            except Exception:
+                log.exception("bug while decoding a broker message")
+                continue
             if batch is None:
                 self._handle(idx, link, msg, poller, now)
             else:

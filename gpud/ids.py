@@ -13,19 +13,22 @@ class _IdSource:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pool = b""
+        self._at = 0  # the next unused byte of _pool
 
     def take16(self) -> bytes:
         with self._lock:
-            if len(self._pool) < 16:
-                self._pool = os.urandom(4096)
-            out, self._pool = self._pool[:16], self._pool[16:]
-        return out
+            at = self._at
+            if at + 16 > len(self._pool):
+                self._pool, at = os.urandom(4096), 0
+            self._at = at + 16
+            return self._pool[at:at + 16]
 
     def forget(self) -> None:
         """In a forked child: drop the parent's bytes (they would repeat its ids). A fresh lock,
         too: the fork may have copied it held."""
         self._lock = threading.Lock()
         self._pool = b""
+        self._at = 0
 
 
 _ids = _IdSource()

@@ -437,12 +437,11 @@ class Client:
     ) -> Pending[bytes]:
         """Send an echo request without waiting; ``Pending.wait()`` returns the payload."""
         limit = self.timeout if timeout is None else timeout
-        need = rq.build_need(tenant=self.tenant)
         rid = new_id()
         view = rq.as_view(payload, "payload")
-        frames = rq.request_frames(rid, "echo", need, _ms(limit), payload=[view])
+        frames = rq.request_frames(rid, "echo", {"tenant": self.tenant}, _ms(limit), payload=[view])
         what = f"echo {id_text(rid)}"
-        self._submit(rid, frames, what, expect=view.nbytes)
+        self._submit(rid, frames, what, nbytes=2 * view.nbytes)
         return Pending(self, rid, rq.parse_echo, limit, what, cancellable=True)
 
     def run(
@@ -642,9 +641,10 @@ class Client:
 
     # ------------------------------------------------------------------ request table
 
-    def _submit(self, rid: bytes, frames: list[Any], what: str, expect: int = 0) -> None:
+    def _submit(self, rid: bytes, frames: list[Any], what: str, expect: int = 0, nbytes: int | None = None) -> None:
         """Send a REQUEST or CALL and record it for matching and re-sending (the caller then
-        makes its Pending). ``expect``: payload bytes the reply is known to carry."""
+        makes its Pending). ``expect``: payload bytes the reply is known to carry; ``nbytes``:
+        those sent plus those expected, when the caller knows them."""
         if self._closed:
             raise GpudError("the client is closed")
         if not self._awaiting:
@@ -652,7 +652,8 @@ class Client:
             self._quiet_since = monotonic()
             self._ping_at = None
         self._send(frames)
-        nbytes = _payload_bytes(frames) + expect
+        if nbytes is None:
+            nbytes = _payload_bytes(frames) + expect
         self._table[rid] = _Outstanding(frames, what, nbytes)
         self._awaiting += 1
         self._inflight += nbytes

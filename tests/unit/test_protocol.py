@@ -804,3 +804,16 @@ def test_ids_are_not_repeated_across_a_fork() -> None:
     os.close(r)
     os.waitpid(pid, 0)
     assert len(child) == 16 and child != new_id()
+
+
+def test_ids_across_pool_refills_are_distinct_version_4_uuids() -> None:
+    """More ids than one 4 KiB pool holds: none repeats, each is a version 4, variant 1 UUID."""
+    import uuid
+
+    from gpud.ids import new_id
+
+    ids = [new_id() for _ in range(3 * 256 + 7)]
+    assert len(set(ids)) == len(ids)
+    for rid in ids:
+        u = uuid.UUID(bytes=rid)
+        assert len(rid) == 16 and u.version == 4 and u.variant == uuid.RFC_4122

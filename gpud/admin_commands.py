@@ -148,10 +148,12 @@ _TABLE = (
         "failover",
         """Hand the active role to the peer broker of the standby pair.
 
-        Ask the active broker: it stops accepting work, and its passive peer (connected and in
-        sync) takes over with a new epoch; clients follow by themselves. Failing back after a
-        crash is this command too: a restarted broker comes back passive. A passive broker, one
-        whose peer is not in sync, and a standalone broker (no peer) refuse.
+        Ask the active broker: it stops accepting work, lets its passive peer apply the updates
+        still on their way to it (under load there always are some; it waits at most the peer
+        expiry), and the peer takes over with a new epoch; clients follow by themselves. Failing
+        back after a crash is this command too: a restarted broker comes back passive. A passive
+        broker, one whose peer is not connected or not in sync by then, and a standalone broker
+        (no peer) refuse.
 
         Example: gpudctl failover  # exit 1: this broker has no peer (standalone)
         """,

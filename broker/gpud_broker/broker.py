@@ -140,10 +140,21 @@ class Broker:
             self._on_client = self.pair.on_client  # type: ignore[method-assign]
 
     def failover(self) -> dict[str, Any]:
-        """``gpudctl failover``: hand the active role to the passive peer."""
-        if self.pair is None:
+        """``gpudctl failover``: hand the active role to the passive peer.
+
+        Under load the peer always has the last few milliseconds of updates still to apply, and a
+        handover needs it in sync: first this loop stops taking work and lets it catch up (for at
+        most the peer expiry), reading only the peer's socket."""
+        pair = self.pair
+        if pair is None:
             raise ConfigError("this broker has no peer (standalone)")
-        return self.pair.failover()
+        deadline = time.monotonic() + pair.cfg.expiry
+        pair.flush()
+        while pair.catching_up() and time.monotonic() < deadline:
+            if pair.inbound.poll(10):
+                self._drain(pair.inbound, pair.on_peer)
+            pair.flush()
+        return pair.failover()
 
     def _router(self, domain: str = "", keys: CurveKeys | None = None) -> zmq.Socket[bytes]:
         s: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)

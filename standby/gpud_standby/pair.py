@@ -335,6 +335,11 @@ class Pair:
             self._send_state()
             self.state_due = False
 
+    def catching_up(self) -> bool:
+        """Active, with a passive peer that streams and has yet to apply what was sent to it (under
+        load it always lags by the last few milliseconds of updates)."""
+        return self.state is State.ACTIVE and self.streaming and self.peer_applied < self.core.seq
+
     def failover(self) -> dict[str, Any]:
         """The operator's failover: hand the active role to the in-sync passive peer."""
         action = self.event(Event.FAILOVER, time.monotonic())

@@ -384,6 +384,9 @@ class Worker:
         if self.draining:
             header["draining"] = True
         self._send(link, Command.HEARTBEAT, header)
+        # A heartbeat goes at once (with what is queued before it): it must not wait for the loop's
+        # turn to end, which under load (many job threads taking the GIL) can be late.
+        link.flush()
 
     def _drain(self, idx: int, link: BrokerLink, sock: zmq.Socket[bytes], poller: zmq.Poller) -> int:
         """Handle up to 256 queued messages from one broker; returns how many there were."""

@@ -86,6 +86,10 @@ MAX_JOB_ID_BYTES = 64
 _JOB_DIR_RE = re.compile(rf"(?:[0-9a-f]{{2}}){{1,{MAX_JOB_ID_BYTES}}}\Z")
 
 _READ_CHUNK = 64 * 1024
+# Jobs started at once. A start is a fork() with a preexec_fn, which holds the GIL; a burst of
+# them (a worker handed 128 jobs at once) would otherwise starve the worker's loop and its
+# heartbeats for longer than the broker's liveness allows.
+_STARTS = threading.BoundedSemaphore(2)
 _POLL_S = 0.1  # reader poll interval and cancel-check interval
 _READER_EOF_WAIT_S = 2.0  # after the kill, how long readers may take to reach EOF
 _READER_DRAIN_S = 0.5  # then, after being told to stop, how long they may still drain
@@ -800,20 +804,21 @@ class JobRunner:
     ) -> JobOutcome:
         started = time.monotonic()
         try:
-            proc = subprocess.Popen(
-                list(spec.argv),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=workdir,
-                env=self._environment(hexid, spec, workdir, user, devices, grant),
-                start_new_session=True,
-                close_fds=True,
-                umask=0o077,
-                preexec_fn=self._child_setup(
-                    spec, user, cgroup.procs_fd if cgroup is not None else None
-                ),
-            )
+            with _STARTS:
+                proc = subprocess.Popen(
+                    list(spec.argv),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    cwd=workdir,
+                    env=self._environment(hexid, spec, workdir, user, devices, grant),
+                    start_new_session=True,
+                    close_fds=True,
+                    umask=0o077,
+                    preexec_fn=self._child_setup(
+                        spec, user, cgroup.procs_fd if cgroup is not None else None
+                    ),
+                )
         except OSError as exc:
             if exc.filename != spec.argv[0]:
                 raise RemoteError(f"cannot start job {hexid}: {exc}") from exc

@@ -365,8 +365,8 @@ def check_bind(endpoint: str, security: SecuritySettings, what: str) -> None:
 class KeyStore:
     """Allowed public keys (raw 32 bytes): workers by name, clients by tenant, admins by name.
 
-    Re-read when a directory's modification time changes (adding or removing a key file changes
-    it), so adding a worker or a tenant needs no restart. A key listed twice with different
+    Re-read when a directory or a key file changes (its time or size), so adding a worker or a
+    tenant needs no restart. A key listed twice with different
     meanings (two tenants) is refused altogether and logged.
     """
 
@@ -380,21 +380,25 @@ class KeyStore:
         self._signature: tuple[Any, ...] | None = None
 
     def _stamp(self) -> tuple[Any, ...]:
+        """The directories' times, and each key file's time and size: a file copied in with `cp`
+        is created (the directory's time changes) and only then written (it does not)."""
         out: list[Any] = []
-        for d in (self.worker_dir, self.client_dir, self.admin_dir):
-            if d is None:
-                continue
-            try:
-                out.append((str(d), d.stat().st_mtime_ns))
-            except OSError:
-                out.append((str(d), None))
+        dirs = [d for d in (self.worker_dir, self.client_dir, self.admin_dir) if d is not None]
         try:
             with os.scandir(self.client_dir) as it:
-                for e in it:
-                    if e.is_dir():
-                        out.append((e.path, e.stat().st_mtime_ns))
+                dirs += [Path(e.path) for e in it if e.is_dir()]
         except OSError:
             pass
+        for d in dirs:
+            try:
+                out.append((str(d), d.stat().st_mtime_ns, 0))
+                with os.scandir(d) as it:
+                    for e in it:
+                        if e.name.endswith(".key") and e.is_file():
+                            st = e.stat()
+                            out.append((e.path, st.st_mtime_ns, st.st_size))
+            except OSError:
+                out.append((str(d), None, 0))
         return tuple(sorted(out, key=lambda x: x[0]))
 
     def refresh(self) -> bool:

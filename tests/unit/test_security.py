@@ -216,3 +216,23 @@ def test_security_none_binds_loopback_unless_allowed(caplog: pytest.LogCaptureFi
     check_bind("tcp://0.0.0.0:5555", SecuritySettings(mode="none", allow_public_bind=True), "frontend")
     assert "without encryption" in caplog.text
     check_bind("tcp://0.0.0.0:5555", SecuritySettings(mode="curve"), "frontend")  # CURVE: anywhere
+
+
+def test_a_key_file_copied_while_the_store_reads_it_is_still_learned(keys: SimpleNamespace) -> None:
+    """`cp` creates the file, then writes it. A handshake that makes the store re-read in between
+    sees an empty file; the directory's time does not change when the content is written, so the
+    store must notice the file itself changing."""
+    store = keys.store
+    store.refresh()
+    public, _ = keygen(keys.dir / "private", "c2")
+    target = keys.dir / "clients" / "alice" / public.name
+    target.touch()  # created, not yet written
+    store.refresh()  # e.g. another client's handshake, now
+    assert raw(public) not in store.clients
+    os.utime(keys.dir / "clients" / "alice", ns=(0, 0))  # the directory keeps whatever time it had
+    stamp = store._stamp()
+    shutil.copyfile(public, target)  # now the content
+    os.utime(keys.dir / "clients" / "alice", ns=(0, 0))
+    assert store._stamp() != stamp
+    assert store.refresh()
+    assert store.clients.get(raw(public)) == "alice"

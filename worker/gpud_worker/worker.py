@@ -192,6 +192,7 @@ class Worker:
         self.owner: dict[bytes, str] = {}  # id -> tenant, while in flight
         self.active_idx: int | None = None  # index in links of the active broker
         self.max_epoch = 0
+        self._alive_at = 0.0  # the next time a long drain looks at queued sends and heartbeats
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -413,9 +414,27 @@ class Worker:
                     self._handle(idx, link, one, poller, now)
                     if link.sock is not sock:  # it told us to reconnect: the rest was for the old link
                         break
+                    self._keep_alive()
             if link.sock is not sock:
                 return n + 1
+            self._keep_alive()
         return 256
+
+    def _keep_alive(self) -> None:
+        """During a long drain (a BATCH of job DISPATCHes starts a thread each, and under load each
+        waits for the GIL): send what has waited HOUSEKEEPING_S and the heartbeats that are due, so
+        that a busy worker never looks silent to its brokers."""
+        now = time.monotonic()
+        if now < self._alive_at:
+            return
+        self._alive_at = now + HOUSEKEEPING_S
+        for link in self.links:
+            if link.sock is None:
+                continue
+            if link.liveness.beat_due(now):
+                self._beat(link, now)  # flushes what is queued before it, too
+            elif link.out:
+                link.flush()
 
     def _handle(self, idx: int, link: BrokerLink, msg: P.Message, poller: zmq.Poller, now: float) -> None:
         """One message from a broker, alone or out of a BATCH."""

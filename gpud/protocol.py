@@ -200,32 +200,23 @@ def batched(messages: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
     messages as BATCHes, anything larger alone, the order kept."""
     if len(messages) == 1:
         return list(messages)
-    out: list[Sequence[Any]] = []
-    run: list[Sequence[Any]] = []
+    runs: list[list[Sequence[Any]]] = []
+    joinable = False  # whether the last run may take the next message
     head = frames = size = 0
     for m in messages:
         n = len(m) - 3
         mine = sum([_nbytes(f) for f in m[3:]]) if n else 0
-        if mine > BATCH_ITEM_PAYLOAD:
-            if run:
-                out.append(run[0] if len(run) == 1 else batch(run))
-                run = []
-            out.append(m)
-            continue
         h = len(m[2]) + _BATCH_ITEM_OVERHEAD
-        if run and (len(run) == BATCH_MAX_MESSAGES or head + h > MAX_HEADER_BYTES - 64
-                    or frames + n > MAX_PAYLOAD_FRAMES or size + mine > BATCH_PAYLOAD):
-            out.append(run[0] if len(run) == 1 else batch(run))
-            run = []
-        if not run:
-            head = frames = size = 0
-        run.append(m)
-        head += h
-        frames += n
-        size += mine
-    if run:
-        out.append(run[0] if len(run) == 1 else batch(run))
-    return out
+        if (joinable and mine <= BATCH_ITEM_PAYLOAD and len(runs[-1]) < BATCH_MAX_MESSAGES
+                and head + h <= MAX_HEADER_BYTES - 64 and frames + n <= MAX_PAYLOAD_FRAMES
+                and size + mine <= BATCH_PAYLOAD):
+            runs[-1].append(m)
+            head, frames, size = head + h, frames + n, size + mine
+        else:
+            runs.append([m])
+            joinable = mine <= BATCH_ITEM_PAYLOAD  # a large message goes alone
+            head, frames, size = h, n, mine
+    return [run[0] if len(run) == 1 else batch(run) for run in runs]
 
 
 def unbatch(msg: Message) -> list[tuple[Message, bytes]]:

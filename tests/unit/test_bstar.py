@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from pathlib import Path
 
@@ -11,6 +12,9 @@ import pytest
 from gpud_standby.bstar import Action, Event, Facts, State, step
 
 DOC = Path(__file__).parents[2] / "docs" / "PROTOCOL.md"
+# What step() answered for every (state, event) under every combination of facts, recorded by
+# running the nested-if step() that the table replaced (at 8515ff1): the table must not change it.
+ORACLE = json.loads(Path(__file__).with_name("bstar_oracle.json").read_text())
 S, E, A = State, Event, Action
 
 # (state, event) -> function of the facts giving the expected (state, action): the table of
@@ -82,6 +86,18 @@ def test_the_table_covers_every_state_and_event() -> None:
 def test_every_pair_under_every_fact(state: State, event: Event) -> None:
     for f in ALL_FACTS:
         assert step(state, event, f) == EXPECTED[(state, event)](f), f
+
+
+@pytest.mark.parametrize(("state", "event"), list(itertools.product(State, Event)), ids=lambda v: v.name)
+def test_step_answers_as_the_recorded_nested_ifs(state: State, event: Event) -> None:
+    recorded = ORACLE["outcomes"][f"{state.name} {event.name}"]
+    facts = [Facts(**dict(zip(ORACLE["fields"], row, strict=True))) for row in ORACLE["facts"]]
+    if isinstance(recorded, str):  # the same outcome under every fact
+        recorded = [recorded] * len(facts)
+    assert len(recorded) == len(facts) == 96
+    for f, outcome in zip(facts, recorded, strict=True):
+        next_state, action = step(state, event, f)
+        assert f"{next_state.name} {action.name}" == outcome, f
 
 
 def test_the_spec_table_names_every_state_and_event() -> None:

@@ -1,9 +1,11 @@
 """The Binary Star state machine: which broker of a pair accepts work. Pure: no sockets, no clock.
 
-The table is docs/PROTOCOL.md §9.1 (``tests/unit/test_bstar.py`` checks every (state, event) pair
-against it). ``step`` takes the current state, one event and the facts the event is judged by, and
-returns the next state and what the caller must do about the event. The caller owns the facts:
-when the peer was last heard, whether a worker still hears an active broker, the epochs.
+``TRANSITIONS`` is the table, one row for every (state, event) pair; docs/PROTOCOL.md §9.1 is its
+normative copy (``tests/unit/test_spec_sync.py`` checks both ways, ``tests/unit/test_bstar.py``
+every pair under every fact). ``step`` takes the current state, one event and the facts the event
+is judged by, and returns the next state and what the caller must do about the event. The caller
+owns the facts: when the peer was last heard, whether a worker still hears an active broker, the
+epochs.
 
 Three rules keep two brokers from both accepting work: the passive one takes over only when its
 peer is silent *and* a client turns to it (Binary Star's vote), and not while a worker still hears
@@ -14,6 +16,7 @@ lower epoch (on a tie, the backup) steps down at once.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -44,6 +47,7 @@ class Action(enum.Enum):
     HAND_OVER = "hand_over"  # as STEP_DOWN, and ask the peer to take over (STATE handover)
     REFUSE = "refuse"  # the operator's failover cannot be done now
     SYNC = "sync"  # became passive: ask the active peer for a snapshot
+    ERROR = "error"  # both brokers were started with the same role: log it; nothing else
 
 
 PEER_EVENTS = {
@@ -67,47 +71,90 @@ class Facts:
     peer_in_sync: bool = False  # (active) the passive peer applied everything sent to it
 
 
-def _vote(f: Facts, held_ok: bool) -> Action:
-    """A client turned to a broker that is not active: take over, hold, or reject."""
-    if f.peer_expired and not f.witness:
-        return Action.TAKEOVER
-    if held_ok and f.peer_silent and not f.witness:
-        return Action.HOLD
-    return Action.REJECT
+class Condition(enum.Enum):
+    """What an outcome of an event may depend on (PROTOCOL.md §9.1), each a test of the facts."""
+
+    EXPIRED = "expired"  # the peer has been silent for the expiry
+    SILENT = "silent"  # the peer missed at least one heartbeat
+    WITNESS = "witness"  # a worker still hears another active broker
+    PRIMARY = "primary"  # this broker's role is primary
+    LOWER = "lower"  # this broker's epoch is below the peer's (on a tie: this one is the backup)
+    IN_SYNC = "in_sync"  # (active) the passive peer applied everything sent to it
+
+
+HOLDS: dict[Condition, Callable[[Facts], bool]] = {
+    Condition.EXPIRED: lambda f: f.peer_expired,
+    Condition.SILENT: lambda f: f.peer_silent,
+    Condition.WITNESS: lambda f: f.witness,
+    Condition.PRIMARY: lambda f: f.primary,
+    Condition.LOWER: lambda f: f.epoch < f.peer_epoch or (f.epoch == f.peer_epoch and not f.primary),
+    Condition.IN_SYNC: lambda f: f.peer_in_sync,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One outcome of an event: the next state and the action, taken when every condition of
+    ``when`` holds and none of ``unless`` does."""
+
+    next: State
+    action: Action = Action.NONE
+    when: tuple[Condition, ...] = ()
+    unless: tuple[Condition, ...] = ()
+
+    def applies(self, f: Facts) -> bool:
+        return all(HOLDS[c](f) for c in self.when) and not any(HOLDS[c](f) for c in self.unless)
+
+
+S, E, A, C = State, Event, Action, Condition
+
+
+def _vote(state: State, hold: bool) -> tuple[Transition, ...]:
+    """A client turned to a broker that is not active: take over, (passive only) hold, or reject."""
+    take = Transition(S.ACTIVE, A.TAKEOVER, when=(C.EXPIRED,), unless=(C.WITNESS,))
+    held = (Transition(state, A.HOLD, when=(C.SILENT,), unless=(C.WITNESS,)),) if hold else ()
+    return (take, *held, Transition(state, A.REJECT))
+
+
+# (state, event) -> its outcomes, the first that applies taken; the last applies always (the row's
+# default). Every pair has a row. This is PROTOCOL.md §9.1's table, cell by cell.
+TRANSITIONS: dict[tuple[State, Event], tuple[Transition, ...]] = {
+    (S.PRIMARY, E.PEER_PRIMARY): (Transition(S.PRIMARY, A.ERROR),),  # both started as primary
+    (S.PRIMARY, E.PEER_BACKUP): (Transition(S.ACTIVE, A.TAKEOVER),),
+    (S.PRIMARY, E.PEER_ACTIVE): (Transition(S.PASSIVE, A.SYNC),),
+    (S.PRIMARY, E.PEER_PASSIVE): (Transition(S.PRIMARY),),
+    (S.PRIMARY, E.CLIENT): _vote(S.PRIMARY, hold=False),
+    (S.PRIMARY, E.HANDOVER): (Transition(S.PRIMARY),),
+    (S.PRIMARY, E.FAILOVER): (Transition(S.PRIMARY, A.REFUSE),),
+    (S.BACKUP, E.PEER_PRIMARY): (Transition(S.BACKUP),),
+    (S.BACKUP, E.PEER_BACKUP): (Transition(S.BACKUP, A.ERROR),),  # both started as backup
+    (S.BACKUP, E.PEER_ACTIVE): (Transition(S.PASSIVE, A.SYNC),),
+    (S.BACKUP, E.PEER_PASSIVE): (Transition(S.BACKUP),),
+    (S.BACKUP, E.CLIENT): _vote(S.BACKUP, hold=False),
+    (S.BACKUP, E.HANDOVER): (Transition(S.BACKUP),),
+    (S.BACKUP, E.FAILOVER): (Transition(S.BACKUP, A.REFUSE),),
+    (S.ACTIVE, E.PEER_PRIMARY): (Transition(S.ACTIVE),),
+    (S.ACTIVE, E.PEER_BACKUP): (Transition(S.ACTIVE),),
+    (S.ACTIVE, E.PEER_ACTIVE): (Transition(S.PASSIVE, A.STEP_DOWN, when=(C.LOWER,)), Transition(S.ACTIVE)),
+    (S.ACTIVE, E.PEER_PASSIVE): (Transition(S.ACTIVE),),
+    (S.ACTIVE, E.CLIENT): (Transition(S.ACTIVE, A.ACCEPT),),
+    (S.ACTIVE, E.HANDOVER): (Transition(S.ACTIVE),),
+    (S.ACTIVE, E.FAILOVER): (
+        Transition(S.PASSIVE, A.HAND_OVER, when=(C.IN_SYNC,), unless=(C.EXPIRED,)),
+        Transition(S.ACTIVE, A.REFUSE),
+    ),
+    (S.PASSIVE, E.PEER_PRIMARY): (Transition(S.ACTIVE, A.TAKEOVER),),
+    (S.PASSIVE, E.PEER_BACKUP): (Transition(S.ACTIVE, A.TAKEOVER),),
+    (S.PASSIVE, E.PEER_ACTIVE): (Transition(S.PASSIVE),),
+    (S.PASSIVE, E.PEER_PASSIVE): (Transition(S.ACTIVE, A.TAKEOVER, when=(C.PRIMARY,)), Transition(S.PASSIVE)),
+    (S.PASSIVE, E.CLIENT): _vote(S.PASSIVE, hold=True),
+    (S.PASSIVE, E.HANDOVER): (Transition(S.ACTIVE, A.TAKEOVER),),
+    (S.PASSIVE, E.FAILOVER): (Transition(S.PASSIVE, A.REFUSE),),
+}
 
 
 def step(state: State, event: Event, f: Facts) -> tuple[State, Action]:
     """The next state and the action for ``event`` in ``state`` (PROTOCOL.md §9.1)."""
-    if state is State.PRIMARY or state is State.BACKUP:
-        if event is Event.PEER_ACTIVE:
-            return State.PASSIVE, Action.SYNC
-        if event is Event.PEER_BACKUP and state is State.PRIMARY:
-            return State.ACTIVE, Action.TAKEOVER
-        if event is Event.CLIENT:
-            action = _vote(f, held_ok=False)
-            return (State.ACTIVE, action) if action is Action.TAKEOVER else (state, action)
-        if event is Event.FAILOVER:
-            return state, Action.REFUSE
-        return state, Action.NONE
-    if state is State.ACTIVE:
-        if event is Event.CLIENT:
-            return state, Action.ACCEPT
-        if event is Event.PEER_ACTIVE:
-            lower = f.epoch < f.peer_epoch or (f.epoch == f.peer_epoch and not f.primary)
-            return (State.PASSIVE, Action.STEP_DOWN) if lower else (state, Action.NONE)
-        if event is Event.FAILOVER:
-            if f.peer_in_sync and not f.peer_expired:
-                return State.PASSIVE, Action.HAND_OVER
-            return state, Action.REFUSE
-        return state, Action.NONE
-    # PASSIVE
-    if event is Event.PEER_PRIMARY or event is Event.PEER_BACKUP or event is Event.HANDOVER:
-        return State.ACTIVE, Action.TAKEOVER
-    if event is Event.PEER_PASSIVE:
-        return (State.ACTIVE, Action.TAKEOVER) if f.primary else (state, Action.NONE)
-    if event is Event.CLIENT:
-        action = _vote(f, held_ok=True)
-        return (State.ACTIVE, action) if action is Action.TAKEOVER else (state, action)
-    if event is Event.FAILOVER:
-        return state, Action.REFUSE
-    return state, Action.NONE
+    *guarded, default = TRANSITIONS[(state, event)]
+    t = next((t for t in guarded if t.applies(f)), default)
+    return t.next, t.action

@@ -94,6 +94,7 @@ class Pair:
         self.handover_beats = 0
         self.held: list[tuple[list[Any], str | None, float]] = []
         self.state_due = False
+        self.misconfigured = False  # the peer has the same role (logged once)
         core.become_passive()
         core.acking = True
 
@@ -122,6 +123,10 @@ class Pair:
         elif action is Action.SYNC:
             self.core.become_passive()
             self._sync(now)
+        elif action is Action.ERROR and not self.misconfigured:
+            self.misconfigured = True  # said once: the peer repeats it every heartbeat
+            log.error("pair: the peer was started as %s too; neither broker becomes active while they hear "
+                      "each other (start one as primary, the other as backup)", self.cfg.role)
         if self.state is not before:
             log.warning("pair: %s -> %s on %s (%s)", before.name, self.state.name, event.name, action.name)
             self.state_due = True

@@ -10,7 +10,6 @@ what it applied).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import zmq
 
 from gpud import protocol as P
+from gpud.clock import Clock, SystemClock
 from gpud.errors import ConflictError, GpudError, NotActive
 from gpud.protocol import Command, Peer
 from gpud.security import PEER_DOMAIN, CurveKeys, apply_client_keys, server_socket_options
@@ -53,11 +53,13 @@ class PairConfig:
 
 class Pair:
     """One broker's side of the pair. ``serve(frames, tenant)`` is the broker's normal client
-    handler; ``set_serving(bool)`` switches the shell between it and ``on_client``."""
+    handler; ``set_serving(bool)`` switches the shell between it and ``on_client``. ``clock`` is
+    what the pair reads when a message comes (the broker's loop passes ``now`` to ``tick``)."""
 
     def __init__(self, core: Any, cfg: PairConfig, ctx: zmq.Context[Any], keys: CurveKeys | None,
                  serve: Callable[[list[Any], str | None], None], set_serving: Callable[[bool], None],
-                 send_client: Callable[[list[Any]], None]) -> None:
+                 send_client: Callable[[list[Any]], None], clock: Clock | None = None) -> None:
+        self.clock: Clock = clock if clock is not None else SystemClock()
         self.core = core
         self.cfg = cfg
         self.serve = serve
@@ -78,7 +80,7 @@ class Pair:
         self.inbound.bind(cfg.bind)
         self.bound = self.inbound.getsockopt_string(zmq.LAST_ENDPOINT)
         self.outbound.connect(cfg.peer)
-        now = time.monotonic()
+        now = self.clock.monotonic()
         self.state = State.PRIMARY if cfg.role == "primary" else State.BACKUP
         self.peer_state: State | None = None
         self.peer_epoch = 0
@@ -169,7 +171,7 @@ class Pair:
         cmd = frames[2] if len(frames) > 2 else b""
         if cmd not in (_REQ, _CALL, _PING):
             return  # CANCEL and the like: nothing of theirs is here
-        now = time.monotonic()
+        now = self.clock.monotonic()
         action = self.event(Event.CLIENT, now)
         if action is Action.TAKEOVER:
             self.serve(frames, tenant)
@@ -196,7 +198,7 @@ class Pair:
         except GpudError as exc:
             log.warning("bad message on the peer link: %s %s", exc.code, exc.message)
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         self.peer_heard = now
         h = msg.header
         try:
@@ -347,7 +349,7 @@ class Pair:
 
     def failover(self) -> dict[str, Any]:
         """The operator's failover: hand the active role to the in-sync passive peer."""
-        action = self.event(Event.FAILOVER, time.monotonic())
+        action = self.event(Event.FAILOVER, self.clock.monotonic())
         if action is not Action.HAND_OVER:
             raise ConflictError(f"cannot fail over from {self.state.name.lower()}: the active broker hands over, "
                                 "and only to a passive peer that is connected and in sync")

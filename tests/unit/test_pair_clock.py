@@ -36,6 +36,7 @@ class Side:
         self.served: list[list[Any]] = []  # client messages the pair let the broker serve
         self.to_client: list[list[Any]] = []  # what the pair itself answered (a non-active broker)
         self.serving = False
+        self.heard: list[tuple[Command, dict[str, Any]]] = []  # every peer message delivered, with its header
         self.pair = Pair(self.h.core, PairConfig(role=role, peer=peer, bind=bind, heartbeat=HEARTBEAT, expiry=EXPIRY),
                          ctx, None, serve=self._serve, set_serving=self._set_serving,
                          send_client=self.to_client.append, clock=clock)
@@ -62,6 +63,7 @@ class Side:
         while self.pair.inbound.poll(0):
             frames = self.pair.inbound.recv_multipart()
             got.append(Command(frames[2][0]))
+            self.heard.append((got[-1], P.unpackb(frames[3])))
             self.h.core.now = self.clock.monotonic()
             self.pair.on_peer(frames)
         return got

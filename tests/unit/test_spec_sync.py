@@ -1,16 +1,23 @@
 """docs/PROTOCOL.md and the code must agree: version, signatures, command table, error table, the
-Binary Star table (§9.1)."""
+Binary Star table (§9.1), the peer dialog's headers (§3, §9.2) and the replicated layouts (§9.3)."""
 
 from __future__ import annotations
 
 import itertools
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
+import zmq
 
 from gpud import errors, protocol
+from gpud.clock import FakeClock
 from gpud.protocol import Command, Peer
+from gpud.resources import Grant
+from gpud_broker.tasks import Session, Task
+from gpud_broker.tasks import State as TaskState
+from gpud_standby import replica
 from gpud_standby.bstar import TRANSITIONS, Action, Condition, Event, Facts, State, Transition, step
 
 DOC = Path(__file__).parents[2] / "docs" / "PROTOCOL.md"
@@ -191,3 +198,122 @@ def test_step_answers_every_pair_under_every_fact_as_the_spec_cell_reads(
             expected = next(t for t in outcomes if all(SPEC_CONDITIONS[c](f) for c in t.when)
                             and not any(SPEC_CONDITIONS[c](f) for c in t.unless))
             assert step(state, event, f) == (expected.next, expected.action), (state, event, f)
+
+
+# ---------------------------------------------------------------- the peer dialog (§3, §9.2)
+
+
+def documented_keys(lines: list[str], command: Command) -> tuple[set[str], set[str]]:
+    """The (required, all) header keys of ``command``'s row in the command table."""
+    row = next(r for r in table_rows(lines, after_marker(lines, "commands")) if r[0] == command.name)
+    cell = re.sub(r" \(§[\d.]+\)", "", row[3])
+    if cell == "none required":
+        return set(), set()
+    keys = [k.strip() for k in cell.split(",")]
+    assert all(re.fullmatch(r"(\*\*)?[a-z_]+(\*\*)?", k) for k in keys), f"{command.name}: cannot read {row[3]!r}"
+    return {k.strip("*") for k in keys if k.startswith("**")}, {k.strip("*") for k in keys}
+
+
+def test_the_pair_sends_its_peer_exactly_the_documented_header_keys(lines: list[str]) -> None:
+    """Two real Pair shells, started, replicating a request and failing over, on a fake clock: every
+    key each peer message carries is documented, the required ones always, and each documented one
+    is sent at some point."""
+    from tests.unit.test_broker_core import W1, rid
+    from tests.unit.test_pair_clock import Side, settle
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    clock = FakeClock()
+    a = Side(ctx, clock, "primary", "inproc://sync-a", "inproc://sync-b")
+    b = Side(ctx, clock, "backup", "inproc://sync-b", "inproc://sync-a")
+    try:
+        settle(a, b)
+        a.h.ready(W1, "w1")
+        a.client(rid(1))  # journaled: UPDATES
+        settle(a, b)
+        a.pair.failover()  # STATE handover
+        settle(a, b)
+        assert (a.state.value, b.state.value) == ("passive", "active")
+    finally:
+        a.pair.close()
+        b.pair.close()
+        ctx.term()
+    heard = a.heard + b.heard
+    for command in sorted(protocol.SENDABLE[Peer.BROKER], key=lambda c: c.value):
+        required, documented = documented_keys(lines, command)
+        headers = [h for c, h in heard if c is command]
+        assert headers, f"the pair never sent {command.name}"
+        for h in headers:
+            assert required <= set(h) <= documented, f"{command.name} {sorted(h)}: documented {sorted(documented)}"
+        assert set().union(*headers) == documented, f"{command.name}: documented but never sent"
+
+
+# ---------------------------------------------------------------- replication (§9.3)
+
+
+def layout(lines: list[str], what: str) -> list[str]:
+    """The item names of ``A <what> is `[a, b, ...]``` in §9.3."""
+    start = section(lines, "### 9.3")
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("#"))
+    text = " ".join(line.strip() for line in lines[start:end])
+    m = re.search(rf"A {what} (?:\([^)]*\) )?is `\[([^\]]+)\]`", text)
+    assert m, f"§9.3 gives no layout of a {what}"
+    return [item.strip() for item in m.group(1).split(",")]
+
+
+GRANT = Grant(worker="w1", gpus=("GPU-1", "GPU-2"), gpu_milli=100, mem=256, cpu_milli=300, host_mem=400, exclusive=True)
+
+
+def test_a_replicated_grant_session_and_task_are_the_documented_items_in_order(lines: list[str]) -> None:
+    """Each item the spec names is the record's field of that name (as the wire carries it), in the
+    spec's order. A name the record lacks yields KeyError, which no wire item equals."""
+    names = layout(lines, "grant")
+    assert replica.grant_to_wire(GRANT) == [list(v) if type(v) is tuple else v for v in (getattr(GRANT, n) for n in names)]
+
+    s = Session(id=b"s" * 16, worker="w2", gpu="GPU-2", grant=GRANT, tenant="acme", route=b"r", last_seen=5.0,
+                closing=True)
+    names = layout(lines, "session")
+    wire = {"grant": replica.grant_to_wire(GRANT)}
+    assert replica.session_to_wire(s) == [wire.get(n, getattr(s, n, KeyError)) for n in names]
+
+    now = 100.0
+    need = protocol.parse_need("job", {"gpu_milli": 500})
+    t = Task(id=b"t" * 16, kind="job", need=need, body={"argv": ["x"]}, frames=[b"in"], route=b"r", created=90.0,
+             deadline=130.0, state=TaskState.RUNNING, tenant="acme", grant=GRANT, worker="w1", attempts=2,
+             avoid={"w3", "w0"}, retryable=True, session=b"s" * 16, reply=[b"sig", b"cmd"])
+    names = layout(lines, "task")
+    wire = {"need": protocol.need_to_wire(need), "created": 10.0, "deadline": 30.0,  # age and time left
+            "avoid": ["w0", "w3"], "state": "running", "grant": replica.grant_to_wire(GRANT)}
+    assert replica.task_to_wire(t, now) == [wire.get(n, getattr(t, n, KeyError)) for n in names]
+
+
+def journal_of_every_update() -> list[list[Any]]:
+    """An active core's journal through one of each update."""
+    from tests.unit.test_broker_core import C1, W1, W2, Harness, rid
+
+    h = Harness(max_queue=1)
+    h.core.journal = []
+    h.core.acking = True
+    h.ready(W1, "w1")
+    h.request(C1, rid(1))  # task, run
+    h.result(W1, rid(1))  # done
+    h.request(C1, rid(2), kind="session")
+    h.result(W1, rid(2), session=rid(2))  # session
+    h.request(C1, rid(3), kind="job", argv=["x"], idempotent=True, need={"gpu_milli": 100})
+    h.worker(W1, Command.DISCONNECT, {})  # end (the session), queue (the idempotent job: the queue is full)
+    h.request(C1, rid(4), kind="job", argv=["x"])  # task, then forget: no room in the queue
+    h.ready(W2, "w2")
+    h.core.marks_changed()  # marks
+    journal: list[list[Any]] = protocol.unpackb(protocol.packb(h.core.journal))
+    return journal
+
+
+def test_every_replicated_update_has_the_documented_items(lines: list[str]) -> None:
+    rows = table_rows(lines, after_marker(lines, "updates"))
+    documented = {row[0].strip("`"): [i.strip() for i in row[1].split(",")] for row in rows}
+    assert set(documented) == {replica.TASK, replica.RUN, replica.QUEUE, replica.DONE, replica.FORGET,
+                               replica.SESSION, replica.END, replica.MARKS}
+    seen: dict[str, set[int]] = {}
+    for update in journal_of_every_update():
+        seen.setdefault(update[0], set()).add(len(update) - 1)
+    assert set(seen) == set(documented), "the journal should hold one of each update"
+    assert {tag: {len(items)} for tag, items in documented.items()} == seen

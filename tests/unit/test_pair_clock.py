@@ -29,14 +29,16 @@ HEARTBEAT, EXPIRY = 0.25, 0.75  # silent after 1.5 heartbeats (0.375 s), expired
 class Side:
     """One broker of the pair: its core, its Pair, and what the Pair handed the broker."""
 
-    def __init__(self, ctx: zmq.Context[Any], clock: FakeClock, role: str, bind: str, peer: str) -> None:
+    def __init__(self, ctx: zmq.Context[Any], clock: FakeClock, role: str, bind: str, peer: str,
+                 **config: Any) -> None:
         self.clock = clock
-        self.h = Harness(name=role)
+        self.h = Harness(name=role, **config)
         self.h.clock = clock
         self.served: list[list[Any]] = []  # client messages the pair let the broker serve
         self.to_client: list[list[Any]] = []  # what the pair itself answered (a non-active broker)
         self.serving = False
         self.heard: list[tuple[Command, dict[str, Any]]] = []  # every peer message delivered, with its header
+        self.updates: list[list[Any]] = []  # every update of the UPDATES delivered
         self.pair = Pair(self.h.core, PairConfig(role=role, peer=peer, bind=bind, heartbeat=HEARTBEAT, expiry=EXPIRY),
                          ctx, None, serve=self._serve, set_serving=self._set_serving,
                          send_client=self.to_client.append, clock=clock)
@@ -64,6 +66,8 @@ class Side:
             frames = self.pair.inbound.recv_multipart()
             got.append(Command(frames[2][0]))
             self.heard.append((got[-1], P.unpackb(frames[3])))
+            if got[-1] is Command.UPDATES:
+                self.updates += P.unpackb(frames[4])
             self.h.core.now = self.clock.monotonic()
             self.pair.on_peer(frames)
         return got

@@ -286,25 +286,33 @@ def test_a_replicated_grant_session_and_task_are_the_documented_items_in_order(l
     assert replica.task_to_wire(t, now) == [wire.get(n, getattr(t, n, KeyError)) for n in names]
 
 
-def journal_of_every_update() -> list[list[Any]]:
-    """An active core's journal through one of each update."""
-    from tests.unit.test_broker_core import C1, W1, W2, Harness, rid
+def updates_of_every_kind() -> list[list[Any]]:
+    """What a passive broker gets in UPDATES while its active peer goes through one of each update."""
+    from tests.unit.test_broker_core import C1, W1, W2, rid
+    from tests.unit.test_pair_clock import Side, settle
 
-    h = Harness(max_queue=1)
-    h.core.journal = []
-    h.core.acking = True
-    h.ready(W1, "w1")
-    h.request(C1, rid(1))  # task, run
-    h.result(W1, rid(1))  # done
-    h.request(C1, rid(2), kind="session")
-    h.result(W1, rid(2), session=rid(2))  # session
-    h.request(C1, rid(3), kind="job", argv=["x"], idempotent=True, need={"gpu_milli": 100})
-    h.worker(W1, Command.DISCONNECT, {})  # end (the session), queue (the idempotent job: the queue is full)
-    h.request(C1, rid(4), kind="job", argv=["x"])  # task, then forget: no room in the queue
-    h.ready(W2, "w2")
-    h.core.marks_changed()  # marks
-    journal: list[list[Any]] = protocol.unpackb(protocol.packb(h.core.journal))
-    return journal
+    ctx: zmq.Context[Any] = zmq.Context()
+    a = Side(ctx, FakeClock(), "primary", "inproc://updates-a", "inproc://updates-b", max_queue=1)
+    b = Side(ctx, a.clock, "backup", "inproc://updates-b", "inproc://updates-a")
+    try:
+        settle(a, b)
+        h = a.h
+        h.ready(W1, "w1")
+        a.client(rid(1))  # task, run
+        h.result(W1, rid(1))  # done
+        h.request(C1, rid(2), kind="session")
+        h.result(W1, rid(2), session=rid(2))  # session
+        h.request(C1, rid(3), kind="job", argv=["x"], idempotent=True, need={"gpu_milli": 100})
+        h.worker(W1, Command.DISCONNECT, {})  # end (the session), queue (the idempotent job: it fills the queue)
+        h.request(C1, rid(4), kind="job", argv=["x"])  # task, then forget: no room in the queue
+        h.ready(W2, "w2")
+        h.core.marks_changed()  # marks
+        settle(a, b)
+    finally:
+        a.pair.close()
+        b.pair.close()
+        ctx.term()
+    return b.updates
 
 
 def test_every_replicated_update_has_the_documented_items(lines: list[str]) -> None:
@@ -313,7 +321,7 @@ def test_every_replicated_update_has_the_documented_items(lines: list[str]) -> N
     assert set(documented) == {replica.TASK, replica.RUN, replica.QUEUE, replica.DONE, replica.FORGET,
                                replica.SESSION, replica.END, replica.MARKS}
     seen: dict[str, set[int]] = {}
-    for update in journal_of_every_update():
+    for update in updates_of_every_kind():
         seen.setdefault(update[0], set()).add(len(update) - 1)
-    assert set(seen) == set(documented), "the journal should hold one of each update"
+    assert set(seen) == set(documented), "the passive should have been sent one of each update"
     assert {tag: {len(items)} for tag, items in documented.items()} == seen

@@ -106,50 +106,61 @@ class Transition:
         return all(HOLDS[c](f) for c in self.when) and not any(HOLDS[c](f) for c in self.unless)
 
 
-S, E, A, C = State, Event, Action, Condition
-
-
 def _vote(state: State, hold: bool) -> tuple[Transition, ...]:
     """A client turned to a broker that is not active: take over, (passive only) hold, or reject."""
-    take = Transition(S.ACTIVE, A.TAKEOVER, when=(C.EXPIRED,), unless=(C.WITNESS,))
-    held = (Transition(state, A.HOLD, when=(C.SILENT,), unless=(C.WITNESS,)),) if hold else ()
-    return (take, *held, Transition(state, A.REJECT))
+    take = Transition(State.ACTIVE, Action.TAKEOVER, when=(Condition.EXPIRED,), unless=(Condition.WITNESS,))
+    held = (Transition(state, Action.HOLD, when=(Condition.SILENT,), unless=(Condition.WITNESS,)),) if hold else ()
+    return (take, *held, Transition(state, Action.REJECT))
+
+
+def _always(state: State, action: Action = Action.NONE) -> tuple[Transition, ...]:
+    """A row of one outcome, whatever the facts."""
+    return (Transition(state, action),)
 
 
 # (state, event) -> its outcomes, the first that applies taken; the last applies always (the row's
 # default). Every pair has a row. This is PROTOCOL.md §9.1's table, cell by cell.
 TRANSITIONS: dict[tuple[State, Event], tuple[Transition, ...]] = {
-    (S.PRIMARY, E.PEER_PRIMARY): (Transition(S.PRIMARY, A.ERROR),),  # both started as primary
-    (S.PRIMARY, E.PEER_BACKUP): (Transition(S.ACTIVE, A.TAKEOVER),),
-    (S.PRIMARY, E.PEER_ACTIVE): (Transition(S.PASSIVE, A.SYNC),),
-    (S.PRIMARY, E.PEER_PASSIVE): (Transition(S.PRIMARY),),
-    (S.PRIMARY, E.CLIENT): _vote(S.PRIMARY, hold=False),
-    (S.PRIMARY, E.HANDOVER): (Transition(S.PRIMARY),),
-    (S.PRIMARY, E.FAILOVER): (Transition(S.PRIMARY, A.REFUSE),),
-    (S.BACKUP, E.PEER_PRIMARY): (Transition(S.BACKUP),),
-    (S.BACKUP, E.PEER_BACKUP): (Transition(S.BACKUP, A.ERROR),),  # both started as backup
-    (S.BACKUP, E.PEER_ACTIVE): (Transition(S.PASSIVE, A.SYNC),),
-    (S.BACKUP, E.PEER_PASSIVE): (Transition(S.BACKUP),),
-    (S.BACKUP, E.CLIENT): _vote(S.BACKUP, hold=False),
-    (S.BACKUP, E.HANDOVER): (Transition(S.BACKUP),),
-    (S.BACKUP, E.FAILOVER): (Transition(S.BACKUP, A.REFUSE),),
-    (S.ACTIVE, E.PEER_PRIMARY): (Transition(S.ACTIVE),),
-    (S.ACTIVE, E.PEER_BACKUP): (Transition(S.ACTIVE),),
-    (S.ACTIVE, E.PEER_ACTIVE): (Transition(S.PASSIVE, A.STEP_DOWN, when=(C.LOWER,)), Transition(S.ACTIVE)),
-    (S.ACTIVE, E.PEER_PASSIVE): (Transition(S.ACTIVE),),
-    (S.ACTIVE, E.CLIENT): (Transition(S.ACTIVE, A.ACCEPT),),
-    (S.ACTIVE, E.HANDOVER): (Transition(S.ACTIVE),),
-    (S.ACTIVE, E.FAILOVER): (
-        Transition(S.PASSIVE, A.HAND_OVER, when=(C.IN_SYNC,), unless=(C.EXPIRED,)),
-        Transition(S.ACTIVE, A.REFUSE),
+    (State.PRIMARY, Event.PEER_PRIMARY): _always(State.PRIMARY, Action.ERROR),  # both started as primary
+    (State.PRIMARY, Event.PEER_BACKUP): _always(State.ACTIVE, Action.TAKEOVER),
+    (State.PRIMARY, Event.PEER_ACTIVE): _always(State.PASSIVE, Action.SYNC),
+    (State.PRIMARY, Event.PEER_PASSIVE): _always(State.PRIMARY),
+    (State.PRIMARY, Event.CLIENT): _vote(State.PRIMARY, hold=False),
+    (State.PRIMARY, Event.HANDOVER): _always(State.PRIMARY),
+    (State.PRIMARY, Event.FAILOVER): _always(State.PRIMARY, Action.REFUSE),
+
+    (State.BACKUP, Event.PEER_PRIMARY): _always(State.BACKUP),
+    (State.BACKUP, Event.PEER_BACKUP): _always(State.BACKUP, Action.ERROR),  # both started as backup
+    (State.BACKUP, Event.PEER_ACTIVE): _always(State.PASSIVE, Action.SYNC),
+    (State.BACKUP, Event.PEER_PASSIVE): _always(State.BACKUP),
+    (State.BACKUP, Event.CLIENT): _vote(State.BACKUP, hold=False),
+    (State.BACKUP, Event.HANDOVER): _always(State.BACKUP),
+    (State.BACKUP, Event.FAILOVER): _always(State.BACKUP, Action.REFUSE),
+
+    (State.ACTIVE, Event.PEER_PRIMARY): _always(State.ACTIVE),
+    (State.ACTIVE, Event.PEER_BACKUP): _always(State.ACTIVE),
+    (State.ACTIVE, Event.PEER_ACTIVE): (
+        Transition(State.PASSIVE, Action.STEP_DOWN, when=(Condition.LOWER,)),
+        Transition(State.ACTIVE),
     ),
-    (S.PASSIVE, E.PEER_PRIMARY): (Transition(S.ACTIVE, A.TAKEOVER),),
-    (S.PASSIVE, E.PEER_BACKUP): (Transition(S.ACTIVE, A.TAKEOVER),),
-    (S.PASSIVE, E.PEER_ACTIVE): (Transition(S.PASSIVE),),
-    (S.PASSIVE, E.PEER_PASSIVE): (Transition(S.ACTIVE, A.TAKEOVER, when=(C.PRIMARY,)), Transition(S.PASSIVE)),
-    (S.PASSIVE, E.CLIENT): _vote(S.PASSIVE, hold=True),
-    (S.PASSIVE, E.HANDOVER): (Transition(S.ACTIVE, A.TAKEOVER),),
-    (S.PASSIVE, E.FAILOVER): (Transition(S.PASSIVE, A.REFUSE),),
+    (State.ACTIVE, Event.PEER_PASSIVE): _always(State.ACTIVE),
+    (State.ACTIVE, Event.CLIENT): _always(State.ACTIVE, Action.ACCEPT),
+    (State.ACTIVE, Event.HANDOVER): _always(State.ACTIVE),
+    (State.ACTIVE, Event.FAILOVER): (
+        Transition(State.PASSIVE, Action.HAND_OVER, when=(Condition.IN_SYNC,), unless=(Condition.EXPIRED,)),
+        Transition(State.ACTIVE, Action.REFUSE),
+    ),
+
+    (State.PASSIVE, Event.PEER_PRIMARY): _always(State.ACTIVE, Action.TAKEOVER),
+    (State.PASSIVE, Event.PEER_BACKUP): _always(State.ACTIVE, Action.TAKEOVER),
+    (State.PASSIVE, Event.PEER_ACTIVE): _always(State.PASSIVE),
+    (State.PASSIVE, Event.PEER_PASSIVE): (
+        Transition(State.ACTIVE, Action.TAKEOVER, when=(Condition.PRIMARY,)),
+        Transition(State.PASSIVE),
+    ),
+    (State.PASSIVE, Event.CLIENT): _vote(State.PASSIVE, hold=True),
+    (State.PASSIVE, Event.HANDOVER): _always(State.ACTIVE, Action.TAKEOVER),
+    (State.PASSIVE, Event.FAILOVER): _always(State.PASSIVE, Action.REFUSE),
 }
 
 

@@ -6,6 +6,7 @@ Subcommands import their component lazily, so ``gpud version`` works on a host w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -97,8 +98,19 @@ def _config_check(args: argparse.Namespace) -> int:
         for line in str(exc).splitlines():
             print(f"gpud config check: {line}", file=sys.stderr)
         return 2
+    problems: list[str] = []
+    if args.role:  # the key files as that daemon uses them, and whether they are there and safe
+        cfg = dataclasses.replace(cfg, security=config.for_role(cfg.security, args.role))
+        problems = config.key_file_problems(cfg.security, args.role)
     print(f"# effective configuration ({cfg.path or 'no file'}, then GPUD_* variables, then defaults)")
     print(config.dump(cfg, config.ROLE_SECTIONS.get(args.role, config.SECTIONS)), end="")
+    if not args.role:
+        print("# key files not checked: add --role broker or --role worker\nOK")
+        return 0
+    for line in problems:
+        print(f"gpud config check: {line}", file=sys.stderr)
+    if problems:
+        return 2
     print("OK")
     return 0
 
@@ -130,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = config.add_subparsers(dest="config_command", required=True).add_parser(
         "check", help="validate a configuration file and GPUD_* variables; print the effective configuration")
     check.add_argument("--config", default=None, metavar="PATH", help="the file (default /etc/gpud/gpud.toml, where it exists)")
-    check.add_argument("--role", choices=("broker", "worker"), help="print only the sections this daemon reads")
+    check.add_argument("--role", choices=("broker", "worker"), help="print only the sections this daemon reads, with its key files, and check those files")
     return p
 
 

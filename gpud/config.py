@@ -22,9 +22,10 @@ import json
 import math
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar, cast, get_type_hints
 
 from gpud.errors import ConfigError
@@ -209,7 +210,8 @@ class WorkerSection:
 
 @dataclass(frozen=True, slots=True)
 class SecurityConfig:
-    """``[security]``. Empty key paths are derived from ``keys_dir`` by ``parse_security``."""
+    """``[security]``. Key paths are as given: ``for_role`` makes them the files a daemon uses
+    (an empty path is a name in ``keys_dir``, a relative one is taken inside ``keys_dir``)."""
 
     mode: str = _key("curve", _one_of("curve", "none"))
     allow_public_bind: bool = _key(False)  # with mode "none": bind beyond loopback
@@ -225,7 +227,7 @@ class SecurityConfig:
 class MetricsConfig:
     """``[metrics]``."""
 
-    listen: str = _key("127.0.0.1:9464", _host_port)  # empty: no metrics endpoint
+    listen: str = _key("", _host_port)  # empty: no metrics endpoint
 
 
 _SERVER_PREFIX_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,39}\Z")
@@ -407,25 +409,58 @@ def _check_table(cls: type[Any], table: Mapping[str, object], where: Where, erro
     return good
 
 
-def parse_security(table: Mapping[str, object], where: Where | None = None) -> SecurityConfig:
-    """``[security]`` as a SecurityConfig, with key paths left empty derived from ``keys_dir``:
-    ``broker.key_secret``, ``broker.key`` (also the broker's public key as the workers and clients
-    know it), ``workers/`` and ``clients/`` (the allow-lists)."""
-    errors: list[str] = []
-    values = _check_table(SecurityConfig, table, where or _named("[security] "), errors)
-    if errors:
-        raise ConfigError("\n".join(errors))
-    keys_dir = values.setdefault("keys_dir", SecurityConfig().keys_dir)
-    derived = {
-        "secret_key_file": "broker.key_secret",
-        "public_key_file": "broker.key",
-        "broker_public_key_file": "broker.key",
-        "worker_keys_dir": "workers",
-        "client_keys_dir": "clients",
-    }
-    for key, name in derived.items():
-        values[key] = values.get(key) or os.path.join(keys_dir, name)
-    return SecurityConfig(**values)
+KEY_FILES = {
+    "secret_key_file": "{role}.key_secret",
+    "public_key_file": "{role}.key",
+    "broker_public_key_file": "broker.key",
+    "worker_keys_dir": "workers",
+    "client_keys_dir": "clients",
+}
+"""[security] path key -> its file in ``keys_dir`` where it is empty; ``{role}``: broker or worker."""
+ROLE_KEY_FILES = {
+    "broker": ("secret_key_file", "public_key_file", "worker_keys_dir", "client_keys_dir"),
+    "worker": ("secret_key_file", "public_key_file", "broker_public_key_file"),
+}
+"""The [security] paths each daemon uses: its own pair, and the broker's allow-lists or public key."""
+
+
+def for_role(sec: SecurityConfig, role: str) -> SecurityConfig:
+    """``sec`` with every key path as the ``broker`` or ``worker`` uses it: an empty one is its
+    ``KEY_FILES`` name in ``keys_dir`` (``worker.key_secret`` for a worker), a relative one is
+    inside ``keys_dir``; an absolute one stays."""
+    paths: dict[str, Any] = {key: os.path.join(sec.keys_dir, getattr(sec, key) or name.format(role=role))
+             for key, name in KEY_FILES.items()}
+    return replace(sec, **paths)
+
+
+def key_file_problems(sec: SecurityConfig, role: str) -> list[str]:
+    """What is wrong with the key files a ``broker`` or ``worker`` would use (``for_role``): each
+    must exist; a secret key file must be its owner's alone, and nothing else writable by others
+    (who could write a key directory could add a key and be admitted). Nothing with mode none."""
+    if sec.mode == "none":
+        return []
+    sec = for_role(sec, role)
+    problems: list[str] = []
+    for key in ROLE_KEY_FILES[role]:
+        path = getattr(sec, key)
+        is_dir = key.endswith("_dir")
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            if key == "public_key_file" and isinstance(exc, FileNotFoundError):
+                continue  # optional: checked against the secret key only where it exists
+            problems.append(f"[security] {key}: {path}: {exc.strerror}")
+            continue
+        mode = stat.S_IMODE(st.st_mode)
+        if is_dir != stat.S_ISDIR(st.st_mode):
+            problems.append(f"[security] {key}: {path} is not a {'directory' if is_dir else 'file'}")
+        elif key == "secret_key_file" and mode & 0o077:
+            problems.append(f"[security] {key}: {path} has mode {mode:04o}; a secret key must be its "
+                            f"owner's alone: chmod 600 {path}")
+        elif mode & 0o022:
+            problems.append(f"[security] {key}: {path} has mode {mode:04o}: others may change it "
+                            f"(and so choose who is admitted); chmod go-w {path}")
+    return problems
 
 
 # --------------------------------------------------------------------------- layers
@@ -550,7 +585,6 @@ def load(path: str | None = None, env: Mapping[str, str] = os.environ, *,
     if errors:
         raise ConfigError("\n".join(errors))
     built: dict[str, Any] = {s: cls(**{k: v for k, (v, _) in merged[s].items()}) for s, cls in SECTIONS.items()}
-    built["security"] = parse_security({k: v for k, (v, _) in merged["security"].items()})
     cfg = GpudConfig(path=read if doc is not None else "", **built)
 
     def origin(section: str, key: str) -> str:

@@ -34,6 +34,7 @@ import zmq
 import zmq.auth
 import zmq.utils.z85
 
+from gpud.config import SecurityConfig, for_role
 from gpud.errors import ConfigError
 from gpud.protocol import _TENANT_RE
 
@@ -97,9 +98,20 @@ class CurveKeys:
                    server_key_file: str | os.PathLike[str] | None = None) -> CurveKeys:
         """Load our pair from a ``.key_secret`` file and, for a client or worker, the broker's
         public key from its ``.key`` file."""
+        if server_key_file is not None and _holds_secret(server_key_file) and not _holds_secret(secret_key_file):
+            raise ConfigError(f"the arguments are swapped: {secret_key_file} is a public key file and "
+                              f"{server_key_file} a secret one; call from_files(SECRET_FILE, BROKER_PUBLIC_FILE)")
         public, secret = load_secret_key(secret_key_file)
         server = load_public_key(server_key_file) if server_key_file is not None else None
         return cls(public, secret, server)
+
+
+def _holds_secret(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a readable certificate with a secret key in it."""
+    try:
+        return zmq.auth.load_certificate(os.fspath(path))[1] is not None
+    except (OSError, ValueError):
+        return False
 
 
 def require_curve() -> None:
@@ -150,27 +162,32 @@ def load_public_key(path: str | os.PathLike[str]) -> bytes:
     try:
         public, _ = zmq.auth.load_certificate(os.fspath(path))
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read a CURVE public key from {path}: {exc}") from None
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigError(f"cannot read a CURVE public key from {path}: {why}") from None
     if len(public) != 40:
         raise ConfigError(f"{path}: the public key is not a 40-character Z85 key")
     return public
 
 
 def load_secret_key(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
-    """(public, secret) from a ``.key_secret`` file, which nobody but its owner may read."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise ConfigError(f"cannot read the CURVE secret key file {path}: {exc.strerror}") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"{path}: a secret key file must not be accessible to others "
-                          f"(mode {stat.S_IMODE(st.st_mode):04o}); run chmod 600 {path}")
+    """(public, secret) from a ``.key_secret`` file, which nobody but its owner may read.
+
+    What the file holds is checked first: a public ``.key`` file given in its place (arguments
+    swapped) is named as such, not asked to be chmod-ed."""
     try:
         public, secret = zmq.auth.load_certificate(os.fspath(path))
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read a CURVE key pair from {path}: {exc}") from None
-    if secret is None or len(secret) != 40 or len(public) != 40:
-        raise ConfigError(f"{path} holds no secret key (is it the public .key file?)")
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigError(f"cannot read a CURVE key pair from {path}: {why}") from None
+    if secret is None:
+        raise ConfigError(f"{path} holds no secret key: it is a public key file (.key), "
+                          "where the secret one (.key_secret) belongs")
+    if len(secret) != 40 or len(public) != 40:
+        raise ConfigError(f"{path}: the keys are not 40-character Z85 keys")
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{path}: a secret key file must not be accessible to others "
+                          f"(mode {mode:04o}); run chmod 600 {path}")
     return public, secret
 
 
@@ -260,19 +277,14 @@ class SecuritySettings:
             raise ConfigError(f"security mode {self.mode!r}: use one of {', '.join(MODES)}")
 
     @classmethod
-    def from_config(cls, sec: Any, role: str) -> SecuritySettings:
-        """From ``gpud.config``'s [security] section for a ``broker`` or ``worker``. That section
-        derives its empty paths for the broker (``broker.key_secret``): a worker's own pair is
-        ``worker.key_secret`` unless a file was chosen."""
-        secret, public = str(sec.secret_key_file or ""), str(sec.public_key_file or "")
-        if role == "worker":
-            if secret == os.path.join(str(sec.keys_dir), f"{BROKER_KEY_NAME}.key_secret"):
-                secret = ""
-            public = ""  # the broker's own public key: nothing for a worker to check
-        return cls(mode=str(sec.mode), allow_public_bind=bool(sec.allow_public_bind), keys_dir=str(sec.keys_dir),
-                   secret_key_file=secret, public_key_file=public,
-                   broker_public_key_file=str(sec.broker_public_key_file or ""),
-                   worker_keys_dir=str(sec.worker_keys_dir or ""), client_keys_dir=str(sec.client_keys_dir or ""))
+    def from_config(cls, sec: SecurityConfig, role: str) -> SecuritySettings:
+        """From ``gpud.config``'s [security] section, with the key paths a ``broker`` or
+        ``worker`` uses (``gpud.config.for_role``)."""
+        s = for_role(sec, role)
+        return cls(mode=s.mode, allow_public_bind=s.allow_public_bind, keys_dir=s.keys_dir,
+                   secret_key_file=s.secret_key_file, public_key_file=s.public_key_file,
+                   broker_public_key_file=s.broker_public_key_file,
+                   worker_keys_dir=s.worker_keys_dir, client_keys_dir=s.client_keys_dir)
 
     @property
     def curve(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpud import config, daemonize
@@ -15,7 +16,9 @@ from gpud.security import SecuritySettings, add_security_arguments, security_fla
 from gpud_broker.policies import FACTORIES
 
 if TYPE_CHECKING:
+    from gpud.config import OpenStackConfig
     from gpud.resources import TenantLimits
+    from gpud_broker.broker import Endpoints
     from gpud_broker.core import BrokerConfig
     from gpud_standby.pair import PairConfig
 
@@ -30,6 +33,8 @@ STANDBY_FLAGS = ("role", "peer", "peer_bind", "peer_heartbeat_ms", "peer_expiry_
 """The [standby] keys that have a flag of the same name."""
 LOG_FLAGS = {"level": "log_level", "file": "log_file"}
 """[logging] key -> its flag's argparse dest (a flag that this parser lacks counts as not given)."""
+METRICS_FLAGS = {"listen": "metrics"}
+"""[metrics] key -> its flag's argparse dest."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-file", default=None, help="write the bound endpoints as JSON here once serving")
     p.add_argument("--metrics", default=None, metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free one, see --ready-file; "
-                        "default off; needs the extra 'metrics')")
+                        "default [metrics] listen, else off; needs the extra 'metrics')")
     daemonize.add_arguments(p)
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO, or [logging] level)")
 
@@ -100,7 +105,7 @@ def tenant_limits(tenants: dict[str, object], flags: dict[str, dict[str, int]]) 
 def load_config(args: argparse.Namespace) -> config.GpudConfig:
     """The configuration: flags, then GPUD_* variables, then the file, then the defaults."""
     flags = {"broker": config.flag_values(args, FLAGS), "logging": config.flag_values(args, LOG_FLAGS),
-             "standby": config.flag_values(args, STANDBY_FLAGS),
+             "standby": config.flag_values(args, STANDBY_FLAGS), "metrics": config.flag_values(args, METRICS_FLAGS),
              "security": config.flag_values(args, security_flags(worker=False))}
     return config.load(args.config, os.environ, flags=flags, policies=FACTORIES)
 
@@ -142,8 +147,36 @@ def pair_config(cfg: config.GpudConfig) -> PairConfig | None:
         raise ConfigError(f"[standby]: {exc}") from None
 
 
+@dataclass(frozen=True, slots=True)
+class BrokerPlan:
+    """Everything a broker runs with, made from the configuration alone (``plan``): ``run`` takes
+    nothing else from it, so a key that changes no field of this has no effect."""
+
+    config: BrokerConfig
+    endpoints: Endpoints
+    security: SecuritySettings
+    metrics: str | None  # HOST:PORT of the Prometheus endpoint; None: none
+    pair: PairConfig | None
+    openstack: OpenStackConfig
+    log_level: str
+    log_file: str
+
+
+def plan(cfg: config.GpudConfig, tenant_weights: dict[str, float] | None = None,
+         limits: dict[str, dict[str, int]] | None = None) -> BrokerPlan:
+    """The broker's plan from ``cfg`` (and the tenant flags). Raises ConfigError."""
+    from gpud_broker.broker import Endpoints
+
+    b = cfg.broker
+    return BrokerPlan(config=broker_config(cfg, tenant_weights, limits),
+                      endpoints=Endpoints(b.frontend, b.backend, b.admin or None),
+                      security=SecuritySettings.from_config(cfg.security, "broker"),
+                      metrics=cfg.metrics.listen or None, pair=pair_config(cfg), openstack=cfg.openstack,
+                      log_level=cfg.logging.level, log_file=cfg.logging.file)
+
+
 def run(args: argparse.Namespace) -> int:
-    from gpud_broker.broker import Endpoints, serve
+    from gpud_broker.broker import serve
 
     try:
         cfg = load_config(args)
@@ -162,14 +195,13 @@ def run(args: argparse.Namespace) -> int:
         if not name or weights[name] <= 0:
             print(f"gpud broker: --tenant-weight {item!r}: use TENANT=W with W > 0", file=sys.stderr)
             return 2
-    b = cfg.broker
     try:
         limits = parse_tenant_limits(args.tenant_limit)
-        security = SecuritySettings.from_config(cfg.security, "broker")
+        p = plan(cfg, weights, limits)
         daemonize.check(args)
         if args.daemon:  # from here on only the detached grandchild runs
             daemonize.detach(args.pid_file, log_target)
-            setup_logging(cfg.logging.level, "gpud-broker", log_target)
+            setup_logging(p.log_level, "gpud-broker", log_target)
     except ConfigError as exc:
         print(f"gpud broker: {exc}", file=sys.stderr)
         return 2
@@ -178,9 +210,8 @@ def run(args: argparse.Namespace) -> int:
             # The same layers as at start: the file and GPUD_* variables again, flags still win.
             return broker_config(load_config(args), weights, limits)
 
-        return serve(broker_config(cfg, weights, limits), Endpoints(b.frontend, b.backend, b.admin or None),
-                     args.ready_file, security, metrics=args.metrics, reloader=reloader, pair=pair_config(cfg),
-                     openstack=cfg.openstack)
+        return serve(p.config, p.endpoints, args.ready_file, p.security, metrics=p.metrics, reloader=reloader,
+                     pair=p.pair, openstack=p.openstack)
     except ConfigError as exc:  # keys missing or unreadable, a public bind without CURVE
         print(f"gpud broker: {exc}", file=sys.stderr)
         return 2

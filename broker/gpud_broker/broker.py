@@ -533,7 +533,7 @@ def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = N
             from gpud_broker.metrics import parse_listen
             from gpud_broker.metrics import start as start_metrics
         except ImportError:
-            raise ConfigError("--metrics needs prometheus-client: pip install 'gpud[metrics]'") from None
+            raise ConfigError("[metrics] listen (--metrics) needs prometheus-client: pip install 'gpud[metrics]'") from None
         parse_listen(metrics)  # a bad address is refused before anything is bound
     broker = Broker(config, endpoints, security=security, pair=pair)
     broker.reloader = reloader

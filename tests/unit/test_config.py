@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpud import config
-from gpud.config import GpudConfig, TenantLimits, load, parse_security
+from gpud.config import GpudConfig, TenantLimits, for_role, load
 from gpud.errors import ConfigError
 from gpud_broker.policies import POLICIES
 
@@ -42,8 +42,8 @@ def test_defaults_without_a_file(tmp_path: Path) -> None:
     assert cfg.broker == config.BrokerSection() and cfg.worker == config.WorkerSection()
     assert cfg.broker.policy == "balanced" and cfg.broker.heartbeat_ms == 1000 and cfg.broker.tenants == {}
     assert cfg.worker.brokers == ("tcp://127.0.0.1:5556",)
-    assert cfg.security.mode == "curve" and cfg.security.secret_key_file == "/etc/gpud/keys/broker.key_secret"
-    assert cfg.metrics.listen == "127.0.0.1:9464" and cfg.logging.level == "INFO"
+    assert cfg.security.mode == "curve" and cfg.security.secret_key_file == ""  # keys_dir's, for_role says which
+    assert cfg.metrics.listen == "" and cfg.logging.level == "INFO"
     assert dataclasses.is_dataclass(cfg)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.broker.name = "x"  # type: ignore[misc]
@@ -283,17 +283,19 @@ def test_tenants_cannot_come_from_the_environment(tmp_path: Path) -> None:
 
 
 def test_security_key_paths_follow_keys_dir() -> None:
-    sec = parse_security({"keys_dir": "/srv/keys", "client_keys_dir": "/srv/tenants"})
-    assert sec.secret_key_file == "/srv/keys/broker.key_secret"
-    assert sec.public_key_file == sec.broker_public_key_file == "/srv/keys/broker.key"
-    assert sec.worker_keys_dir == "/srv/keys/workers" and sec.client_keys_dir == "/srv/tenants"
-    with pytest.raises(ConfigError, match=r"\[security\] mode: must be one of curve, none"):
-        parse_security({"mode": "off"})
+    sec = config.SecurityConfig(keys_dir="/srv/keys", client_keys_dir="/srv/tenants", worker_keys_dir="w")
+    broker = for_role(sec, "broker")
+    assert (broker.secret_key_file, broker.public_key_file) == ("/srv/keys/broker.key_secret", "/srv/keys/broker.key")
+    assert broker.worker_keys_dir == "/srv/keys/w" and broker.client_keys_dir == "/srv/tenants"  # relative: inside
+    worker = for_role(sec, "worker")  # a worker's own pair, not the broker's
+    assert (worker.secret_key_file, worker.public_key_file) == ("/srv/keys/worker.key_secret", "/srv/keys/worker.key")
+    assert worker.broker_public_key_file == "/srv/keys/broker.key"
 
 
 def test_security_from_env_moves_the_derived_paths(tmp_path: Path) -> None:
     cfg = load(None, {"GPUD_SECURITY_KEYS_DIR": "/k"}, default_path=str(tmp_path / "absent.toml"))
-    assert cfg.security.secret_key_file == "/k/broker.key_secret"
+    assert for_role(cfg.security, "broker").secret_key_file == "/k/broker.key_secret"
+    assert for_role(cfg.security, "worker").secret_key_file == "/k/worker.key_secret"
 
 
 # --------------------------------------------------------------------------- flags, output, example
@@ -348,8 +350,7 @@ def test_example_loads_and_documents_every_key_with_its_default() -> None:
         keys = {f.name for f in dataclasses.fields(cls)}
         assert keys == set(doc[name]), f"[{name}] in the example differs from the keys gpud knows"
     # ... each with its default: the example's values are the defaults (an example tenant aside).
-    defaults = dataclasses.replace(GpudConfig(), security=parse_security({}))
-    assert dataclasses.replace(cfg, path="", broker=dataclasses.replace(cfg.broker, tenants={})) == defaults
+    assert dataclasses.replace(cfg, path="", broker=dataclasses.replace(cfg.broker, tenants={})) == GpudConfig()
     assert set(doc["broker"]["tenants"]["default"]) == {f.name for f in dataclasses.fields(TenantLimits)}
     assert cfg.broker.tenants == {"default": TenantLimits()}
     lines = EXAMPLE.read_text().splitlines()
@@ -377,7 +378,8 @@ def test_config_check_good_file(tmp_path: Path) -> None:
     assert r.stdout.rstrip().endswith("OK")
     shown = tomllib.loads(r.stdout.rstrip().removesuffix("OK"))
     assert shown["broker"]["policy"] == "best-fit" and shown["broker"]["name"] == "checked"
-    r = subprocess.run([*GPUD, "config", "check", "--config", path, "--role", "worker"], capture_output=True, text=True, timeout=60)
+    env = {"PATH": "/usr/bin:/bin", "GPUD_SECURITY_MODE": "none"}  # no key files to check
+    r = subprocess.run([*GPUD, "config", "check", "--config", path, "--role", "worker"], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0 and set(tomllib.loads(r.stdout.rstrip().removesuffix("OK"))) == {"worker", "security", "logging"}
 
 
@@ -394,3 +396,36 @@ def test_config_check_bad_file(tmp_path: Path) -> None:
     assert f"{path}: [worker] gpu: unknown key" in r.stderr
     r = subprocess.run([*GPUD, "config", "check", "--config", str(tmp_path / "nope.toml")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "nope.toml: no such configuration file" in r.stderr
+
+
+def test_config_check_shows_and_checks_each_daemons_own_key_files(tmp_path: Path) -> None:
+    from gpud.security import keygen
+
+    keys = tmp_path / "keys"
+    path = write(tmp_path, f'[security]\nkeys_dir = "{keys}"\n')
+    env = {"PATH": "/usr/bin:/bin"}
+
+    def check(role: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*GPUD, "config", "check", "--config", path, "--role", role],
+                              capture_output=True, text=True, timeout=60, env=env)
+
+    r = check("worker")  # nothing there yet: said, and not OK
+    assert r.returncode == 2 and "OK" not in r.stdout
+    assert f"secret_key_file: {keys}/worker.key_secret: No such file" in r.stderr
+    assert f"broker_public_key_file: {keys}/broker.key: No such file" in r.stderr
+    keygen(keys, "worker")
+    keygen(keys, "broker")
+    r = check("worker")
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("OK"), r.stderr
+    shown = tomllib.loads(r.stdout.rstrip().removesuffix("OK"))["security"]
+    assert shown["secret_key_file"] == f"{keys}/worker.key_secret" and shown["public_key_file"] == f"{keys}/worker.key"
+    assert check("broker").returncode == 2  # its allow-lists are missing
+    (keys / "workers").mkdir()
+    (keys / "clients").mkdir()
+    r = check("broker")
+    assert r.returncode == 0, r.stderr
+    assert tomllib.loads(r.stdout.rstrip().removesuffix("OK"))["security"]["secret_key_file"] == f"{keys}/broker.key_secret"
+    (keys / "broker.key_secret").chmod(0o640)
+    (keys / "clients").chmod(0o777)
+    r = check("broker")
+    assert r.returncode == 2 and "chmod 600" in r.stderr and f"{keys}/clients has mode 0777" in r.stderr

@@ -15,6 +15,7 @@ import zmq.auth
 import zmq.utils.z85
 
 from gpud.clock import FakeClock
+from gpud.config import SecurityConfig
 from gpud.errors import ConfigError
 from gpud.security import (
     ADMIN_DOMAIN,
@@ -99,14 +100,15 @@ def test_curve_keys_never_show_the_secret(tmp_path: Path) -> None:
 
 def test_settings_from_the_config_section(tmp_path: Path) -> None:
     d = str(tmp_path)
-    sec = SimpleNamespace(mode="curve", allow_public_bind=False, keys_dir=d,
-                          secret_key_file=f"{d}/broker.key_secret", public_key_file=f"{d}/broker.key",
-                          broker_public_key_file=f"{d}/broker.key", worker_keys_dir="", client_keys_dir="")
+    sec = SecurityConfig(keys_dir=d)  # every key path left empty: each daemon's own names in keys_dir
     keygen(tmp_path, "broker")
     keygen(tmp_path, "worker")
     broker = SecuritySettings.from_config(sec, "broker")
     assert broker.broker_keys().public == load_public_key(tmp_path / "broker.key")
-    worker = SecuritySettings.from_config(sec, "worker")  # the derived broker pair is not the worker's
+    assert (broker.secret_key_file, broker.public_key_file) == (f"{d}/broker.key_secret", f"{d}/broker.key")
+    worker = SecuritySettings.from_config(sec, "worker")  # the broker's pair is not the worker's
+    assert (worker.secret_key_file, worker.public_key_file) == (f"{d}/worker.key_secret", f"{d}/worker.key")
+    assert worker.broker_public_key_file == f"{d}/broker.key"
     wk = worker.worker_keys()
     assert wk.public == load_public_key(tmp_path / "worker.key")
     assert wk.server_public == load_public_key(tmp_path / "broker.key")
@@ -236,3 +238,15 @@ def test_a_key_file_copied_while_the_store_reads_it_is_still_learned(keys: Simpl
     assert store._stamp() != stamp
     assert store.refresh()
     assert store.clients.get(raw(public)) == "alice"
+
+
+def test_swapped_key_files_are_named_as_swapped_before_any_mode_is_checked(tmp_path: Path) -> None:
+    _, secret = keygen(tmp_path, "c")
+    server, _ = keygen(tmp_path, "broker")
+    assert stat.S_IMODE(os.stat(server).st_mode) == 0o644  # a public key file's normal mode
+    with pytest.raises(ConfigError) as info:
+        CurveKeys.from_files(server, secret)
+    assert "swapped" in str(info.value) and "chmod" not in str(info.value)
+    with pytest.raises(ConfigError) as info:  # a public key alone where the secret one belongs
+        CurveKeys.from_files(server)
+    assert "no secret key" in str(info.value) and "chmod" not in str(info.value)

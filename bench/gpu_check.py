@@ -72,9 +72,9 @@ def local_pycuda(launches: int, nbytes: int, repeat: int) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import pycuda.driver as drv
-    from gpud_worker.cuda import NvccCompiler
     from gpud_worker.kernels import CUDA_SOURCE
     from gpud_worker.modules import arch_of
+    from gpud_worker.nvcc import NvccCompiler
 
     drv.init()
     dev = drv.Device(0)

@@ -1521,6 +1521,8 @@ def _parse_load(msg: Message) -> list[str]:
     functions = header.get("functions", [])
     if type(functions) is not list or not all(type(f) is str for f in functions):
         raise ProtocolError("load reply field 'functions' must be a list of strings")
+    if header.get("compiled") is False:  # a SIMULATED GPU without nvcc: errors in the source stay hidden
+        log.warning("module loaded but %s", str(header.get("note") or "not compiled")[:500])
     return functions
 
 

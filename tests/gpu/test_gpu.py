@@ -40,7 +40,7 @@ def nvml_used(index: int) -> int:
 
 def nvcc(args: list[str], source: str) -> bytes:
     """Compile ``source`` with the worker's nvcc (as the test's own tool) and return the output."""
-    from gpud_worker.cuda import find_nvcc
+    from gpud_worker.nvcc import find_nvcc
 
     exe = find_nvcc()
     if exe is None:

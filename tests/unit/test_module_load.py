@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -11,6 +17,7 @@ from gpud_client.journal import ENTRY_COST, Journal
 from gpud_worker.device import SimulatedDevice, SimulatedSession
 from gpud_worker.gpu import simulated_gpus
 from gpud_worker.kernels import CUDA_SOURCE
+from gpud_worker.nvcc import find_nvcc
 
 F32 = np.float32
 G1 = (1, 1, 1)
@@ -43,7 +50,9 @@ def put(s: SimulatedSession, arr: np.ndarray) -> int:
 
 
 def test_a_module_of_builtin_kernels_runs_them(sess: SimulatedSession) -> None:
-    assert sess.load("cuda", "mine", MINE.encode()) == {"module": "mine", "functions": ["saxpy", "vector_add"]}
+    loaded = sess.load("cuda", "mine", MINE.encode())
+    assert (loaded["module"], loaded["functions"]) == ("mine", ["saxpy", "vector_add"])
+    assert loaded["compiled"] is (find_nvcc() is not None)
     x = np.arange(4, dtype=F32)
     hx, hy = put(sess, x), put(sess, np.ones(4, F32))
     sess.launch("mine", "saxpy", G1, (4, 1, 1), [("f32", 2.0), ("ptr", hx), ("ptr", hy), ("i32", 4)])
@@ -119,3 +128,48 @@ def test_journal_load_past_the_bound_overflows() -> None:
     assert j2.usable and len(j2) == 1
     j2.alloc(1, 4)  # one more entry: past the bound, and compaction cannot drop the load
     assert j2.overflowed
+
+
+BROKEN = r"""
+extern "C" __global__ void saxpy(float alpha, const float* x, float* y, int n)
+{
+    y[i] = alpha * x[i] + undeclared;  // i and undeclared: not declared anywhere
+}
+"""
+"""The built-in saxpy's name and parameters, and code that compiles nowhere."""
+
+LOAD_BROKEN = f"""
+import json
+from gpud.errors import RemoteError
+from gpud_worker.device import SimulatedDevice
+from gpud_worker.gpu import simulated_gpus
+sess = SimulatedDevice(simulated_gpus(1, mem=1 << 20)[0]).open_session(1 << 16)
+try:
+    print(json.dumps(sess.load("cuda", "broken", {BROKEN!r}.encode())))
+except RemoteError as exc:
+    print(json.dumps({{"error": str(exc)}}))
+"""
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="no nvcc here")
+def test_where_nvcc_is_here_a_source_that_does_not_compile_is_refused(sess: SimulatedSession) -> None:
+    with pytest.raises(RemoteError, match=r"(?s)compile error.*\"undeclared\" is undefined"):
+        sess.load("cuda", "broken", BROKEN.encode())
+    with pytest.raises(InvalidRequest, match="module 'broken' unknown"):  # nothing was loaded
+        sess.launch("broken", "saxpy", G1, G1, [("f32", 1.0), ("ptr", 0), ("ptr", 0), ("i32", 0)])
+
+
+def test_without_nvcc_the_load_result_says_it_was_not_compiled() -> None:
+    """A worker host without nvcc: a PATH without it, no CUDA_HOME, and (where this host has the
+    toolkit in the default place) an empty directory mounted over it, in a mount namespace."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-c", LOAD_BROKEN]
+    if os.path.isfile("/usr/local/cuda/bin/nvcc"):
+        if os.geteuid() != 0 or shutil.which("unshare") is None:
+            pytest.skip("nvcc in /usr/local/cuda, and no mount namespace to hide it in (needs root)")
+        cmd = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs tmpfs /usr/local/cuda/bin && exec "$@"', "sh", *cmd]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["compiled"] is False and "not compiled" in result["note"] and "no nvcc" in result["note"]
+    assert result["functions"] == ["saxpy"]

@@ -1,4 +1,4 @@
-"""The worker's CUDA C compiler (gpud_worker.cuda.NvccCompiler) with the real nvcc, where one is
+"""The worker's CUDA C compiler (gpud_worker.nvcc.NvccCompiler) with the real nvcc, where one is
 installed (a GPU is not needed to compile: `pip install nvidia-cuda-nvcc nvidia-cuda-runtime`, or a
 CUDA toolkit, or GPUD_NVCC). Without nvcc these tests skip, except the ones that need none.
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpud.errors import RemoteError
-from gpud_worker import cuda as C
+from gpud_worker import nvcc as C
 from gpud_worker.kernels import CUDA_SOURCE
 from gpud_worker.modules import check_cuda_source, cuda_signatures, ptx_signatures, wrap_extern_c
 

@@ -131,8 +131,15 @@ def run(args: argparse.Namespace) -> int:
     probe: GpuProbe
     devices: dict[str, Device] = {}
     if w.simulate:
+        from gpud_worker.nvcc import NvccCompiler
+
+        try:  # nvcc, where it is here, compiles loaded modules only to show their errors
+            compiler = NvccCompiler(user=_compile_user(w.compile_user))
+        except ConfigError as exc:
+            print(f"gpud worker: {exc}", file=sys.stderr)
+            return 2
         gpus = simulated_gpus(w.simulate, model=w.gpu_model, mem=w.gpu_mem, worker_name=name)
-        sims = [SimulatedDevice(g) for g in gpus]
+        sims = [SimulatedDevice(g, compiler=compiler) for g in gpus]
         devices = {d.gpu.uuid: d for d in sims}
         probe = SimulatedProbe(sims, probation_s=w.probation_s, fault_file=w.fault_file or None)
         log.warning("serving %d SIMULATED GPU(s): device memory is host memory, kernels run on the CPU", len(sims))

@@ -39,14 +39,20 @@ from gpud_worker.kernels import (
 )
 from gpud_worker.modules import (
     MAX_MODULES,
+    cache_key,
     check_cuda_source,
     check_load_args,
     cuda_signatures,
     decode_text,
     describe,
+    wrap_extern_c,
 )
+from gpud_worker.nvcc import NvccCompiler
 
 log = logging.getLogger(__name__)
+
+SIMULATED_CC = (8, 0)  # the architecture a SIMULATED GPU compiles loaded modules for (to show their errors)
+_COMPILED_KEPT = 256  # sources a simulated device remembers as compiling, so a reload compiles nothing
 
 BUSY_WINDOW_S = 1.0  # seconds of history behind busy_fraction()
 MAX_SHARED_MEM = 48 * 1024  # bytes of dynamic shared memory per block, CUDA's default limit
@@ -259,11 +265,32 @@ class SimulatedDevice(_BaseDevice):
     simulated: bool = True
 
     def __init__(
-        self, gpu: GpuInfo, clock: Clock | None = None, busy_window: float = BUSY_WINDOW_S
+        self, gpu: GpuInfo, clock: Clock | None = None, busy_window: float = BUSY_WINDOW_S,
+        compiler: NvccCompiler | None = None,
     ) -> None:
         self.gpu = gpu if gpu.simulated else replace(gpu, simulated=True)
         super().__init__(clock, busy_window)
         self._next_handle = 0
+        self.compiler = compiler if compiler is not None else NvccCompiler()
+        self._compiled: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def compile_check(self, source: str, options: Sequence[str]) -> bool:
+        """Compile a loaded module's CUDA C ``source`` with nvcc, where this host has it, only so
+        that its errors surface as they would on a real GPU (RemoteError, nvcc's message); the
+        cubin is thrown away. False: no nvcc here, nothing was compiled."""
+        if self.compiler.nvcc is None:
+            return False
+        key = cache_key("cuda", source.encode(), options, SIMULATED_CC, self.compiler.nvcc)
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return True
+        self.compiler.compile(wrap_extern_c(source), f"sm_{SIMULATED_CC[0]}{SIMULATED_CC[1]}", options)
+        with self._lock:
+            self._compiled[key] = None
+            while len(self._compiled) > _COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return True
 
     def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None, tenant: str = "default") -> SimulatedSession:
         _check_grant(mem_grant)
@@ -494,17 +521,20 @@ class SimulatedSession(_BaseSession[bytearray]):
                     raise RemoteError(f"kernel {name!r} failed: host memory exhausted") from None
 
     def load(self, kind: str, name: str, data: Any, options: Sequence[str] = ()) -> dict[str, Any]:
-        """The SIMULATED GPU compiles nothing: it accepts a CUDA C module only when every kernel
-        in it has the name and the parameter types of a built-in kernel, and then runs the
+        """The SIMULATED GPU runs no loaded code: it accepts a CUDA C module only when every
+        kernel in it has the name and the parameter types of a built-in kernel, and then runs the
         built-in (numpy) kernel of that name, whatever the module's code says. Anything else,
-        PTX and cubins included, is a RemoteError."""
-        kind, name, _ = check_load_args(kind, name, list(options))
+        PTX and cubins included, is a RemoteError. Where nvcc is here, the source is compiled
+        anyway, so that one that would not compile on a real GPU fails here too
+        (``compile_check``); the result's ``compiled`` says whether it was."""
+        kind, name, options = check_load_args(kind, name, list(options))
         if kind != "cuda":
             raise RemoteError(
                 f"the SIMULATED GPU runs only the built-in kernels: it cannot load a {kind} "
                 "module (a worker on a real GPU can)"
             )
-        sigs = cuda_signatures(check_cuda_source(decode_text(data, kind)))
+        source = decode_text(data, kind)
+        sigs = cuda_signatures(check_cuda_source(source))
         builtin = {n: tuple((t,) for t in s.params) for n, s in BUILTINS.items()}
         foreign = [describe(n, s) for n, s in sigs.items() if builtin.get(n) != tuple(p.accepts for p in s)]
         if foreign or not sigs:
@@ -515,9 +545,16 @@ class SimulatedSession(_BaseSession[bytearray]):
                 + (", ".join(foreign) if foreign else "no __global__ kernel")
             )
         with self._lock:
+            self._check_loadable(name)  # before a compilation that would be wasted
+        compiled = self._device.compile_check(source, options)
+        with self._lock:
             self._check_loadable(name)
             self._modules[name] = tuple(sorted(sigs))
-        return {"module": name, "functions": sorted(sigs)}
+        result: dict[str, Any] = {"module": name, "functions": sorted(sigs), "compiled": compiled}
+        if not compiled:
+            result["note"] = ("not compiled: this worker has no nvcc, so errors in the source do not show "
+                              "here; the SIMULATED GPU runs its built-in kernels of these names")
+        return result
 
     def _builtin_of(self, module: str, name: str) -> str:
         """The built-in kernel that ``name`` of ``module`` runs (modules loaded by ``load`` map

@@ -54,7 +54,13 @@ _TABLE = (
     ),
     CommandSpec(
         "queue",
-        """Queued requests in placement order: id, kind, tenant, priority, seconds waited.
+        """Queued requests in placement order: what each needs, how long it waited, and why.
+
+        Why it waits is the first that holds of: the broker places nothing now (passive,
+        settling, no worker with a free slot), its tenant's limits, no connected worker could
+        ever take it, no GPU fits it now, it fits only on workers reserved for requests that
+        waited longer, it is behind higher priority, behind tenants with less fair share used.
+        --json gives the reason's code (wait) besides the sentence (why).
 
         Example: gpudctl queue
         """,

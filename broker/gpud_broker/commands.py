@@ -21,7 +21,10 @@ import gpud
 from gpud.admin import Registry
 from gpud.admin_commands import COMMANDS
 from gpud.errors import ConflictError, InternalError, InvalidRequest
+from gpud.resources import Need
 from gpud_broker.core import BrokerCore
+from gpud_broker.policies import balanced, could_ever_fit
+from gpud_broker.queue import WaitFacts, why_waiting
 from gpud_broker.registry import GpuRecord, WorkerRecord
 from gpud_broker.tasks import State, Task
 
@@ -171,15 +174,61 @@ def gpus(target: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["worker"], r["index"]))
 
 
+def _needs(need: Need | None) -> dict[str, Any]:
+    """What a request asks for, as ``gpudctl queue`` shows it."""
+    if need is None:
+        return {}
+    out: dict[str, Any] = {"gpus": need.gpus} if need.gpus else {"gpu_milli": need.gpu_milli}
+    for key in ("mem", "cpu_milli", "host_mem"):
+        if getattr(need, key):
+            out[key] = getattr(need, key)
+    if need.models:
+        out["models"] = sorted(need.models)
+    if need.min_cc:
+        out["min_cc"] = list(need.min_cc)
+    if need.exclusive:
+        out["exclusive"] = True
+    return out
+
+
+def _wait_facts(core: BrokerCore, t: Task, ahead: list[tuple[float, str]], reserved: dict[str, Task]) -> WaitFacts:
+    """What decides whether ``t`` is placed now (``ahead``: effective priority and tenant of each
+    entry before it in placement order). Whether it fits is asked of the balanced policy, which
+    places wherever any policy could (feasibility does not depend on the policy)."""
+    need = t.need
+    held = ("it is passive, or settling after a takeover" if core.hold
+            else "no connected worker has a free slot" if core.open_workers <= 0 else None)
+    effective = core.queue.effective_priority(t, core.now)
+    workers = list(core.registry.by_identity.values())
+    others = {name for name, holder in reserved.items() if holder is not t}
+    fits_now = need is not None and balanced(need, workers, t.avoid) is not None
+    return WaitFacts(
+        held=held,
+        within_limits=need is None or not core.limits or core._within_limits(t, need),
+        ever_fits=need is not None and could_ever_fit(need, workers),
+        fits_now=fits_now,
+        fits_unreserved=fits_now and need is not None and balanced(need, workers, t.avoid | others) is not None,
+        ahead_higher=sum(1 for p, _ in ahead if p > effective),
+        ahead_same=sum(1 for p, tenant in ahead if p == effective and tenant != t.tenant),
+        reserved=t.reserved,
+    )
+
+
 @ADMIN.command("queue")
 def queue(target: Any, args: dict[str, Any]) -> list[dict[str, Any]]:
     core = _core(target)
-    return [
-        {"id": t.id.hex(), "kind": t.kind, "tenant": t.tenant, "priority": t.priority,
-         "waited_s": round(core.now - t.created, 3)}
-        for t in core.queue.in_order()
-        if t.state is State.QUEUED
-    ]
+    rows = []
+    ahead: list[tuple[float, str]] = []
+    reserved = core.queue.reservations
+    for t in core.queue.in_order(core.now):
+        if t.state is not State.QUEUED:
+            continue
+        code, why = why_waiting(_wait_facts(core, t, ahead, reserved))
+        rows.append({"id": t.id.hex(), "kind": t.kind, "tenant": t.tenant, "priority": t.priority,
+                     "waited_s": round(core.now - t.created, 3), "needs": _needs(t.need),
+                     "reserved": t.reserved, "wait": code, "why": why})
+        ahead.append((core.queue.effective_priority(t, core.now), t.tenant))
+    return rows
 
 
 def _task_row(core: BrokerCore, t: Task) -> dict[str, Any]:
@@ -192,6 +241,7 @@ def _task_row(core: BrokerCore, t: Task) -> dict[str, Any]:
         "priority": t.priority,
         "worker": t.worker,
         "gpus": list(g.gpus) if g is not None else [],
+        "gpu_names": [_gpu_name(core.registry.gpus[u]) if u in core.registry.gpus else u for u in g.gpus] if g is not None else [],
         "gpu_milli": g.gpu_milli if g is not None else 0,
         "mem": g.mem if g is not None else 0,
         "age_s": round(core.now - t.created, 3),

@@ -211,11 +211,14 @@ class PendingQueue(Generic[T]):
                 e.reserved = None
                 del self._reserved[id(e)]
 
+    def effective_priority(self, item: T, now: float) -> float:
+        """Its priority plus one level per ``aging_s`` seconds waited."""
+        waited = max(0.0, now - item.created)
+        return item.priority + (waited // self.aging_s if self.aging_s > 0 else 0.0)
+
     def _rank(self, fifo: deque[T], now: float, served: dict[str, int]) -> tuple[float, float, int, float]:
         head = fifo[0]
-        waited = max(0.0, now - head.created)
-        effective = head.priority + (waited // self.aging_s if self.aging_s > 0 else 0.0)
-        return (-effective, self.fair.vtime(head.tenant, now), served.get(head.tenant, 0), head.created)
+        return (-self.effective_priority(head, now), self.fair.vtime(head.tenant, now), served.get(head.tenant, 0), head.created)
 
     def in_order(self, now: float = 0.0) -> Iterator[T]:
         """Entries in the order ``place`` would offer them if everything fit (a snapshot)."""
@@ -287,3 +290,49 @@ class PendingQueue(Generic[T]):
         if self._len == 0:
             self._deadlines.clear()
         return out
+
+
+# --------------------------------------------------------------------------- why an entry waits
+
+
+@dataclass(frozen=True, slots=True)
+class WaitFacts:
+    """What decides whether one queued entry is placed, as the broker sees it now."""
+
+    held: str | None  # why the broker places nothing at all now; None: it places
+    within_limits: bool  # its tenant may take this grant under the tenant's limits
+    ever_fits: bool  # some connected worker could take it if that worker were idle
+    fits_now: bool  # some GPU could take it now
+    fits_unreserved: bool  # ... on a worker no other (older) entry has reserved
+    ahead_higher: int  # entries ahead of it with a higher effective priority
+    ahead_same: int  # entries ahead of it at its effective priority (tenants with less fair share)
+    reserved: str | None = None  # the worker it has reserved
+
+
+WAIT_REASONS = ("held", "tenant_limit", "no_gpu_ever", "no_gpu_fits", "reserved", "priority", "fair_share", "next")
+"""The codes ``why_waiting`` gives, in the order it checks them."""
+
+
+def why_waiting(f: WaitFacts) -> tuple[str, str]:
+    """Why an entry is still queued: a code of ``WAIT_REASONS`` and a sentence for people.
+
+    The first that holds, in this order: the broker places nothing now; its tenant's limits;
+    no GPU could ever take it; none can now; it fits only where an older entry has reserved; it
+    is behind higher priority; behind tenants with less weighted share; none of these (it goes
+    at the next placement round)."""
+    if f.held is not None:
+        return "held", f"the broker places nothing now: {f.held}"
+    if not f.within_limits:
+        return "tenant_limit", "its tenant holds as much as its limits allow; it goes when the tenant holds less"
+    if not f.ever_fits:
+        return "no_gpu_ever", "no connected worker could ever take it (GPU count, model, memory, CPU or host memory)"
+    if not f.fits_now:
+        mine = f"; it has reserved worker {f.reserved}" if f.reserved else ""
+        return "no_gpu_fits", f"no GPU fits it now; it goes when enough is free{mine}"
+    if not f.fits_unreserved:
+        return "reserved", "it fits only on workers reserved for requests that have waited longer"
+    if f.ahead_higher:
+        return "priority", f"behind {f.ahead_higher} request(s) of higher priority"
+    if f.ahead_same:
+        return "fair_share", f"behind {f.ahead_same} request(s) of tenants with less fair share used"
+    return "next", "it fits: it goes at the next placement round"

@@ -287,3 +287,47 @@ def test_spec_parses_examples_and_checks_args() -> None:
     assert spec.check({"n": 3, "tag": None}) == {"n": 3, "tag": "none"}
     with pytest.raises(GpudError):
         spec.check({"n": -1})
+
+
+def test_queue_says_what_each_request_needs_and_why_it_waits() -> None:
+    from gpud.resources import TenantLimits
+
+    c = Core()
+    c.core.set_tenant_limits({"capped": TenantLimits(max_milli=1000)})
+    c.ready(W1, "w1", ngpus=2)
+    c.request(rid(1), gpus=1)  # one GPU, whole
+    c.request(rid(5), gpu_milli=500, tenant="capped")  # half the other
+    c.request(rid(6), gpu_milli=400, tenant="capped")  # 900 of its 1000: placed
+    c.request(rid(7), gpu_milli=100, tenant="capped")  # 1000: placed
+    c.request(rid(8), gpu_milli=50, tenant="capped")  # 1050: its limit holds it back
+    c.request(rid(2), gpus=1, mem=GiB)  # no whole GPU is free
+    rows = {q["id"]: q for q in c.admin("queue")}
+    assert set(rows) == {rid(8).hex(), rid(2).hex()}
+    assert rows[rid(2).hex()]["needs"] == {"gpus": 1, "mem": GiB} and rows[rid(2).hex()]["wait"] == "no_gpu_fits"
+    assert rows[rid(8).hex()]["needs"] == {"gpu_milli": 50} and rows[rid(8).hex()]["wait"] == "tenant_limit"
+    assert "limits" in rows[rid(8).hex()]["why"]
+    task_rows = c.admin("tasks", state="running")["tasks"]
+    assert len(task_rows) == 4 and all(t["gpu_names"] and t["gpu_names"][0] in ("w1/0", "w1/1") for t in task_rows)
+    c.core.worker_lost(c.core.registry.by_name["w1"], "test")  # the only worker goes
+    rows = c.admin("queue")
+    assert rows and {q["wait"] for q in rows} == {"held"} and "no connected worker" in rows[0]["why"]
+
+
+def test_why_waiting_checks_in_order() -> None:
+    from gpud_broker.queue import WAIT_REASONS, WaitFacts, why_waiting
+
+    fits = WaitFacts(held=None, within_limits=True, ever_fits=True, fits_now=True, fits_unreserved=True,
+                     ahead_higher=0, ahead_same=0)
+    cases = [
+        (dict(held="settling"), "held"), (dict(within_limits=False, ever_fits=False), "tenant_limit"),
+        (dict(ever_fits=False, fits_now=False), "no_gpu_ever"), (dict(fits_now=False, ahead_higher=3), "no_gpu_fits"),
+        (dict(fits_unreserved=False, ahead_higher=3), "reserved"), (dict(ahead_higher=2, ahead_same=5), "priority"),
+        (dict(ahead_same=5), "fair_share"), ({}, "next"),
+    ]
+    import dataclasses
+
+    for change, code in cases:
+        got, why = why_waiting(dataclasses.replace(fits, **change))
+        assert got == code and why, change
+    assert [code for _, code in cases] == list(WAIT_REASONS)
+    assert "worker w9" in why_waiting(dataclasses.replace(fits, fits_now=False, reserved="w9"))[1]

@@ -76,6 +76,16 @@ class Arg:
 
 
 @dataclass(frozen=True, slots=True)
+class Operand:
+    """An optional word after a command's first positional argument that stands for one of its
+    flags, chosen by that argument's value: ``gpudctl openstack boot 2`` for ``--count 2``."""
+
+    metavar: str
+    help: str
+    by: tuple[tuple[str, str], ...]  # (value of the first positional argument, the argument the word gives)
+
+
+@dataclass(frozen=True, slots=True)
 class CommandSpec:
     """What an admin command is, independent of who implements it.
 
@@ -88,6 +98,7 @@ class CommandSpec:
     doc: str
     args: tuple[Arg, ...] = ()
     mutating: bool = False
+    operand: Operand | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "doc", inspect.cleandoc(self.doc))
@@ -116,6 +127,25 @@ class CommandSpec:
                 status, text = int(e.group(1)), e.group(2)
             found.append((m.group(1).strip(), status, text))
         return found
+
+    def with_operand(self, args: dict[str, Any], word: str | None) -> dict[str, Any]:
+        """``args`` with the ``operand`` ``word`` given as the argument it stands for; ValueError
+        says what is wrong (a word where none is taken, the argument given twice, not a number)."""
+        if word is None:
+            return args
+        first = next((a for a in self.args if a.positional), None)
+        key = dict(self.operand.by).get(str(args.get(first.name))) if self.operand and first else None
+        if key is None or first is None:
+            raise ValueError(f"{args.get(first.name) if first else self.name} takes nothing after it")
+        arg = next(a for a in self.args if a.name == key)
+        shown = arg.metavar or arg.name.upper()
+        if key in args:
+            raise ValueError(f"give {shown} or {arg.flag}, not both")
+        if arg.type is int:
+            if not word.isdigit():
+                raise ValueError(f"{args[first.name]} {shown}: {shown} is a number, not {word!r}")
+            return {**args, key: int(word)}
+        return {**args, key: word}
 
     def check(self, args: Any) -> dict[str, Any]:
         """The checked arguments, with defaults filled in; InvalidRequest on anything wrong."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from gpud.admin import Arg, CommandSpec
+from gpud.admin import Arg, CommandSpec, Operand
 
 __all__ = ["COMMANDS", "markdown", "usage"]
 
@@ -177,7 +177,7 @@ _TABLE = (
     ),
 )
 
-# openstack (issue 7): GPU VMs through Nova (gpud_broker.openstack), one command with an ACTION.
+# GPU VMs through Nova (gpud_broker.openstack), one command with an ACTION.
 OPENSTACK_ACTIONS = ("list", "boot", "replace", "retire", "actions")
 _OPENSTACK = CommandSpec(
     "openstack",
@@ -210,6 +210,8 @@ _OPENSTACK = CommandSpec(
         Arg("count", int, "boot: how many servers, default 1 (or give N after ACTION)", min=1, max=100, metavar="N"),
     ),
     mutating=True,
+    operand=Operand("N|WORKER", "boot: how many (as --count); replace, retire: the worker (as --worker)",
+                    (("boot", "count"), ("replace", "worker"), ("retire", "worker"))),
 )
 
 COMMANDS: dict[str, CommandSpec] = {spec.name: spec for spec in (*_TABLE, _OPENSTACK)}

@@ -593,8 +593,11 @@ class HandshakeLog:
         self.failures += 1
         held = self._limit((endpoint, event, value))
         if held is not None:
-            log.warning("%s %s: a CURVE handshake failed: %s%s", self.what, endpoint, why,
-                        f"; {held} more since the last report" if held else "")
+            # A peer that closes before its handshake ends (a client that gave up, a port probe)
+            # is routine; a mismatch or a protocol error is a misconfiguration.
+            routine = bool(event & zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+            (log.info if routine else log.warning)("%s %s: a CURVE handshake failed: %s%s", self.what, endpoint, why,
+                                                   f"; {held} more since the last report" if held else "")
 
     def drain(self, monitor: zmq.Socket[Any]) -> None:
         from zmq.utils.monitor import parse_monitor_message

@@ -240,8 +240,9 @@ class Broker:
             applied, kept = self.core.apply_config(new)
             if self.zap_handler is not None:
                 self.zap_handler.keys.refresh()
-            log.warning("configuration re-read: applied %s%s", ", ".join(applied) or "no changes",
-                        f"; needs a restart: {', '.join(kept)}" if kept else "")
+            (log.warning if applied or kept else log.info)(
+                "configuration re-read: applied %s%s", ", ".join(applied) or "no changes",
+                f"; needs a restart: {', '.join(kept)}" if kept else "")
             return {"changed": applied, "restart_needed": kept}
         finally:
             notify.ready()

@@ -854,7 +854,8 @@ class BrokerCore:
         ``graceful``: it said goodbye (not counted in ``counters["worker_losses"]``)."""
         if not graceful:
             self.counters["worker_losses"] += 1
-        log.warning("worker %s lost (%s): %d task(s) were on it", worker.name, why, len(worker.assigned))
+        (log.info if graceful else log.warning)(
+            "worker %s lost (%s): %d task(s) were on it", worker.name, why, len(worker.assigned))
         if worker.pos >= 0 and worker.has_slot:
             self.open_workers -= 1
         self.registry.remove(worker)

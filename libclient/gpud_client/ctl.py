@@ -7,7 +7,7 @@ admin command, with the command's docstring as help and its argument schema as o
 the admin socket's file permissions decide who may ask at all.
 
 Exit status: 0 success, 1 the broker answered with an error (or an unusable reply), 2 usage error,
-3 the broker did not answer in time.
+3 the broker did not answer in time (or its admin socket is not there, or not ours to use).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import stat
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from time import monotonic
@@ -167,7 +168,8 @@ def _rows(value: Any) -> list[Mapping[str, Any]]:
 
 
 _COUNTS = ("workers", "gpus", "queued", "running", "sessions", "done")
-_COLUMNS = "{:<12} {:>3} {:<18} {:<3} {:>4} {:>11} {:>5} {:>5} {:<8}"
+WIDTH = 80  # columns of the human output where the terminal's width is unknown
+_GAP = "  "  # between two columns
 
 
 def _role(broker: Mapping[str, Any]) -> str:
@@ -180,65 +182,98 @@ def _role(broker: Mapping[str, Any]) -> str:
     return f"{role} {state}" + (f" e{epoch}" if isinstance(epoch, int) else "")
 
 
-def format_status(status: Mapping[str, Any]) -> str:
-    """The ``status`` result as a table of at most 80 columns: one summary line, one row per GPU.
+def _wrap(text: Any, first: str, width: int | None) -> list[str]:
+    """``text`` after ``first`` in lines of at most ``width`` columns (None: one line), the rest
+    indented under it: a sentence is wrapped, never cut."""
+    import textwrap
 
-    Tolerates missing or odd fields (it is for people; ``--json`` gives the exact data).
-    """
-    broker = _map(status.get("broker"))
-    counts = _map(status.get("counts"))
-    peer = broker.get("peer")
-    lines = [
-        "broker {} ({}, {}) up {}  policy {}{}".format(
-            _text(broker.get("name", "?"), 20),
-            _text(_role(broker), 22),
-            _text(broker.get("version", "?"), 10),
-            _duration(_num(broker.get("uptime_s"))),
-            _text(broker.get("policy", "?"), 14),
-            f"  peer {_text(peer, 10)}" if peer is not None else "",
-        ),
-        "  ".join(f"{k} {int(_num(counts.get(k)))}" for k in _COUNTS),
-        "",
-        _COLUMNS.format(
-            "WORKER", "IDX", "MODEL", "", "UTIL", "MEM GiB", "MILLI", "TASKS", "HEALTH"
-        ).rstrip(),
-    ]
-    gpus = _rows(status.get("gpus"))
-    for g in sorted(gpus, key=lambda g: (str(g.get("worker", "")), int(_num(g.get("index"))))):
-        mem = f"{_num(g.get('mem_used')) / GIB:.1f}/{_num(g.get('mem')) / GIB:.1f}"
-        lines.append(
-            _COLUMNS.format(
-                _text(g.get("worker"), 12),
-                int(_num(g.get("index"))),
-                _text(g.get("model"), 18),
-                "SIM" if g.get("simulated") is True else "",
-                f"{_num(g.get('util')):.0f}%",
-                _text(mem, 11),
-                int(_num(g.get("granted_milli"))),
-                int(_num(g.get("tasks"))),
-                _text(g.get("health", "?"), 8),
-            ).rstrip()
-        )
-    if not gpus:
-        lines.append("(no GPUs connected)")
-    lines += _health_notes(gpus)
-    return "\n".join(_fit(line, WIDTH) for line in lines)
+    if not isinstance(text, str) or not text:
+        return []
+    if width is None:
+        return [first + text]
+    return textwrap.wrap(text, max(20, width), initial_indent=first, subsequent_indent=" " * (len(first) + 2),
+                         break_on_hyphens=False)
 
 
-WIDTH = 80  # columns of the human output
-
-
-def _fit(line: str, width: int) -> str:
+def _fit(line: str, width: int | None) -> str:
     line = line.rstrip()
-    return line if len(line) <= width else line[: max(0, width - 1)] + "~"
+    return line if width is None or len(line) <= width else line[: max(0, width - 1)] + "~"
 
 
-def _table(columns: str, header: Sequence[str], rows: Sequence[Sequence[Any]], empty: str) -> list[str]:
-    lines = [columns.format(*header)]
-    lines += [columns.format(*row) for row in rows]
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], width: int | None, empty: str,
+           right: Sequence[int] = (), notes: Mapping[int, list[str]] | None = None) -> list[str]:
+    """Rows under ``header``, each column as wide as its widest cell. Only where that is wider
+    than ``width`` (the terminal's) do the widest columns give up characters (cut with ``~``),
+    down to their header's width. ``right``: columns aligned right. ``notes``: lines printed
+    under row I (sentences: wrapped, never cut)."""
+    cells = [[("" if c is None else str(c)) for c in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(header)]
+    if width is not None:
+        over = sum(widths) + len(_GAP) * (len(widths) - 1) - width
+        while over > 0:
+            i = max(range(len(widths)), key=lambda i: widths[i] - max(len(header[i]), 3))
+            if widths[i] <= max(len(header[i]), 3):
+                break
+            widths[i] -= 1
+            over -= 1
+
+    def line(row: Sequence[str]) -> str:
+        out = []
+        for i, (cell, w) in enumerate(zip(row, widths, strict=True)):
+            text = cell if len(cell) <= w else cell[: max(0, w - 1)] + "~"
+            out.append(text.rjust(w) if i in right else text.ljust(w))
+        return _fit(_GAP.join(out), width)
+
+    lines = [line(header)]
+    for i, row in enumerate(cells):
+        lines.append(line(row))
+        lines += (notes or {}).get(i, [])
     if not rows:
         lines.append(empty)
     return lines
+
+
+def _by_position(gpus: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return sorted(gpus, key=lambda g: (str(g.get("worker", "")), int(_num(g.get("index")))))
+
+
+def _gpu_name(g: Mapping[str, Any]) -> str:
+    """WORKER/INDEX, as the broker names GPUs (cordon takes it)."""
+    return str(g.get("name") or f"{g.get('worker')}/{int(_num(g.get('index')))}")
+
+
+def _mem(g: Mapping[str, Any]) -> str:
+    return f"{_num(g.get('mem_used')) / GIB:.1f}/{_num(g.get('mem')) / GIB:.1f}"
+
+
+def format_status(status: Mapping[str, Any], width: int | None = WIDTH) -> str:
+    """The ``status`` result for people: who this broker is, its peer (endpoint and state), the
+    counts, then one row per GPU. Tolerates missing or odd fields (``--json`` gives the exact data)."""
+    broker = _map(status.get("broker"))
+    pair = _map(status.get("pair"))
+    counts = _map(status.get("counts"))
+    head = "broker {} ({}, {}) up {}  policy {}".format(
+        broker.get("name", "?"), _role(broker), broker.get("version", "?"),
+        _duration(_num(broker.get("uptime_s"))), broker.get("policy", "?"))
+    lines = _wrap(head, "", width)
+    peer = broker.get("peer")
+    if peer is not None:
+        state = pair.get("peer_state")
+        heard = pair.get("peer_silent_s")
+        said = f"{state}, heard {_duration(_num(heard))} ago" if isinstance(state, str) else "not heard from yet"
+        if pair.get("synced") is False:
+            said += "; not in sync"
+        lines += _wrap(f"peer {peer}: {said}", "", width)
+    lines += _wrap("  ".join(f"{k} {int(_num(counts.get(k)))}" for k in _COUNTS), "", width)
+    lines.append("")
+    gpus = _by_position(_rows(status.get("gpus")))
+    rows = [(g.get("worker"), int(_num(g.get("index"))), g.get("model"), "SIM" if g.get("simulated") is True else "",
+             f"{_num(g.get('util')):.0f}%", _mem(g), int(_num(g.get("granted_milli"))), int(_num(g.get("tasks"))),
+             g.get("health", "?")) for g in gpus]
+    lines += _table(("WORKER", "IDX", "MODEL", "", "UTIL", "MEM GiB", "MILLI", "TASKS", "HEALTH"), rows, width,
+                    "(no GPUs connected)", right=(1, 4, 5, 6, 7))
+    lines += _health_notes(gpus, width)
+    return "\n".join(lines)
 
 
 def _short_id(value: Any) -> str:
@@ -260,190 +295,139 @@ def _work_text(g: Mapping[str, Any]) -> str:
     return f"{tasks} grant{'s' if tasks != 1 else ''}" if tasks else "-"
 
 
-def _format_workers(result: Any) -> list[str]:
-    cols = "{:<12} {:<16} {:>4} {:>9} {:<8} {:>4} {:>6} {:<3}"
+def _format_workers(result: Any, width: int | None) -> list[str]:
     rows = [
-        (
-            _text(w.get("name"), 12),
-            _text(w.get("hostname") or "-", 16),
-            int(_num(w.get("gpus"))),
-            f"{int(_num(w.get('inflight')))}/{int(_num(w.get('slots')))}",
-            "draining" if w.get("draining") is True else "ok",
-            len(w.get("running") or []) if isinstance(w.get("running"), list) else 0,
-            _duration(_num(w.get("last_heard_s"))),
-            "SIM" if w.get("simulated") is True else "",
-        )
+        (w.get("name"), w.get("hostname") or "-", int(_num(w.get("gpus"))),
+         f"{int(_num(w.get('inflight')))}/{int(_num(w.get('slots')))}",
+         "draining" if w.get("draining") is True else "ok",
+         len(w.get("running") or []) if isinstance(w.get("running"), list) else 0,
+         _duration(_num(w.get("last_heard_s"))), "SIM" if w.get("simulated") is True else "")
         for w in _rows(result)
     ]
-    return _table(cols, ("WORKER", "HOST", "GPUS", "INFLIGHT", "STATE", "RUN", "HEARD", ""), rows,
-                  "(no workers connected)")
+    return _table(("WORKER", "HOST", "GPUS", "INFLIGHT", "STATE", "RUN", "HEARD", ""), rows, width,
+                  "(no workers connected)", right=(2, 3, 5, 6))
 
 
-def _health_notes(gpus: Sequence[Mapping[str, Any]]) -> list[str]:
+def _health_notes(gpus: Sequence[Mapping[str, Any]], width: int | None) -> list[str]:
     """One line per GPU that its worker counts failed: why, and when its probation ends."""
     notes = []
-    for g in sorted(gpus, key=lambda g: (str(g.get("worker", "")), int(_num(g.get("index"))))):
+    for g in _by_position(gpus):
         reason = g.get("health_reason")
         if g.get("measured_health", g.get("health")) != "failed" and not reason:
             continue
-        name = g.get("name") or f"{g.get('worker')}/{int(_num(g.get('index')))}"
-        line = f"{_text(name, 16)} failed: {_text(reason or 'unknown', 48)}"
+        line = f"{_gpu_name(g)} failed: {reason or 'unknown'}"
         left = _num(g.get("probation_left_s"))
         if left > 0:
             line += f"; on probation, serves again in {_duration(math.ceil(left))}"
-        notes.append(line)
+        notes += _wrap(line, "", width)
     return ["", *notes] if notes else []
 
 
-def _format_gpus(result: Any) -> list[str]:
-    cols = "{:<10} {:<14} {:<3} {:>4} {:>11} {:>4} {:>5} {:<11} {:<9}"
-    rows = []
-    for g in _rows(result):
-        mem = f"{_num(g.get('mem_used')) / GIB:.1f}/{_num(g.get('mem')) / GIB:.1f}"
-        name = g.get("name") or f"{g.get('worker')}/{int(_num(g.get('index')))}"
-        rows.append((
-            _text(name, 10),
-            _text(g.get("model"), 14),
-            "SIM" if g.get("simulated") is True else "",
-            f"{_num(g.get('util')):.0f}%",
-            _text(mem, 11),
-            f"{_num(g.get('temp')):.0f}C",
-            int(_num(g.get("granted_milli"))),
-            _text(_work_text(g), 11),
-            _text(g.get("health", "?"), 9),
-        ))
-    return _table(cols, ("GPU", "MODEL", "", "UTIL", "MEM GiB", "TEMP", "MILLI", "RUNNING", "HEALTH"), rows,
-                  "(no GPUs connected)") + _health_notes(_rows(result))
+def _format_gpus(result: Any, width: int | None) -> list[str]:
+    rows = [(_gpu_name(g), g.get("model"), "SIM" if g.get("simulated") is True else "", f"{_num(g.get('util')):.0f}%",
+             _mem(g), f"{_num(g.get('temp')):.0f}C", int(_num(g.get("granted_milli"))), _work_text(g), g.get("health", "?"))
+            for g in _rows(result)]
+    return _table(("GPU", "MODEL", "", "UTIL", "MEM GiB", "TEMP", "MILLI", "RUNNING", "HEALTH"), rows, width,
+                  "(no GPUs connected)", right=(3, 4, 5, 6)) + _health_notes(_rows(result), width)
 
 
-def _format_queue(result: Any) -> list[str]:
-    cols = "{:<12} {:<8} {:<24} {:>5} {:>8}"
-    rows = [
-        (_short_id(t.get("id")), _text(t.get("kind"), 8), _text(t.get("tenant"), 24),
-         int(_num(t.get("priority"))), _duration(_num(t.get("waited_s"))))
-        for t in _rows(result)
-    ]
-    return _table(cols, ("ID", "KIND", "TENANT", "PRIO", "WAITED"), rows, "(nothing queued)")
+def _needs_text(needs: Any) -> str:
+    """``2 GPUs 16G``, ``250 milli 1.0G sm>=8.0``: what a queued request asks for."""
+    n = _map(needs)
+    parts = [f"{int(_num(n['gpus']))} GPU{'s' if _num(n['gpus']) != 1 else ''}" if "gpus" in n
+             else f"{int(_num(n.get('gpu_milli')))} milli" if "gpu_milli" in n else "-"]
+    if n.get("mem"):
+        parts.append(_gib(n["mem"]))
+    if n.get("cpu_milli"):
+        parts.append(f"cpu {int(_num(n['cpu_milli']))}")
+    if n.get("host_mem"):
+        parts.append(f"host {_gib(n['host_mem'])}")
+    if isinstance(n.get("models"), list):
+        parts.append("/".join(map(str, n["models"])))
+    if isinstance(n.get("min_cc"), list) and len(n["min_cc"]) == 2:
+        parts.append(f"sm>={n['min_cc'][0]}.{n['min_cc'][1]}")
+    if n.get("exclusive") is True:
+        parts.append("exclusive")
+    return " ".join(parts)
 
 
-def _format_tasks(result: Any) -> list[str]:
+def _format_queue(result: Any, width: int | None) -> list[str]:
+    queued = _rows(result)
+    rows = [(_short_id(t.get("id")), t.get("kind"), t.get("tenant"), int(_num(t.get("priority"))),
+             _duration(_num(t.get("waited_s"))), _needs_text(t.get("needs")), t.get("wait") or "-") for t in queued]
+    notes = {i: _wrap(t.get("why"), "    why: ", width) for i, t in enumerate(queued)}
+    return _table(("ID", "KIND", "TENANT", "PRIO", "WAITED", "NEEDS", "WAIT"), rows, width, "(nothing queued)",
+                  right=(3, 4), notes=notes)
+
+
+def _format_tasks(result: Any, width: int | None) -> list[str]:
     res = _map(result)
     tasks = _rows(res.get("tasks"))
-    cols = "{:<12} {:<7} {:<7} {:<16} {:<10} {:<14} {:>7}"
     rows = []
     for t in tasks:
-        gpus = [str(u) for u in t.get("gpus") or [] if isinstance(u, str)] if isinstance(t.get("gpus"), list) else []
-        gpu = (_text(gpus[0], 11) + (f"+{len(gpus) - 1}" if len(gpus) > 1 else "")) if gpus else "-"
-        rows.append((
-            _short_id(t.get("id")), _text(t.get("state"), 7), _text(t.get("kind"), 7),
-            _text(t.get("tenant"), 16), _text(t.get("worker") or "-", 10), _text(gpu, 14),
-            _duration(_num(t.get("age_s"))),
-        ))
+        names = t.get("gpu_names") if isinstance(t.get("gpu_names"), list) and t.get("gpu_names") else t.get("gpus")
+        gpus = [str(u) for u in names if isinstance(u, str)] if isinstance(names, list) else []
+        rows.append((_short_id(t.get("id")), t.get("state"), t.get("kind"), t.get("tenant"), t.get("worker") or "-",
+                     ",".join(gpus) or "-", _duration(_num(t.get("age_s")))))
     lines = [f"{int(_num(res.get('matched')))} matching, {len(rows)} shown (newest first)"]
-    return lines + _table(cols, ("ID", "STATE", "KIND", "TENANT", "WORKER", "GPU", "AGE"), rows, "(none)")
+    return lines + _table(("ID", "STATE", "KIND", "TENANT", "WORKER", "GPU", "AGE"), rows, width, "(none)", right=(6,))
 
 
-def _format_sessions(result: Any) -> list[str]:
-    cols = "{:<12} {:<16} {:<10} {:<10} {:>5} {:>7} {:>7} {:>6}"
-    rows = [
-        (_short_id(s.get("id")), _text(s.get("tenant"), 16), _text(s.get("worker"), 10),
-         _text(s.get("gpu_name") or s.get("gpu"), 10), int(_num(s.get("gpu_milli"))), _gib(s.get("mem")),
-         _duration(_num(s.get("age_s"))), _duration(_num(s.get("last_seen_s"))))
-        for s in _rows(result)
-    ]
-    return _table(cols, ("ID", "TENANT", "WORKER", "GPU", "MILLI", "MEM", "AGE", "SEEN"), rows,
-                  "(no open sessions)")
+def _format_sessions(result: Any, width: int | None) -> list[str]:
+    rows = [(_short_id(s.get("id")), s.get("tenant"), s.get("worker"), s.get("gpu_name") or s.get("gpu"),
+             int(_num(s.get("gpu_milli"))), _gib(s.get("mem")), _duration(_num(s.get("age_s"))),
+             _duration(_num(s.get("last_seen_s"))))
+            for s in _rows(result)]
+    return _table(("ID", "TENANT", "WORKER", "GPU", "MILLI", "MEM", "AGE", "SEEN"), rows, width,
+                  "(no open sessions)", right=(4, 5, 6, 7))
 
 
-# openstack (issue 7) ------------------------------------------------------------------------------
-
-
-def _format_openstack(result: Any) -> list[str]:
+def _format_openstack(result: Any, width: int | None) -> list[str]:
     """``gpudctl openstack``: list, actions, or the message of a change."""
     res = _map(result)
     action = res.get("action")
     if action == "actions":
-        return _openstack_actions(_rows(res.get("actions")))
+        return _openstack_actions(_rows(res.get("actions")), width)
     if action != "list":
-        return _wrap(res.get("message"), "")
+        return _wrap(res.get("message"), "", width)
     listed = res.get("listed_s")
-    lines = [
-        "pool {} server(s), min {} max {}; heal {}, scale {}; {}".format(
-            int(_num(res.get("size"))), int(_num(res.get("min_workers"))), int(_num(res.get("max_workers"))),
-            "on" if res.get("heal") is True else "off", "on" if res.get("scale") is True else "off",
-            "Nova not listed yet" if listed is None else f"listed {_duration(_num(listed))} ago"),
-    ]
-    if res.get("list_error"):
-        lines.append(f"Nova: {_text(res.get('list_error'), 200)}")
-    if res.get("boot_problem"):
-        lines.append(f"cannot boot: {_text(res.get('boot_problem'), 200)}")
-    cols = "{:<20} {:<8} {:<10} {:<15} {:<9} {:<13}"
+    lines = _wrap("pool {} server(s), min {} max {}; heal {}, scale {}; {}".format(
+        int(_num(res.get("size"))), int(_num(res.get("min_workers"))), int(_num(res.get("max_workers"))),
+        "on" if res.get("heal") is True else "off", "on" if res.get("scale") is True else "off",
+        "Nova not listed yet" if listed is None else f"listed {_duration(_num(listed))} ago"), "", width)
+    lines += _wrap(res.get("list_error"), "Nova: ", width)
+    lines += _wrap(res.get("boot_problem"), "cannot boot: ", width)
     servers = _rows(res.get("servers"))
     rows = []
     for s in servers:
         addresses = [a for a in s.get("addresses") or [] if isinstance(a, str)] if isinstance(s.get("addresses"), list) else []
-        gpu = s.get("pci_alias") or s.get("vgpu") or "-"
         worker = f"{s.get('worker')} ({s.get('worker_state')})" if s.get("worker") else "NO WORKER"
-        rows.append((_text(s.get("name"), 20), _text(s.get("status"), 8), _text(s.get("host") or "-", 10),
-                     _text(addresses[0] if addresses else "-", 15), _text(gpu, 9), _text(worker, 13)))
-    lines += _table(cols, ("SERVER", "STATUS", "HOST", "ADDRESS", "GPU", "WORKER"), rows,
+        rows.append((s.get("name"), s.get("status"), s.get("host") or "-", addresses[0] if addresses else "-",
+                     s.get("pci_alias") or s.get("vgpu") or "-", worker))
+    lines += _table(("SERVER", "STATUS", "HOST", "ADDRESS", "GPU", "WORKER"), rows, width,
                     "(no gpud servers)" if listed is not None else "(none yet)")
     for s in servers:
-        if s.get("action"):
-            lines.append(f"{_text(s.get('name'), 20)}: action {_text(s.get('action'), 50)}")
-        if s.get("fault"):
-            lines.append(f"{_text(s.get('name'), 20)}: fault: {_text(s.get('fault'), 200)}")
+        lines += _wrap(s.get("action"), f"{s.get('name')}: action ", width)
+        lines += _wrap(s.get("fault"), f"{s.get('name')}: fault: ", width)
     lonely = _rows(res.get("workers_without_server"))
     if lonely:
         lines += ["", "workers without a server:"]
-        lines += [f"  {_text(w.get('name'), 20)} {_text(w.get('instance_id') or '-', 36)} {_text(w.get('why'), 60)}"
-                  for w in lonely]
+        for w in lonely:
+            lines += _wrap(f"{w.get('name')} {w.get('instance_id') or '-'}: {w.get('why')}", "  ", width)
     return lines
 
 
-def _openstack_actions(actions: list[Mapping[str, Any]]) -> list[str]:
-    cols = "{:>4} {:<8} {:<8} {:<22} {:<22} {:>8}"
-    lines = [cols.format("ID", "KIND", "STEP", "SERVER", "WORKER/NEW", "AGE")]
-    for a in actions:
-        lines.append(cols.format(
-            int(_num(a.get("id"))), _text(a.get("kind"), 8), _text(a.get("step"), 8),
-            _text(a.get("server_name") or "-", 22), _text(a.get("worker") or a.get("new_server_name") or "-", 22),
-            _duration(_num(a.get("age_s")))))
-        for key in ("reason", "message"):
-            lines += _wrap(a.get(key), f"     {key}: ")
-    if not actions:
-        lines.append("(no actions yet)")
-    return lines
+def _openstack_actions(actions: list[Mapping[str, Any]], width: int | None) -> list[str]:
+    rows = [(int(_num(a.get("id"))), a.get("kind"), a.get("step"), a.get("server_name") or "-",
+             a.get("worker") or a.get("new_server_name") or "-", _duration(_num(a.get("age_s")))) for a in actions]
+    notes = {i: [x for key in ("reason", "message") for x in _wrap(a.get(key), f"     {key}: ", width)]
+             for i, a in enumerate(actions)}
+    return _table(("ID", "KIND", "STEP", "SERVER", "WORKER/NEW", "AGE"), rows, width, "(no actions yet)",
+                  right=(0, 5), notes=notes)
 
 
-def _wrap(text: Any, first: str) -> list[str]:
-    """``text`` in lines of at most WIDTH columns, the first after ``first``, the rest indented."""
-    import textwrap
-
-    if not isinstance(text, str) or not text:
-        return []
-    return textwrap.wrap(_text(text, 1000), WIDTH, initial_indent=first, subsequent_indent=" " * (len(first) + 2))
-
-
-def _openstack_args(operand: str | None, args: dict[str, Any]) -> dict[str, Any]:
-    """``gpudctl openstack boot N`` / ``replace WORKER``: the operand as --count / --worker."""
-    if operand is None:
-        return args
-    action = args.get("action")
-    key = "count" if action == "boot" else "worker" if action in ("replace", "retire") else None
-    if key is None:
-        raise ValueError(f"{action} takes nothing after it")
-    if key in args:
-        raise ValueError(f"give {'N' if key == 'count' else 'WORKER'} or --{key}, not both")
-    if key == "count":
-        if not operand.isdigit():
-            raise ValueError(f"boot N: N is a number of servers, not {operand!r}")
-        return {**args, "count": int(operand)}
-    return {**args, "worker": operand}
-
-
-_FORMATS: dict[str, Callable[[Any], list[str]]] = {
-    "status": lambda r: format_status(_map(r)).splitlines(),
+_FORMATS: dict[str, Callable[[Any, int | None], list[str]]] = {
+    "status": lambda r, width: format_status(_map(r), width).splitlines(),
     "workers": _format_workers,
     "gpus": _format_gpus,
     "queue": _format_queue,
@@ -453,19 +437,19 @@ _FORMATS: dict[str, Callable[[Any], list[str]]] = {
 }
 
 
-def render_result(cmd: str, result: Any) -> str:
-    """A command's result for people, at most 80 columns wide (``--json`` gives the exact data).
-
-    Commands that change state answer with a ``message``; unknown shapes fall back to JSON.
+def render_result(cmd: str, result: Any, width: int | None = WIDTH) -> str:
+    """A command's result for people: tables sized to their content, within ``width`` columns
+    (the terminal's; None: no limit), sentences wrapped, never cut (``--json`` gives the exact
+    data). Commands that change state answer with a ``message``; unknown shapes fall back to JSON.
     """
     fmt = _FORMATS.get(cmd)
     if fmt is not None:
-        lines = fmt(result)
+        lines = fmt(result, width)
     elif isinstance(result, dict) and isinstance(result.get("message"), str):
-        lines = [result["message"]]
+        lines = _wrap(result["message"], "", width)
     else:
         lines = json.dumps(result, indent=2, sort_keys=True, default=_jsonable).splitlines()
-    return "\n".join(_fit(line, WIDTH) for line in lines)
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- gpudctl top
@@ -640,16 +624,15 @@ def _add_command(sub: Any, spec: CommandSpec) -> None:
         else:
             p.add_argument(a.flag, dest=a.name, default=None, **kw)
     p.add_argument("--json", action="store_true", help="print the raw result as JSON")
-    if spec.name == "openstack":  # openstack (issue 7): `boot N`, `replace WORKER` without the flags
-        p.add_argument("operand", nargs="?", metavar="N|WORKER",
-                       help="boot: how many (as --count); replace, retire: the worker (as --worker)")
+    if spec.operand is not None:
+        p.add_argument("operand", nargs="?", metavar=spec.operand.metavar, help=spec.operand.help)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpudctl",
         description="Ask a gpud broker how it is doing, and steer it, through its admin socket.",
-        epilog="exit status: 0 ok, 1 error reply, 2 usage, 3 no answer from the broker. "
+        epilog="exit status: 0 ok, 1 error reply, 2 usage, 3 no answer from the broker (or no socket, or permission denied). "
         "Who may use the admin socket is decided by its file permissions (0600 IPC by default).",
     )
     parser.add_argument(
@@ -706,12 +689,15 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return top(ns.admin, ns.interval, min(ns.timeout, max(ns.interval, 1.0)))
     spec = COMMANDS[ns.cmd]
     args = {a.name: getattr(ns, a.name) for a in spec.args if getattr(ns, a.name) is not None}
-    if ns.cmd == "openstack":  # openstack (issue 7)
-        try:
-            args = _openstack_args(ns.operand, args)
-        except ValueError as exc:
-            print(f"gpudctl: openstack: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+    try:
+        args = spec.with_operand(args, getattr(ns, "operand", None))
+    except ValueError as exc:
+        print(f"gpudctl: {ns.cmd}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    problem = endpoint_problem(ns.admin)
+    if problem is not None:
+        print(f"gpudctl: {problem}", file=sys.stderr)
+        return EXIT_TIMEOUT
     try:
         result = admin_call(ns.admin, ns.cmd, args, timeout=ns.timeout)
     except Timeout:
@@ -727,14 +713,70 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     except zmq.ZMQError as exc:
         print(f"gpudctl: cannot use endpoint {ns.admin!r}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if ns.json:
-        print(json.dumps(result, indent=2, sort_keys=True, default=_jsonable), file=stdout)
-    elif ns.cmd == "status" and not isinstance(result, dict):
+    if not ns.json and ns.cmd == "status" and not isinstance(result, dict):
         print(f"gpudctl: {ns.cmd}: the broker's result is not a map", file=sys.stderr)
         return EXIT_ERROR
+    if ns.json:
+        text = json.dumps(result, indent=2, sort_keys=True, default=_jsonable)
     else:
-        print(render_result(ns.cmd, result), file=stdout)
+        text = render_result(ns.cmd, result, _width(stdout))
+    try:
+        print(text, file=stdout)
+        stdout.flush()
+    except BrokenPipeError:  # `gpudctl status --json | head`: the reader has what it wanted
+        if stdout is sys.stdout:
+            _quiet_stdout()
     return EXIT_OK
+
+
+def _width(out: TextIO) -> int:
+    """The terminal's width where ``out`` is one; else ``$COLUMNS``, else ``WIDTH`` (80)."""
+    try:
+        if out.isatty():
+            return os.get_terminal_size(out.fileno()).columns or WIDTH
+    except (OSError, ValueError, AttributeError):
+        pass
+    columns = os.environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() and int(columns) >= 20 else WIDTH
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null, so that the interpreter's own flush at exit
+    does not fail again (Python's documented recipe for SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """What stops this process from reaching an ``ipc://`` admin socket at all, said at once
+    rather than after a timeout: no file there, not a socket, or no permission. None for
+    other endpoints (TCP: only an answer tells)."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint.removeprefix("ipc://")
+    if path.startswith("@"):  # Linux abstract namespace: no file to look at
+        return None
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        where = os.path.dirname(path) or "."
+        extra = "" if os.path.isdir(where) else f" (nor the directory {where})"
+        return (f"no admin socket at {path}{extra}: is the broker running, with admin = {endpoint!r}? "
+                "(--admin or $GPUD_ADMIN choose another)")
+    except PermissionError:
+        return f"permission denied: {path} (a directory above it may not be searched by this user)"
+    except OSError as exc:
+        return f"cannot use {path}: {exc.strerror}"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{path} is not a socket: is this the broker's admin endpoint?"
+    if not os.access(path, os.R_OK | os.W_OK):
+        return (f"permission denied: {path} (mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}, "
+                f"group gid {st.st_gid}): the admin socket's permissions decide who may use gpudctl")
+    return None
 
 
 if __name__ == "__main__":

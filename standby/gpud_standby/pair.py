@@ -130,7 +130,8 @@ class Pair:
             log.error("pair: the peer was started as %s too; neither broker becomes active while they hear "
                       "each other (start one as primary, the other as backup)", self.cfg.role)
         if self.state is not before:
-            log.warning("pair: %s -> %s on %s (%s)", before.name, self.state.name, event.name, action.name)
+            (log.info if routine_change(before, self.state) else log.warning)(
+                "pair: %s -> %s on %s (%s)", before.name, self.state.name, event.name, action.name)
             self.state_due = True
         return action
 
@@ -368,6 +369,13 @@ class Pair:
     def close(self) -> None:
         self.inbound.close(0)
         self.outbound.close(0)
+
+
+def routine_change(before: State, after: State) -> bool:
+    """A state change of a normal start (logged at INFO): the primary leaving its start state,
+    a backup becoming passive. A backup that takes over at start (no active peer) and any change
+    between active and passive (a failover) are not."""
+    return before is State.PRIMARY or (before is State.BACKUP and after is State.PASSIVE)
 
 
 def next_epoch(seen: int, primary: bool) -> int:

@@ -265,3 +265,56 @@ def test_top_in_an_80_column_terminal(tmp_path: Path, job_user_prefix: str | Non
             assert rc_file.read_text().strip() == "0"
         finally:
             _tmux(sock, "kill-server")
+
+
+def test_output_into_a_closed_pipe_ends_quietly(cluster: LocalCluster) -> None:
+    """`gpudctl status --json | head -0`: the reader is gone before gpudctl writes."""
+    read, write = os.pipe()
+    os.close(read)  # nobody will ever read: the first write is EPIPE
+    try:
+        r = subprocess.run([*GPUDCTL, "--admin", cluster.admin, "status", "--json"], stdout=write,
+                           stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+
+
+def test_a_missing_socket_is_said_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "none" / "admin.sock"
+    # A long timeout: only the check before connecting can answer within the test's own.
+    r = subprocess.run([*GPUDCTL, "--admin", f"ipc://{path}", "--timeout", "600", "status"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3 and f"no admin socket at {path}" in r.stderr and "did not answer" not in r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs gpudctl as another, unprivileged user")
+def test_permission_denied_is_said_to_a_user_the_socket_refuses(cluster: LocalCluster) -> None:
+    import pwd
+    import sysconfig
+
+    nobody = pwd.getpwnam("nobody")
+    sock = Path(cluster.admin.removeprefix("ipc://"))
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/"}
+    # This interpreter may sit where nobody may not go (/root/.pyenv): the system's of the same
+    # version, given this environment's packages (gpud is installed in it as editable paths).
+    python = shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip(f"no system python{sys.version_info.major}.{sys.version_info.minor} for an unprivileged user")
+    start = (f"import site, sys; site.addsitedir({sysconfig.get_paths()['purelib']!r}); "
+             "from gpud_client.ctl import main; sys.exit(main())")
+
+    def as_nobody() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([python, "-c", start, "--admin", cluster.admin, "--timeout", "600", "status"],
+                              capture_output=True, text=True, timeout=60, env=env, cwd="/",
+                              user=nobody.pw_uid, group=nobody.pw_gid, extra_groups=[])
+
+    mode = sock.parent.stat().st_mode
+    r = as_nobody()  # the run directory (0700) may not be searched
+    assert r.returncode == 3 and "permission denied" in r.stderr and "did not answer" not in r.stderr, r.stderr
+    try:
+        sock.parent.chmod(0o755)  # now the socket itself (0600, root's) refuses
+        r = as_nobody()
+        assert r.returncode == 3 and f"permission denied: {sock} (mode 0600" in r.stderr, r.stderr
+    finally:
+        sock.parent.chmod(mode & 0o7777)
+    assert ctl(cluster, "status").returncode == 0  # its owner still may

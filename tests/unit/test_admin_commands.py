@@ -331,3 +331,17 @@ def test_why_waiting_checks_in_order() -> None:
         assert got == code and why, change
     assert [code for _, code in cases] == list(WAIT_REASONS)
     assert "worker w9" in why_waiting(dataclasses.replace(fits, fits_now=False, reserved="w9"))[1]
+
+
+def test_an_operand_stands_for_the_flag_its_action_names() -> None:
+    spec = COMMANDS["openstack"]
+    assert spec.with_operand({"action": "boot"}, "2") == {"action": "boot", "count": 2}
+    assert spec.with_operand({"action": "retire"}, "w1") == {"action": "retire", "worker": "w1"}
+    assert spec.with_operand({"action": "list"}, None) == {"action": "list"}
+    for args, word, problem in [({"action": "list"}, "x", "takes nothing after it"),
+                                ({"action": "boot", "count": 1}, "2", "not both"),
+                                ({"action": "boot"}, "two", "is a number")]:
+        with pytest.raises(ValueError, match=problem):
+            spec.with_operand(args, word)
+    with pytest.raises(ValueError, match="takes nothing after it"):
+        COMMANDS["status"].with_operand({}, "x")

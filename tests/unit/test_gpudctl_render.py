@@ -120,3 +120,58 @@ def test_status_names_a_pair_members_state_and_epoch() -> None:
     assert "(backup active e3," in first and len(first) <= 80
     alone = {**pair, "role": "standalone", "state": "active", "peer": None}
     assert "(standalone," in format_status({"broker": alone, "counts": {}, "gpus": []}).splitlines()[0]
+
+
+def test_status_shows_the_whole_peer_endpoint_and_the_peers_state() -> None:
+    from gpud_client.ctl import format_status
+
+    broker = {"name": "backup", "role": "backup", "state": "passive", "epoch": 2, "version": "0.1.0",
+              "uptime_s": 5, "policy": "balanced", "peer": "tcp://10.20.30.40:5557"}
+    pair = {"peer_state": "active", "peer_silent_s": 0.2, "synced": True}
+    lines = format_status({"broker": broker, "pair": pair, "counts": {}, "gpus": []}).splitlines()
+    assert "peer tcp://10.20.30.40:5557: active, heard 0s ago" in lines
+
+
+def test_columns_are_as_wide_as_their_content_and_cut_only_beyond_the_width() -> None:
+    long = {"name": "gpu-vm-with-a-long-name-1", "hostname": "h", "gpus": 8, "inflight": 3, "slots": 64,
+            "draining": False, "running": [], "last_heard_s": 0.4, "simulated": True}
+    text = render_result("workers", [long], width=None)
+    assert "gpu-vm-with-a-long-name-1" in text and "~" not in text
+    assert len(text.splitlines()[0]) < 80  # narrow content: a narrow table
+    narrow = render_result("workers", [long], width=40)
+    assert all(len(line) <= 40 for line in narrow.splitlines()) and "~" in narrow
+
+
+def test_tasks_name_gpus_as_gpus_does() -> None:
+    task = {"id": "cd" * 16, "state": "running", "kind": "job", "tenant": "t", "worker": "gpu-vm-1",
+            "gpus": ["SIM-gpu-vm-1-0-0123456789"], "gpu_names": ["gpu-vm-1/0"], "age_s": 3}
+    text = render_result("tasks", {"matched": 1, "tasks": [task]}, width=80)
+    assert "gpu-vm-1/0" in text and "SIM-gpu" not in text
+
+
+def test_a_message_is_wrapped_never_cut() -> None:
+    message = ("request 0123456789abcdef0123456789abcdef (job, tenant default) cancelled; "
+               "its client gets CANCELLED")
+    text = render_result("cancel", {"message": message}, width=80)
+    assert all(len(line) <= 80 for line in text.splitlines()) and "~" not in text
+    assert " ".join(text.split()) == message
+
+
+def test_queue_shows_needs_and_why() -> None:
+    row = {"id": "ab" * 16, "kind": "job", "tenant": "alice", "priority": 0, "waited_s": 12,
+           "needs": {"gpus": 2, "mem": 16 * GIB}, "wait": "no_gpu_fits",
+           "why": "no GPU fits it now; it goes when enough is free"}
+    lines = render_result("queue", [row], width=80).splitlines()
+    assert "2 GPUs 16.0G" in lines[1] and "no_gpu_fits" in lines[1]
+    assert lines[2].strip() == "why: no GPU fits it now; it goes when enough is free"
+
+
+def test_output_is_as_wide_as_the_terminal_or_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from gpud_client.ctl import _width
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert _width(io.StringIO()) == 80
+    monkeypatch.setenv("COLUMNS", "200")
+    assert _width(io.StringIO()) == 200

@@ -181,8 +181,6 @@ def run(args: argparse.Namespace) -> int:
     if root:
         uids = uid_range(w.job_uids)  # checked by load()
         pool = UserPool("gpud-dyn-" if uids else w.job_user_prefix, uids)
-    if root and pool is not None and not len(pool):
-        log.warning("running as root with no pool users named %s*: jobs will be refused (see systemd/gpud-sysusers.conf)", w.job_user_prefix)
     cgroups = None
     if w.cgroups == "off":
         log.info("cgroups off: jobs run with their rlimits only")

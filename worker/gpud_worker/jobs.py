@@ -511,7 +511,11 @@ class JobRunner:
                     "cannot become a child subreaper (%s): orphaned job processes go to init", exc
                 )
             if pool is None or len(pool) == 0:
-                log.error("running as root without job users: every job will be refused")
+                prefix = getattr(pool, "prefix", None)
+                log.error("running as root without job users%s: every job will be refused; create them "
+                          "(systemd/gpud-sysusers.conf), or run jobs under dynamic uids that belong to no "
+                          "account with --job-uids FIRST-LAST ([worker] job_uids)",
+                          f" (no pool users named {prefix}*)" if prefix else "")
 
     def _prepare_workroot(self) -> None:
         root = self.workroot

@@ -124,7 +124,8 @@ class BrokerCore:
         self.mix = TaskMix()
         self.policy = make_policy(config.policy, mix=self.mix)
         self._observe = self.mix.observe if config.policy.startswith("fgd") else None
-        self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0, "worker_losses": 0, "takeovers": 0}
+        self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0, "worker_losses": 0, "takeovers": 0,
+                         "job_timeouts": 0, "session_replays": 0}
         self.stats = RequestStats()  # by kind and by error code, for the metrics endpoint
         self.placement_times = PlacementTimes()  # seconds per placement decision (admin status)
         self.open_workers = 0  # registered workers with a free slot (see the module docstring)
@@ -204,12 +205,12 @@ class BrokerCore:
             if not 0 <= deadline_ms <= MAX_DEADLINE_MS:
                 raise InvalidRequest(f"field 'deadline_ms' must be in 0..{MAX_DEADLINE_MS}")
         except GpudError as exc:
-            self._refuse(identity, rid, exc)
+            self._refuse(identity, rid, exc, tenant)
             return
         if self.limits:
             limits = self.limits.get(need.tenant)
             if limits is not None and not limits.could_ever_admit(need, kind == "session"):
-                self._refuse(identity, rid, NoCapacity(f"the request is over tenant {need.tenant}'s limits"))
+                self._refuse(identity, rid, NoCapacity(f"the request is over tenant {need.tenant}'s limits"), need.tenant)
                 return
         if self._observe is not None:
             self._observe(need)
@@ -231,22 +232,25 @@ class BrokerCore:
         if self.journal is not None:
             self._rep([R.TASK, R.task_to_wire(task, now)])
         replaces = h.get("replaces") if kind == "session" else None
+        if type(replaces) is bytes:
+            self.counters["session_replays"] += 1  # a client replays a lost session's journal
         lost = self.lost_sessions.get(replaces) if type(replaces) is bytes else None
         if (lost is not None and self._try_replica(task, lost)) or self._try_dispatch(task):
-            self.stats.accept(kind)
+            self.stats.accept(kind, task.tenant)
             return
         if len(self.registry) and not self._could_ever_fit(need):
             self._forget(task)
-            self._refuse(identity, rid, NoCapacity("no connected worker has GPUs that could satisfy this request"))
+            self._refuse(identity, rid, NoCapacity("no connected worker has GPUs that could satisfy this request"), task.tenant)
         elif self.limits and self._queue_limit_reached(task.tenant):
             self._forget(task)
-            self._refuse(identity, rid, Busy(f"tenant {task.tenant} has as many requests queued as its limit allows; try later"))
+            self._refuse(identity, rid, Busy(f"tenant {task.tenant} has as many requests queued as its limit allows; try later"),
+                         task.tenant)
         elif self.queue.push(task):
-            self.stats.accept(kind)
+            self.stats.accept(kind, task.tenant)
             self.fair.activate(task.tenant, now)
         else:
             self._forget(task)
-            self._refuse(identity, rid, Busy(f"the queue is full ({self.config.max_queue} requests); try later"))
+            self._refuse(identity, rid, Busy(f"the queue is full ({self.config.max_queue} requests); try later"), task.tenant)
 
     def _forget(self, task: Task) -> None:
         self.tasks.forget(task)
@@ -300,10 +304,10 @@ class BrokerCore:
         if task.state is State.DONE and task.reply is not None:
             self.send_client(identity, task.reply)
 
-    def _refuse(self, identity: bytes, rid: bytes, exc: GpudError) -> None:
+    def _refuse(self, identity: bytes, rid: bytes, exc: GpudError, tenant: str | None = None) -> None:
         """Answer a request that was not accepted (nothing is kept: a retry is judged afresh)."""
         self.counters["errors"] += 1
-        self.stats.error(exc.code)
+        self.stats.error(exc.code, tenant)
         log.info("refused %s: %s %s", P.id_text(rid), exc.code, exc.message)
         self.send_client(identity, [_CLIENT_SIG, _REPLY, _packb(P.error_header(rid, exc))])
 
@@ -362,7 +366,7 @@ class BrokerCore:
         self.tasks.add(task)
         if self.journal is not None:
             self._rep([R.TASK, R.task_to_wire(task, now)])
-        self.stats.accept("call")
+        self.stats.accept("call", session.tenant)
         self._send_dispatch(worker, task)
 
     def _on_ping(self, identity: bytes, h: dict[str, Any], tenant: str | None = None) -> None:
@@ -425,6 +429,8 @@ class BrokerCore:
         return True
 
     def _send_dispatch(self, worker: WorkerRecord, task: Task) -> None:
+        if not task.dispatched_at:
+            self.stats.dispatched(task.kind, self.now - task.created)
         task.state = State.RUNNING
         task.worker = worker.name
         task.dispatched_at = self.now
@@ -577,7 +583,7 @@ class BrokerCore:
 
     def _fail(self, task: Task, exc: GpudError) -> None:
         self.counters["errors"] += 1
-        self.stats.error(exc.code)
+        self.stats.error(exc.code, task.tenant)
         if task.state is State.QUEUED and task.queued:
             self.queue.remove(task)
         self._finish(task, [_CLIENT_SIG, _REPLY, _packb(P.error_header(task.id, exc))])
@@ -783,7 +789,9 @@ class BrokerCore:
             reply = [_CLIENT_SIG, _REPLY, raw_header, *msg.frames]
         else:
             reply = [_CLIENT_SIG, _REPLY, raw_header]
-            self.stats.error(h.get("code"))
+            self.stats.error(h.get("code"), task.tenant)
+        if h.get("timed_out") is True:
+            self.counters["job_timeouts"] += 1
         if kind == "session":
             if ok:
                 assert task.grant is not None
@@ -827,6 +835,7 @@ class BrokerCore:
             task = Task(id=rid, kind="echo", need=None, body={}, frames=[], route=None, created=self.now,
                         deadline=self.now, tenant=tenant if type(tenant) is str else "default")
             self.tasks.add(task)
+            self.stats.take_over(task.kind)  # the other broker of the pair accepted it
             log.info("RESULT %s from %s for work this broker did not dispatch: kept for its client", P.id_text(rid), worker.name)
             self._finish(task, reply)
         elif task.state is State.QUEUED:
@@ -1017,6 +1026,8 @@ class BrokerCore:
         lost: list[Task] = []
         queued: list[Task] = []
         for task in self.tasks.tasks.values():
+            if task.state is not State.DONE:
+                self.stats.take_over(task.kind)  # accepted by the other broker: answered by this one
             if task.state is State.QUEUED:
                 queued.append(task)
             elif task.state is State.RUNNING:

@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 import gpud
 from gpud.errors import ConfigError
 from gpud_broker.core import BrokerCore
+from gpud_broker.stats import Histogram
 
 log = logging.getLogger(__name__)
 
@@ -140,20 +141,49 @@ class BrokerCollector(Collector):
         errors = CounterMetricFamily("gpud_errors", "Requests answered with an error, by error code.", labels=["code"])
         for code, n in sorted(dict(stats.errors).items()):
             errors.add_metric([code], n)
-        latency = HistogramMetricFamily("gpud_request_duration_seconds", "Seconds from accepting a request to its reply, by kind.", labels=["kind"])
-        for kind, h in sorted(dict(stats.latency).items()):
-            buckets, count, total_s = h.cumulative()
-            latency.add_metric([kind], [(_le(b), n) for b, n in buckets] + [("+Inf", count)], sum_value=total_s)
+        latency = _histogram("gpud_request_duration_seconds", "Seconds from accepting a request to its reply, by kind.",
+                             stats.latency)
+        waited = _histogram("gpud_request_queue_wait_seconds",
+                            "Seconds from accepting a request to its first dispatch to a worker (0 for one placed at once), by kind.",
+                            stats.waited)
+        finished = CounterMetricFamily(
+            "gpud_requests_finished",
+            "Requests this broker answered, by kind: those it accepted (gpud_requests_total) and those it took over "
+            "from its pair's other broker (gpud_requests_taken_over_total), less those still running or queued.",
+            labels=["kind"])
+        for kind, n in sorted(stats.answered().items()):
+            finished.add_metric([kind], n)
+        taken = CounterMetricFamily("gpud_requests_taken_over",
+                                    "Requests the pair's other broker accepted that this one took over (at a takeover), by kind.",
+                                    labels=["kind"])
+        for kind, n in sorted(dict(stats.taken_over).items()):
+            taken.add_metric([kind], n)
+        per_tenant = CounterMetricFamily("gpud_tenant_requests", "Requests accepted, by tenant (beyond 256 tenants: \"(other)\").",
+                                         labels=["tenant"])
+        for tenant, n in sorted(dict(stats.tenant_requests).items()):
+            per_tenant.add_metric([tenant], n)
+        tenant_errors = CounterMetricFamily("gpud_tenant_errors", "Requests answered with an error, by tenant (refusals included).",
+                                            labels=["tenant"])
+        for tenant, n in sorted(dict(stats.tenant_errors).items()):
+            tenant_errors.add_metric([tenant], n)
         c = dict(core.counters)
         out += [
             requests,
             errors,
             latency,
+            waited,
+            finished,
+            taken,
+            per_tenant,
+            tenant_errors,
+            CounterMetricFamily("gpud_job_timeouts", "Jobs killed at their time limit.", value=c.get("job_timeouts", 0)),
+            CounterMetricFamily("gpud_session_replays",
+                                "Sessions opened to replace a lost one (a client replaying its session's journal).",
+                                value=c.get("session_replays", 0)),
             CounterMetricFamily("gpud_request_messages", "REQUEST messages received from clients (with retries and refusals).", value=c.get("requests", 0)),
             CounterMetricFamily("gpud_retries", "Requests resent with a known id (answered from the first one, never run again).", value=c.get("retries", 0)),
             CounterMetricFamily("gpud_worker_losses", "Workers lost without a goodbye (silent, or reconnected under the same name).", value=c.get("worker_losses", 0)),
             CounterMetricFamily("gpud_bad_messages", "Messages refused as malformed or not allowed.", value=c.get("bad_messages", 0)),
-            CounterMetricFamily("gpud_requests_finished", "Requests answered (replies kept for retries), all kinds.", value=core.tasks.finished_total),
             CounterMetricFamily("gpud_failovers", "Times this broker took the active role of its pair.", value=c.get("takeovers", 0)),
             GaugeMetricFamily("gpud_active", "1 while this broker accepts work (standalone, or the active one of its pair).",
                               value=1 if core.active else 0),
@@ -166,6 +196,14 @@ class BrokerCollector(Collector):
 
 def _le(bound: float) -> str:
     return repr(float(bound))
+
+
+def _histogram(name: str, documentation: str, by_kind: dict[str, Histogram]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, documentation, labels=["kind"])
+    for kind, h in sorted(dict(by_kind).items()):
+        buckets, count, total_s = h.cumulative()
+        family.add_metric([kind], [(_le(b), n) for b, n in buckets] + [("+Inf", count)], sum_value=total_s)
+    return family
 
 
 @dataclass

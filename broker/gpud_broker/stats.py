@@ -46,18 +46,46 @@ class Histogram:
         return out, total + counts[-1], self.sum
 
 
+MAX_TENANTS = 256  # tenants counted by name; the others together as OTHER_TENANT
+OTHER_TENANT = "(other)"  # not a valid tenant name: it cannot be taken by one
+
+
 class RequestStats:
-    """What the broker counts per request: accepted by kind, errors by code, latency by kind."""
+    """What the broker counts per request: accepted by kind and by tenant, errors by code and by
+    tenant, the wait in the queue by kind (acceptance to the first dispatch), the latency by kind
+    (acceptance to the reply: its count is the requests answered), and the requests taken over
+    from the pair's other broker (accepted there, answered here).
+
+    Per tenant at most ``MAX_TENANTS`` names: a tenant's name is the client's word where there is
+    no CURVE, and a metric label per name it makes up would grow the broker without bound."""
 
     def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
         self.bounds = bounds
         self.accepted: dict[str, int] = {}
         self.errors: dict[str, int] = {}
         self.latency: dict[str, Histogram] = {}
+        self.waited: dict[str, Histogram] = {}
+        self.taken_over: dict[str, int] = {}
+        self.tenant_requests: dict[str, int] = {}
+        self.tenant_errors: dict[str, int] = {}
 
-    def accept(self, kind: str) -> None:
+    def _tenant(self, table: dict[str, int], tenant: str) -> None:
+        if tenant not in table and len(table) >= MAX_TENANTS:
+            tenant = OTHER_TENANT
+        table[tenant] = table.get(tenant, 0) + 1
+
+    def accept(self, kind: str, tenant: str | None = None) -> None:
         """A request of ``kind`` was accepted (queued or dispatched; not a retry, not refused)."""
         self.accepted[kind] = self.accepted.get(kind, 0) + 1
+        if tenant is not None:
+            self._tenant(self.tenant_requests, tenant)
+
+    def dispatched(self, kind: str, seconds: float) -> None:
+        """A request of ``kind`` left the queue for a worker ``seconds`` after it was accepted."""
+        h = self.waited.get(kind)
+        if h is None:
+            h = self.waited[kind] = Histogram(self.bounds)
+        h.observe(seconds)
 
     def finish(self, kind: str, seconds: float) -> None:
         """A request of ``kind`` was answered ``seconds`` after it was accepted."""
@@ -66,10 +94,20 @@ class RequestStats:
             h = self.latency[kind] = Histogram(self.bounds)
         h.observe(seconds)
 
-    def error(self, code: object) -> None:
+    def take_over(self, kind: str) -> None:
+        """A request of ``kind`` that the other broker of the pair accepted is this one's now."""
+        self.taken_over[kind] = self.taken_over.get(kind, 0) + 1
+
+    def error(self, code: object, tenant: str | None = None) -> None:
         """A request was answered with error ``code`` (codes outside the table count as OTHER)."""
         key = code if type(code) is str and code in CODES else OTHER
         self.errors[key] = self.errors.get(key, 0) + 1
+        if tenant is not None:
+            self._tenant(self.tenant_errors, tenant)
+
+    def answered(self) -> dict[str, int]:
+        """Requests answered, by kind."""
+        return {kind: h.cumulative()[1] for kind, h in list(self.latency.items())}
 
 
 class PlacementTimes:

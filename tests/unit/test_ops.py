@@ -271,3 +271,59 @@ def test_refused_requests_are_not_counted_as_accepted() -> None:
     c.request(2)
     c.request(2)  # a retry of a known id: answered from the first, not counted again
     assert c.core.stats.accepted == {"echo": 1} and c.core.counters["retries"] == 1
+
+
+def test_queue_wait_is_measured_apart_from_run_time() -> None:
+    c = Core()
+    first = c.request(1, need={"gpus": 2})
+    c.request(2, need={"gpus": 2})  # waits for the first
+    c.core.now = 105.0
+    c.worker(Command.RESULT, {"id": first, "ok": True})  # the second is dispatched now, 5 s after it came
+    c.core.now = 106.0
+    c.worker(Command.RESULT, {"id": (2).to_bytes(16, "big"), "ok": True})
+    waited, latency = c.core.stats.waited["echo"], c.core.stats.latency["echo"]
+    assert waited.cumulative()[1] == 2 and waited.sum == pytest.approx(5.0)  # 0 s and 5 s
+    assert latency.sum == pytest.approx(5.0 + 6.0)  # reply times: 5 s and 6 s
+
+
+def test_requests_and_errors_per_tenant_with_a_bound_on_names() -> None:
+    from gpud_broker.stats import MAX_TENANTS, OTHER_TENANT, RequestStats
+
+    c = Core()
+    c.request(1, need={"tenant": "alice"})
+    c.request(2, need={"tenant": "alice", "gpus": 3})  # refused: no worker has three GPUs
+    c.request(3, need={"tenant": "bob"})
+    assert c.core.stats.tenant_requests == {"alice": 1, "bob": 1}
+    assert c.core.stats.tenant_errors == {"alice": 1}
+    s = RequestStats()
+    for n in range(MAX_TENANTS + 50):  # a client making up tenant names (no CURVE) grows nothing
+        s.accept("echo", f"t{n}")
+    assert len(s.tenant_requests) == MAX_TENANTS + 1 and s.tenant_requests[OTHER_TENANT] == 50
+
+
+def test_job_timeouts_and_session_replays_are_counted() -> None:
+    c = Core()
+    rid = c.request(1, "job", argv=["sleep", "9"], timeout_s=1)
+    c.worker(Command.RESULT, {"id": rid, "ok": True, "exit_code": -9, "timed_out": True})
+    assert c.core.counters["job_timeouts"] == 1
+    c.request(2, "session", need={"gpu_milli": 100}, replaces=(99).to_bytes(16, "big"))
+    assert c.core.counters["session_replays"] == 1
+
+
+def test_finished_requests_are_the_accepted_and_the_taken_over_ones() -> None:
+    pytest.importorskip("prometheus_client")
+    from gpud_broker.metrics import BrokerCollector
+
+    c = Core()
+    for n in range(1, 4):
+        c.worker(Command.RESULT, {"id": c.request(n), "ok": True})
+    # The answer to work the pair's other broker accepted and dispatched (after a takeover).
+    c.worker(Command.RESULT, {"id": (77).to_bytes(16, "big"), "ok": True})
+    fams = {f.name: f for f in BrokerCollector(c.core).collect()}
+
+    def total(name: str) -> float:
+        return sum(s.value for s in fams[name].samples if s.name.endswith("_total"))
+
+    assert total("gpud_requests") == 3 and total("gpud_requests_taken_over") == 1
+    assert total("gpud_requests_finished") == total("gpud_requests") + total("gpud_requests_taken_over")
+    assert "gpud_request_queue_wait_seconds" in fams and "gpud_tenant_requests" in fams

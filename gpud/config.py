@@ -427,9 +427,12 @@ ROLE_KEY_FILES = {
 def for_role(sec: SecurityConfig, role: str) -> SecurityConfig:
     """``sec`` with every key path as the ``broker`` or ``worker`` uses it: an empty one is its
     ``KEY_FILES`` name in ``keys_dir`` (``worker.key_secret`` for a worker), a relative one is
-    inside ``keys_dir``; an absolute one stays."""
+    inside ``keys_dir``; an absolute one stays. An empty public key file beside a chosen secret
+    one is its ``NAME.key``."""
     paths: dict[str, Any] = {key: os.path.join(sec.keys_dir, getattr(sec, key) or name.format(role=role))
-             for key, name in KEY_FILES.items()}
+                             for key, name in KEY_FILES.items()}
+    if sec.secret_key_file and not sec.public_key_file and paths["secret_key_file"].endswith(".key_secret"):
+        paths["public_key_file"] = paths["secret_key_file"].removesuffix("_secret")  # NAME.key beside NAME.key_secret
     return replace(sec, **paths)
 
 

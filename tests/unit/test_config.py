@@ -290,6 +290,8 @@ def test_security_key_paths_follow_keys_dir() -> None:
     worker = for_role(sec, "worker")  # a worker's own pair, not the broker's
     assert (worker.secret_key_file, worker.public_key_file) == ("/srv/keys/worker.key_secret", "/srv/keys/worker.key")
     assert worker.broker_public_key_file == "/srv/keys/broker.key"
+    chosen = for_role(config.SecurityConfig(keys_dir="/k", secret_key_file="private/w7.key_secret"), "worker")
+    assert (chosen.secret_key_file, chosen.public_key_file) == ("/k/private/w7.key_secret", "/k/private/w7.key")
 
 
 def test_security_from_env_moves_the_derived_paths(tmp_path: Path) -> None:

@@ -495,10 +495,10 @@ def render(
         rate = "-"
     else:
         peer = broker.get("peer")
+        peer_state = _map(status.get("pair")).get("peer_state")
+        shown_peer = "none" if peer is None else f"{peer} ({peer_state})" if isinstance(peer_state, str) else str(peer)
         first = "gpud top  {}  role {}  peer {}  up {}".format(
-            name, _text(_role(broker), 22), _text(peer if peer is not None else "none", 12),
-            _duration(_num(broker.get("uptime_s"))),
-        )
+            name, _text(_role(broker), 22), shown_peer, _duration(_num(broker.get("uptime_s"))))
         rate = _rate(status, prev)
     if shown is None:
         return [_fit(line, width) for line in (first, "no answer yet", "q quits")[:height]]

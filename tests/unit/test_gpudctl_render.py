@@ -175,3 +175,11 @@ def test_output_is_as_wide_as_the_terminal_or_columns(monkeypatch: pytest.Monkey
     assert _width(io.StringIO()) == 80
     monkeypatch.setenv("COLUMNS", "200")
     assert _width(io.StringIO()) == 200
+
+
+def test_top_shows_the_whole_peer_and_its_state_where_the_window_allows() -> None:
+    st = status()
+    st["broker"] = {**st["broker"], "role": "primary", "state": "active", "epoch": 2, "peer": "tcp://10.20.30.40:5557"}
+    st["pair"] = {"peer_state": "passive"}
+    assert "peer tcp://10.20.30.40:5557 (passive)" in render(st, None, 120, 24)[0]
+    assert len(render(st, None, 40, 24)[0]) <= 40

@@ -24,10 +24,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check gpud broker worker standby libclient tests bench
+	$(BIN)/ruff check gpud cli broker worker standby libclient tests bench
 
 typecheck: $(STAMP)
-	$(BIN)/mypy -p gpud -p gpud_client
+	$(BIN)/mypy -p gpud -p gpud_cli -p gpud_client
 
 check: lint typecheck test
 

@@ -31,7 +31,7 @@ KEYS = ("ratio", "gpud_per_s", "baseline_per_s", "gpud_p50_us", "p50_ratio",
 
 def run(tree: Path, dispatch_args: list[str]) -> dict[str, Any]:
     """bench/dispatch.py of ``tree``, with this interpreter and ``tree``'s packages first on the path."""
-    path = os.pathsep.join(str(tree / d) for d in (".", "broker", "worker", "standby", "libclient"))
+    path = os.pathsep.join(str(tree / d) for d in (".", "cli", "broker", "worker", "standby", "libclient"))
     env = dict(os.environ, PYTHONPATH=path)
     out = subprocess.run([sys.executable, str(tree / "bench" / "dispatch.py"), *dispatch_args], cwd=tree,
                          env=env, capture_output=True, text=True, check=True, timeout=900)

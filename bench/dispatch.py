@@ -156,7 +156,7 @@ class BaselineCluster:
         return [p.pid for p in self.procs[1:]]
 
     def stop(self) -> None:
-        from gpud.cluster import terminate
+        from gpud_cli.cluster import terminate
 
         terminate(self.procs, timeout=10)
         for p in self.procs:
@@ -281,7 +281,7 @@ def _measure(windowed: Any, roundtrip: Any, broker_pid: int, worker_pids: list[i
 
 
 def run_gpud(args: argparse.Namespace) -> dict[str, Any]:
-    from gpud.cluster import LocalCluster
+    from gpud_cli.cluster import LocalCluster
     from gpud_client import Client
 
     cluster = LocalCluster(workers=2, gpus_per_worker=1, log_level="WARNING",

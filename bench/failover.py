@@ -39,8 +39,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpud.cluster import LocalCluster  # noqa: E402
 from gpud.errors import GpudError  # noqa: E402
+from gpud_cli.cluster import LocalCluster  # noqa: E402
 from gpud_client import Client  # noqa: E402
 from tests.integration.chaos import executions  # noqa: E402
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-for p in ("libclient", "standby", "worker", "broker", "."):
+for p in ("libclient", "standby", "worker", "broker", "cli", "."):
     sys.path.insert(0, str(ROOT / p))
 
 import numpy as np  # noqa: E402
@@ -112,10 +112,10 @@ def local_pycuda(launches: int, nbytes: int, repeat: int) -> dict[str, Any]:
 def remote_gpud(launches: int, nbytes: int, repeat: int, processes: str = "auto") -> dict[str, Any]:
     """The same operations through a broker and a worker on this machine's GPU; ``processes``:
     the worker's ``--session-processes`` ("auto": the session in a process of its own)."""
-    from gpud.cluster import LocalCluster
+    from gpud_cli.cluster import LocalCluster
     from gpud_client import BUILTIN, Client
 
-    paths = os.pathsep.join(str(ROOT / p) for p in (".", "broker", "worker", "standby", "libclient"))
+    paths = os.pathsep.join(str(ROOT / p) for p in (".", "cli", "broker", "worker", "standby", "libclient"))
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [paths, os.environ.get("PYTHONPATH")])), "GPUD_LOG_LEVEL": "WARNING"}
     with LocalCluster(workers=1, simulate=False, env=env, log_level="WARNING",
                       worker_args=["--session-processes", processes]) as cluster, \

@@ -52,7 +52,7 @@ def _echo(x: bytes) -> bytes:
 
 @contextlib.contextmanager
 def gpud_system(args: argparse.Namespace) -> Iterator[tuple[Submit, Wait]]:
-    from gpud.cluster import LocalCluster
+    from gpud_cli.cluster import LocalCluster
     from gpud_client import Client
 
     cluster = LocalCluster(workers=2, gpus_per_worker=1, log_level="WARNING",

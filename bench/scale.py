@@ -1,6 +1,6 @@
 """Scale benchmark: a live broker with 1,000 simulated workers of 8 GPUs each, in one run.
 
-A real broker (``python -m gpud.cli broker --security none``, default 1 s heartbeat) serves
+A real broker (``python -m gpud_cli broker --security none``, default 1 s heartbeat) serves
 ``--workers`` simulated workers. They live in ``--procs`` processes, each holding many real DEALER
 connections under one ``zmq.Poller``; every simulated worker sends READY with its GPUs, answers
 WELCOME, heartbeats every interval with changing GPU measurements and its ``running`` list, and
@@ -242,7 +242,7 @@ class Run:
         self.log = open(tmp / "broker.log", "w")  # noqa: SIM115 (closed in stop)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.broker = subprocess.Popen(
-            [sys.executable, "-m", "gpud.cli", "broker", "--security", "none",
+            [sys.executable, "-m", "gpud_cli", "broker", "--security", "none",
              "--frontend", "tcp://127.0.0.1:*", "--backend", "tcp://127.0.0.1:*",
              "--admin", f"ipc://{tmp}/admin.sock", "--ready-file", str(ready), "--log-level", "WARNING"],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)

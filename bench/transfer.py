@@ -211,7 +211,7 @@ class Bare:
         if hasattr(self, "sock"):
             self.sock.close(0)
             self.ctx.term()
-        from gpud.cluster import terminate
+        from gpud_cli.cluster import terminate
 
         terminate(self.procs, timeout=10)
         for p in self.procs:
@@ -223,7 +223,7 @@ class Gpud:
     """A LocalCluster (one broker, one worker, one simulated GPU) and one session on it."""
 
     def __init__(self, max_bytes: int, chunk_bytes: int | None, chunk_window: int | None) -> None:
-        from gpud.cluster import LocalCluster
+        from gpud_cli.cluster import LocalCluster
         from gpud_client import Client
 
         self.cluster = LocalCluster(workers=1, gpus_per_worker=1, log_level="WARNING")

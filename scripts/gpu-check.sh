@@ -108,7 +108,7 @@ fi
 say "pycuda ready"
 
 # ---------------------------------------------------------------- 3. tests/gpu
-export PYTHONPATH="$ROOT:$ROOT/broker:$ROOT/worker:$ROOT/standby:$ROOT/libclient${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$ROOT:$ROOT/cli:$ROOT/broker:$ROOT/worker:$ROOT/standby:$ROOT/libclient${PYTHONPATH:+:$PYTHONPATH}"
 export GPUD_MODULE_CACHE=${GPUD_MODULE_CACHE:-$ROOT/build/gpu-module-cache}
 set +e
 timeout -k 10 "$TEST_TIMEOUT" "$VPY" -m pytest tests/gpu -v -p no:cacheprovider -rs --timeout 150 \

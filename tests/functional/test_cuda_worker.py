@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpud.cluster import LocalCluster
 from gpud.errors import InvalidRequest, RemoteError, SessionLost
+from gpud_cli.cluster import LocalCluster
 from gpud_client import BUILTIN, Client
 
 F32 = np.float32

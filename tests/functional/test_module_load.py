@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from gpud.cluster import LocalCluster
 from gpud.errors import InvalidRequest, RemoteError
+from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
 
 F32 = np.float32

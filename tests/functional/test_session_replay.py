@@ -6,7 +6,7 @@ Two kinds of test:
   answers as the active broker of a pair, or NOT_ACTIVE as the passive one, and can lose sessions
   on demand: what the client sends (ids, ``replaces``, replayed ops, handles) and what reaches the
   caller;
-- end to end, with real daemons (gpud.cluster.LocalCluster: a broker and two simulated workers as
+- end to end, with real daemons (gpud_cli.cluster.LocalCluster: a broker and two simulated workers as
   subprocesses): a session's worker is SIGKILLed and the next calls still succeed, with numerically
   right results, on the other worker.
 """
@@ -25,9 +25,9 @@ import pytest
 import zmq
 
 from gpud import protocol
-from gpud.cluster import LocalCluster
 from gpud.errors import GpudError, InvalidRequest, NotActive, SessionLost, Timeout
 from gpud.protocol import Command, Peer, decode, encode
+from gpud_cli.cluster import LocalCluster
 from gpud_client import BUILTIN, Client
 from tests.waiting import wait_for
 

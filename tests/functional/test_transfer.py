@@ -1,5 +1,5 @@
 """Bulk data: chunked session copies and dtoh into a caller's buffer, with real daemons
-(gpud.cluster.LocalCluster: a broker and one simulated worker as subprocesses).
+(gpud_cli.cluster.LocalCluster: a broker and one simulated worker as subprocesses).
 
 A small ``chunk_bytes`` (64 KiB) keeps the copies fast while still cutting them into many chunks;
 sizes are chosen not to be multiples of it.
@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpud.cluster import LocalCluster
 from gpud.errors import InvalidRequest
+from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
 from gpud_client.journal import ENTRY_COST
 

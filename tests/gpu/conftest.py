@@ -1,7 +1,7 @@
 """The GPU checks: every test here is marked ``gpu`` and skipped, with the reason, unless NVML finds
 an NVIDIA GPU and pycuda imports (``make gpu-check`` installs it; docs/OPERATIONS.md, GPU check).
 
-Fixtures start real daemons (gpud.cluster.LocalCluster with ``simulate=False``): a broker and one
+Fixtures start real daemons (gpud_cli.cluster.LocalCluster with ``simulate=False``): a broker and one
 worker that serves the machine's real GPUs through pycuda.
 """
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from gpud.admin_commands import COMMANDS
-from gpud.cluster import LocalCluster
+from gpud_cli.cluster import LocalCluster
 from gpud_client import Cancelled, Client
 from tests.waiting import wait_for
 

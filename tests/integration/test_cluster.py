@@ -15,8 +15,8 @@ import pytest
 import zmq
 
 from gpud import protocol as P
-from gpud.cluster import LocalCluster
 from gpud.protocol import Command, Peer
+from gpud_cli.cluster import LocalCluster
 from gpud_client import BUILTIN, Client, OutOfMemory, SessionLost, WorkerLost
 from tests.waiting import wait_for
 

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpud.cluster import admin_call
+from gpud_cli.cluster import admin_call
 
-GPUD = [sys.executable, "-m", "gpud.cli"]
+GPUD = [sys.executable, "-m", "gpud_cli"]
 
 
 def _env() -> dict[str, str]:

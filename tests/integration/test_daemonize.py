@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from gpud.cluster import admin_call
+from gpud_cli.cluster import admin_call
 
-GPUD = [sys.executable, "-m", "gpud.cli"]
+GPUD = [sys.executable, "-m", "gpud_cli"]
 
 
 def _alive(pid: int) -> bool:
@@ -110,7 +110,7 @@ def test_pid_file_without_daemon_is_refused(tmp_path: Path) -> None:
 
 
 def test_daemon_without_python_daemon_says_which_extra(tmp_path: Path) -> None:
-    code = ("import sys; sys.modules['daemon'] = None; from gpud.cli import main; "
+    code = ("import sys; sys.modules['daemon'] = None; from gpud_cli.main import main; "
             f"sys.exit(main(['broker', '--security', 'none', '--daemon', '--pid-file', {str(tmp_path / 'x.pid')!r}]))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "pip install 'gpud[daemon]'" in r.stderr, r.stderr

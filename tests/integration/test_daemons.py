@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from gpud.cluster import admin_call
+from gpud_cli.cluster import admin_call
 from gpud_client import Client
 
-GPUD = [sys.executable, "-m", "gpud.cli"]
+GPUD = [sys.executable, "-m", "gpud_cli"]
 GPUDCTL = [sys.executable, "-m", "gpud_client.ctl"]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.cluster import LocalCluster
+from gpud_cli.cluster import LocalCluster
 from tests.integration.chaos import duplicates, executions, run_load
 from tests.waiting import wait_for
 
@@ -71,8 +71,8 @@ def test_broker_failover_under_load_then_fail_back(pair: LocalCluster) -> None:
 
 
 def test_operator_failover_hands_over_and_back(pair: LocalCluster) -> None:
-    from gpud.cluster import admin_call
     from gpud.errors import InvalidRequest
+    from gpud_cli.cluster import admin_call
     from gpud_client import Client
 
     _wait_synced(pair, "backup")
@@ -94,7 +94,7 @@ def test_operator_failover_under_load(pair: LocalCluster) -> None:
     still hands over (the active one lets it catch up first), and no echo is lost or wrong."""
     import threading
 
-    from gpud.cluster import admin_call
+    from gpud_cli.cluster import admin_call
     from gpud_client import Client
 
     _wait_synced(pair, "backup")

@@ -14,8 +14,8 @@ import pytest
 import zmq
 
 from gpud import protocol as P
-from gpud.cluster import LocalCluster
 from gpud.protocol import Command, Peer
+from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
 from tests.waiting import wait_for
 

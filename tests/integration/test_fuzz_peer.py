@@ -17,8 +17,8 @@ import pytest
 import zmq
 
 from gpud import protocol as P
-from gpud.cluster import LocalCluster
 from gpud.protocol import Command, Peer
+from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
 from tests.integration.test_fuzz_live import mutate
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from gpud.cluster import LocalCluster
 from gpud.errors import GpuFault
+from gpud_cli.cluster import LocalCluster
 from gpud_client import Client, SessionLost
 from tests.waiting import wait_for
 

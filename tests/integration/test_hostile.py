@@ -20,8 +20,8 @@ import pytest
 import zmq
 
 from gpud import protocol as P
-from gpud.cluster import LocalCluster
 from gpud.protocol import Command, Peer
+from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
 
 ANSWER_TIMEOUT_S = 5.0

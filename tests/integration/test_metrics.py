@@ -13,7 +13,7 @@ pytest.importorskip("prometheus_client", reason="the extra 'metrics' (prometheus
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from gpud.cluster import LocalCluster  # noqa: E402
+from gpud_cli.cluster import LocalCluster  # noqa: E402
 from gpud_client import Client  # noqa: E402
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
@@ -106,6 +106,6 @@ def test_bad_metrics_address_is_refused() -> None:
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "gpud.cli", "broker", "--security", "none", "--metrics", "nonsense"],
+    r = subprocess.run([sys.executable, "-m", "gpud_cli", "broker", "--security", "none", "--metrics", "nonsense"],
                        capture_output=True, text=True, timeout=30, env=dict(os.environ))
     assert r.returncode == 2 and "HOST:PORT" in r.stderr, r.stderr

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from gpud.cluster import LocalCluster, admin_call
+from gpud_cli.cluster import LocalCluster, admin_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compute_api import ComputeAPI  # noqa: E402

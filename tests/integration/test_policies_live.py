@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpud.cluster import LocalCluster
+from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
 
 

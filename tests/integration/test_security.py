@@ -19,12 +19,12 @@ import pytest
 import zmq
 
 from gpud import protocol as P
-from gpud.cluster import LocalCluster, admin_call
 from gpud.protocol import Command, Peer
 from gpud.security import CurveKeys, apply_client_keys
+from gpud_cli.cluster import LocalCluster, admin_call
 from gpud_client import Busy, Client, Session, Timeout
 
-GPUD = [sys.executable, "-m", "gpud.cli"]
+GPUD = [sys.executable, "-m", "gpud_cli"]
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:

@@ -21,9 +21,9 @@ import numpy as np
 import psutil
 import pytest
 
-from gpud.cluster import LocalCluster
 from gpud.errors import InvalidRequest, OutOfMemory, RemoteError, SessionLost, Timeout
 from gpud.protocol import BUILTIN_MODULE
+from gpud_cli.cluster import LocalCluster
 from gpud_client import BUILTIN, Client
 from gpud_worker.device import SimulatedDevice
 from gpud_worker.gpu import simulated_gpus

@@ -31,7 +31,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-GPUD = [sys.executable, "-m", "gpud.cli"]
+GPUD = [sys.executable, "-m", "gpud_cli"]
 WATCHDOG_USEC = 200_000  # pings every 0.1 s
 
 
@@ -364,7 +364,7 @@ def test_worker_ready_status_watchdog_stopping(tmp_path: Path, notify_socket: No
 def test_broker_sigterm_drains(job_user_prefix: str | None) -> None:
     """SIGTERM: queued and new requests are answered SHUTTING_DOWN, dispatched work finishes and
     its reply still reaches the client, then the broker exits 0."""
-    from gpud.cluster import LocalCluster
+    from gpud_cli.cluster import LocalCluster
     from gpud_client import Client, ShuttingDown
 
     with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, job_user_prefix=job_user_prefix) as c:

@@ -8,7 +8,7 @@ import sys
 
 
 def test_gpud_up_demo_checks_every_result_through_a_failover() -> None:
-    r = subprocess.run([sys.executable, "-m", "gpud.cli", "up", "--demo"], capture_output=True, text=True, timeout=180)
+    r = subprocess.run([sys.executable, "-m", "gpud_cli", "up", "--demo"], capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "demo OK: every result checked" in r.stdout
     assert "took over; all answered" in r.stdout and ", 0 wrong" in r.stdout

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpud.cluster import LocalCluster
 from gpud.errors import GpudError
+from gpud_cli.cluster import LocalCluster
 from gpud_client import BUILTIN, Client
 from tests.integration.chaos import executions
 

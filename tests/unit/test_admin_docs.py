@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from gpud.admin_commands import COMMANDS, markdown, usage
-from gpud.cluster import LocalCluster
+from gpud_cli.cluster import LocalCluster
 from gpud_client import ctl
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from gpud_broker.policies import POLICIES
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "systemd" / "gpud.toml.example"
-GPUD = [sys.executable, "-m", "gpud.cli"]
+GPUD = [sys.executable, "-m", "gpud_cli"]
 
 
 def write(tmp_path: Path, text: str) -> str:

@@ -85,11 +85,11 @@ def test_importing_the_worker_never_imports_pycuda() -> None:
         "        if name.split('.')[0] == 'pycuda': raise ImportError('pycuda imported at import time')\n"
         "sys.meta_path.insert(0, Refuse())\n"
         "import gpud_worker.cuda, gpud_worker.device, gpud_worker.modules, gpud_worker.kernels\n"
-        "import gpud_worker.worker, gpud_worker.gpu, gpud_worker.__main__, gpud.cli\n"
+        "import gpud_worker.worker, gpud_worker.gpu, gpud_worker.__main__, gpud_cli.main\n"
         "assert not [m for m in sys.modules if m.startswith('pycuda')]\n"
         "print('ok')\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(ROOT / p) for p in (".", "broker", "worker", "standby", "libclient")))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(ROOT / p) for p in (".", "cli", "broker", "worker", "standby", "libclient")))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 

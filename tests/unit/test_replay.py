@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from gpud import cli
 from gpud.resources import Need
 from gpud_broker import ledger
 from gpud_broker.mix import TaskMix
@@ -35,6 +34,7 @@ from gpud_broker.replay import (
     unallocated_at,
     wait_percentiles,
 )
+from gpud_cli import main as cli
 
 NODE_HEADER = "sn,cpu_milli,memory_mib,gpu,model\n"
 TASK_HEADER = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time\n"

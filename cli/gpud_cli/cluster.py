@@ -140,7 +140,7 @@ class LocalCluster:
         ns = self.broker_netns.get(name)
         prefix = ["ip", "netns", "exec", ns] if ns else []
         try:
-            return subprocess.Popen([*prefix, sys.executable, "-m", "gpud.cli", *args], stdout=fd,
+            return subprocess.Popen([*prefix, sys.executable, "-m", "gpud_cli", *args], stdout=fd,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         finally:
             os.close(fd)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from gpud.cluster import LocalCluster
+from gpud_cli.cluster import LocalCluster
 
 
 def run_demo(cluster: LocalCluster, echoes: int = 500, jobs: int = 8, sessions: int = 4) -> int:

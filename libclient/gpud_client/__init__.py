@@ -1,20 +1,28 @@
 """gpud_client: the client library that user VMs link to run GPU work through a gpud broker.
 
-Needs only pyzmq and msgpack (numpy arrays and scalars are accepted, never required)::
+Needs only pyzmq and msgpack; numpy arrays and scalars are accepted, never required::
 
-    from gpud_client import Client, BUILTIN
-    import numpy as np
+    import array
+    from gpud_client import BUILTIN, Client, CurveKeys
 
-    with Client(["tcp://gpud-a:5555", "tcp://gpud-b:5555"]) as client:
+    keys = CurveKeys.from_files("alice.key_secret", "broker.key")
+    with Client(["tcp://gpud-a:5555", "tcp://gpud-b:5555"], curve=keys) as client:
         print(client.run(["nvidia-smi", "-L"]).stdout.decode())
         with client.session(mem=64 << 20) as s:
             x = s.mem_alloc(4 * 1024)
-            s.memcpy_htod(x, np.ones(1024, np.float32))
+            s.memcpy_htod(x, array.array("f", [1.0] * 1024))
+            s.launch(BUILTIN, "saxpy", 4, 256, (("f32", 2.0), x, x, ("i32", 1024)))
             ...
 
-A :class:`Client` is not thread-safe: use one per thread. Errors are the :mod:`gpud.errors` classes,
-re-exported here.
+A :class:`Client` is not thread-safe: use one per thread. Errors are the :mod:`gpud.errors`
+classes, re-exported here.
+
+The library logs to the ``gpud_client`` and ``gpud`` loggers and, as a library, configures no
+output: with no logging configured by the application, nothing is printed; an application's
+``logging`` configuration decides what is.
 """
+
+import logging
 
 from gpud import __version__
 from gpud.errors import (
@@ -76,3 +84,9 @@ __all__ = [
     "WorkerLost",
     "__version__",
 ]
+
+# Not Python's last-resort handler (WARNING and up to stderr) in applications that set up no
+# logging: a library leaves its output to the application's logging configuration.
+for _name in ("gpud_client", "gpud"):
+    logging.getLogger(_name).addHandler(logging.NullHandler())
+del _name

@@ -6,7 +6,8 @@ result value or the matching exception from :mod:`gpud.errors`. It has no socket
 and any later asyncio client build requests the same way (STYLE.md point 10).
 
 Replies are never trusted: a field of the wrong type raises :class:`~gpud.errors.ProtocolError`.
-numpy is never imported here; numpy scalars are recognised by duck typing.
+numpy is never imported here; numpy scalars are recognised by duck typing, and ``(type, number)``
+pairs such as ``("f32", 2.0)`` give a kernel its scalars without numpy.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUILTIN",
+    "SCALAR_TYPES",
     "DevicePtr",
     "JobResult",
     "admin_frames",
@@ -61,6 +63,8 @@ _SCALAR_TAGS: dict[str, str] = {
     "int64": "i64",
     "uint64": "u64",
 }
+SCALAR_TYPES = tuple(_SCALAR_TAGS.values())
+"""The types of a ``(type, number)`` launch argument: f32, f64, i32, u32, i64, u64."""
 
 
 # --------------------------------------------------------------------------- value types
@@ -284,13 +288,30 @@ def admin_frames(
 def encode_launch_arg(index: int, value: Any, session: bytes) -> list[Any]:
     """One launch argument as its ``[type, value]`` wire pair.
 
-    Device pointers become ``["ptr", handle]``; numpy scalars are tagged by their dtype. Plain
-    Python numbers are refused: a kernel parameter has an exact C type that Python cannot guess.
+    Device pointers become ``["ptr", handle]``. A number is given with its kernel parameter's exact
+    C type, which Python cannot guess: as a ``(type, number)`` pair such as ``("f32", 2.0)`` or
+    ``("i32", n)`` (the types of :data:`SCALAR_TYPES`; no numpy needed), or as a numpy scalar,
+    tagged by its dtype (``numpy.float32(2.0)``). A plain Python number is refused.
     """
     if isinstance(value, DevicePtr):
         if value.session != session:
             raise InvalidRequest(f"argument {index}: the pointer belongs to another session")
         return ["ptr", value.handle]
+    if type(value) is tuple and len(value) == 2 and type(value[0]) is str:
+        tag, number = value
+        if tag not in SCALAR_TYPES:
+            raise InvalidRequest(
+                f"argument {index}: type {tag!r} is not a kernel argument type; use one of "
+                f"{', '.join(SCALAR_TYPES)}"
+            )
+        try:
+            ((_, checked),) = protocol.parse_launch_args([[tag, number]])
+        except InvalidRequest:
+            kind = "a number" if tag in ("f32", "f64") else f"an int that fits {tag}"
+            raise InvalidRequest(
+                f"argument {index}: ({tag!r}, {number!r}): {tag} takes {kind}"
+            ) from None
+        return [tag, checked]
     if type(value).__module__ == "numpy" and hasattr(value, "dtype"):
         if getattr(value, "ndim", 0) != 0:
             raise InvalidRequest(
@@ -307,11 +328,12 @@ def encode_launch_arg(index: int, value: Any, session: bytes) -> list[Any]:
         return [tag, float(item) if tag in ("f32", "f64") else int(item)]
     if isinstance(value, (bool, int, float)):
         raise InvalidRequest(
-            f"argument {index}: pass a numpy scalar with its exact C type, e.g. numpy.int32(5)"
+            f"argument {index}: give a number with its exact C type, e.g. ('i32', 5), "
+            "('f32', 2.0) or numpy.int32(5)"
         )
     raise InvalidRequest(
         f"argument {index}: cannot pass {type(value).__name__} to a kernel; use a device "
-        "pointer or a numpy scalar"
+        "pointer, a (type, number) pair such as ('f32', 2.0), or a numpy scalar"
     )
 
 

@@ -1402,9 +1402,10 @@ class Session:
     ) -> None:
         """Launch kernel ``name`` of ``module`` (:data:`BUILTIN` for the built-in library).
 
-        ``args`` are device pointers (from :meth:`mem_alloc`) and numpy scalars of the kernel's
-        exact parameter types (``numpy.int32(n)``, ``numpy.float32(a)``...); plain Python numbers
-        are refused with InvalidRequest.
+        ``args`` are device pointers (from :meth:`mem_alloc`) and numbers with the kernel's exact
+        parameter types: ``(type, number)`` pairs such as ``("i32", n)`` or ``("f32", a)`` (types
+        f32, f64, i32, u32, i64, u64; no numpy needed), or numpy scalars (``numpy.int32(n)``...).
+        A plain Python number is refused with InvalidRequest: its C type cannot be guessed.
         """
         if type(module) is not str or type(name) is not str or not module or not name:
             raise InvalidRequest("module and name must be non-empty strings")

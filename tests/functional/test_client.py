@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -544,7 +545,8 @@ def test_session_memory_and_launch(broker: FakeBroker) -> None:
             with pytest.raises(InvalidRequest) as plain:
                 s.launch(BUILTIN, "saxpy", args=[np.float32(2.5), x, 5])
             assert plain.value.message == (
-                "argument 2: pass a numpy scalar with its exact C type, e.g. numpy.int32(5)"
+                "argument 2: give a number with its exact C type, e.g. ('i32', 5), ('f32', 2.0) "
+                "or numpy.int32(5)"
             )
             with pytest.raises(InvalidRequest, match="grid"):
                 s.launch(BUILTIN, "saxpy", grid=(1, 2, 3, 4))
@@ -609,6 +611,43 @@ def test_launch_arg_encoding(value: Any, tag: list[Any]) -> None:
 )
 def test_launch_arg_refused(value: Any) -> None:
     with pytest.raises(InvalidRequest, match="argument 1"):
+        encode_launch_arg(1, value, b"s" * 16)
+
+
+@pytest.mark.parametrize(
+    ("value", "tag"),
+    [
+        (("f32", 1.5), ["f32", 1.5]),
+        (("f32", 2), ["f32", 2.0]),
+        (("f64", -2.25), ["f64", -2.25]),
+        (("i32", -7), ["i32", -7]),
+        (("u32", 4_000_000_000), ["u32", 4_000_000_000]),
+        (("i64", -(1 << 40)), ["i64", -(1 << 40)]),
+        (("u64", (1 << 64) - 1), ["u64", (1 << 64) - 1]),
+    ],
+)
+def test_launch_arg_typed_pair(value: Any, tag: list[Any]) -> None:
+    """Plain Python numbers with their C type named: what a client without numpy passes."""
+    encoded = encode_launch_arg(0, value, b"s" * 16)
+    assert encoded == tag and type(encoded[1]) is type(tag[1])
+    protocol.parse_launch_args([encoded])
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (("i32", 1 << 31), "i32 takes an int that fits i32"),
+        (("u32", -1), "u32 takes an int that fits u32"),
+        (("i32", 2.5), "i32 takes an int"),
+        (("i32", True), "i32 takes an int"),
+        (("f32", "2"), "f32 takes a number"),
+        (("f16", 1.0), "'f16' is not a kernel argument type"),
+        (("ptr", 3), "'ptr' is not a kernel argument type"),
+        (("i32", 1, 2), "cannot pass tuple"),
+    ],
+)
+def test_launch_arg_typed_pair_refused(value: Any, why: str) -> None:
+    with pytest.raises(InvalidRequest, match="argument 1: .*" + re.escape(why)):
         encode_launch_arg(1, value, b"s" * 16)
 
 

@@ -49,8 +49,10 @@ from gpud.errors import (
     WorkerLost,
 )
 from gpud.security import CurveKeys
-from gpud_client._request import BUILTIN, DevicePtr, JobResult
-from gpud_client.client import Client, Job, Pending, Session
+from gpud_client._request import BUILTIN, DevicePtr, JobResult, Need
+from gpud_client.client import Client
+from gpud_client.connection import Job, Pending
+from gpud_client.session import Session
 
 __all__ = [
     "BUILTIN",
@@ -68,6 +70,7 @@ __all__ = [
     "InvalidRequest",
     "Job",
     "JobResult",
+    "Need",
     "NoCapacity",
     "NotActive",
     "OutOfMemory",

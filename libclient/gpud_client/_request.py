@@ -12,6 +12,7 @@ pairs such as ``("f32", 2.0)`` give a kernel its scalars without numpy.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -37,18 +38,20 @@ __all__ = [
     "admin_frames",
     "as_bytes",
     "as_view",
-    "build_need",
+    "Need",
     "call_frames",
     "cancel_frames",
     "check_reply",
     "encode_launch_arg",
     "error_from",
     "job_body",
+    "need_of",
     "parse_echo",
     "parse_job_result",
     "parse_session_open",
     "ping_frames",
     "request_frames",
+    "timeout_ms",
 ]
 
 BUILTIN = protocol.BUILTIN_MODULE
@@ -79,7 +82,7 @@ class DevicePtr:
     handle:
         The allocation's handle as the caller knows it: the one the worker chose (scoped to its
         session), which stays valid when the session is replayed on another worker (the
-        :class:`~gpud_client.client.Session` then maps it to the new session's handle).
+        :class:`~gpud_client.session.Session` then maps it to the new session's handle).
     nbytes:
         Size of the allocation in bytes.
     session:
@@ -168,48 +171,82 @@ def _frame_view(frame: Any) -> memoryview:
 # --------------------------------------------------------------------------- requests
 
 
-def build_need(
-    *,
-    tenant: str,
-    gpu_milli: int | None = None,
-    gpus: int = 0,
-    mem: int | None = None,
-    model: str | None = None,
-    models: Sequence[str] | None = None,
-    min_cc: tuple[int, int] | Sequence[int] | None = None,
-    exclusive: bool = False,
-    priority: int = 0,
-) -> dict[str, Any]:
-    """The ``need`` map of a REQUEST (PROTOCOL.md §5.1). Fields left ``None`` are omitted, so
-    the broker's per-kind defaults apply."""
-    need: dict[str, Any] = {"tenant": tenant}
-    if gpu_milli is not None:
-        need["gpu_milli"] = gpu_milli
-    if gpus:
-        need["gpus"] = gpus
-    if mem is not None:
-        need["mem"] = mem
-    names: list[str] = []
-    if model is not None:
-        names.append(model)
-    if models is not None:
-        if isinstance(models, str):
-            raise InvalidRequest("'models' must be a list of model names, not one string")
-        names.extend(models)
-    if model is not None or models is not None:
-        need["models"] = sorted(set(names))
-    if min_cc is not None:
-        need["min_cc"] = list(min_cc)
-    if exclusive:
-        need["exclusive"] = True
-    if priority:
-        need["priority"] = priority
+@dataclass(frozen=True, slots=True)
+class Need:
+    """What a job or a session needs of its GPU (PROTOCOL.md §5.1), as one value.
+
+    ``Client.run``, ``submit`` and ``session`` take these fields as keywords, or one Need as
+    ``need=``. A field left ``None`` (or 0, False) is not sent, so the broker's default for the kind
+    of request applies (a job: one whole GPU share; a session: 100 milli and 256 MiB).
+
+    Attributes
+    ----------
+    gpu_milli:
+        Share of one GPU in thousandths.
+    gpus:
+        Whole GPUs (jobs only; 0: a share of one, ``gpu_milli``).
+    mem:
+        Device memory to reserve, in bytes.
+    models:
+        Allowed GPU model names.
+    min_cc:
+        Minimum CUDA compute capability, ``(major, minor)``.
+    exclusive:
+        Nothing else may be granted on the GPU meanwhile.
+    priority:
+        -100..100; higher is placed first.
+    """
+
+    gpu_milli: int | None = None
+    gpus: int = 0
+    mem: int | None = None
+    models: Sequence[str] | None = None
+    min_cc: tuple[int, int] | Sequence[int] | None = None
+    exclusive: bool = False
+    priority: int = 0
+
+    def wire(self, kind: str, tenant: str) -> dict[str, Any]:
+        """The ``need`` map of a REQUEST of ``kind``, checked by the broker's own parser so that a
+        bad field fails before anything is sent."""
+        need: dict[str, Any] = {"tenant": tenant}
+        if self.gpu_milli is not None:
+            need["gpu_milli"] = self.gpu_milli
+        if self.gpus:
+            need["gpus"] = self.gpus
+        if self.mem is not None:
+            need["mem"] = self.mem
+        if self.models is not None:
+            if isinstance(self.models, str):
+                raise InvalidRequest("'models' must be a list of model names, not one string")
+            need["models"] = sorted(set(self.models))
+        if self.min_cc is not None:
+            need["min_cc"] = list(self.min_cc)
+        if self.exclusive:
+            need["exclusive"] = True
+        if self.priority:
+            need["priority"] = self.priority
+        protocol.parse_need(kind, need)
+        return need
+
+
+def need_of(need: Need | None, given: Need) -> Need:
+    """``need`` (a call's ``need=``) or, without one, ``given`` (the call's keywords); both at
+    once are refused, as one would silently override the other."""
+    if need is None:
+        return given
+    if not isinstance(need, Need):
+        raise InvalidRequest(f"need must be a gpud_client.Need, not {type(need).__name__}")
+    if given != _NO_NEED:
+        raise InvalidRequest("give what is needed as need=Need(...) or as keywords, not both")
     return need
 
 
-def check_need(kind: str, need: dict[str, Any]) -> None:
-    """Validate ``need`` with the broker's own parser, so a bad field fails before sending."""
-    protocol.parse_need(kind, need)
+_NO_NEED = Need()
+
+
+def timeout_ms(seconds: float) -> int:
+    """A timeout in whole milliseconds, at least 1 (a REQUEST's ``deadline_ms``, a poll)."""
+    return max(1, math.ceil(seconds * 1000))
 
 
 def job_body(

@@ -6,7 +6,7 @@ control, so that neither the broker nor the worker ever holds more than window x
 one copy, and the hops work on different chunks at the same time.
 
 This module is pure (no sockets, no clock): :func:`plan` cuts a copy, :func:`run_windowed` drives
-any submit/collect pair through a window. :class:`~gpud_client.client.Session` plugs its CALLs in.
+any submit/collect pair through a window. :class:`~gpud_client.session.Session` plugs its CALLs in.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from gpud.errors import (
     Timeout,
 )
 from gpud.protocol import Command, Peer, decode, encode
-from gpud_client import BUILTIN, Client, DevicePtr, JobResult, ctl
+from gpud_client import BUILTIN, Client, DevicePtr, JobResult, Need, ctl
 from gpud_client._request import encode_launch_arg
 from tests.waiting import wait_for
 
@@ -367,7 +367,7 @@ def test_submit_many_and_wait_out_of_order(broker: FakeBroker) -> None:
             assert pending.done()
             assert pending.wait() == b"msg-%d" % i  # the result is kept
         assert len({p.id for _, p in pendings}) == 100
-        assert client._table == {} and client._awaiting == 0
+        assert client._conn._table == {} and client._conn._awaiting == 0
 
 
 def test_stale_reply_for_unknown_id_is_dropped(broker: FakeBroker) -> None:
@@ -580,6 +580,31 @@ def test_session_memory_and_launch(broker: FakeBroker) -> None:
     }
 
 
+def test_need_value_sends_what_the_keywords_send(broker: FakeBroker) -> None:
+    """``need=Need(...)`` and the keywords are two spellings of one need."""
+    with Client(broker.endpoint, timeout=5, tenant="lab-1") as client:
+        client.run(["prog"], gpu_milli=250, mem=1 << 20, models=["Sim"], min_cc=(7, 0), priority=5)
+        client.run(["prog"], need=Need(gpu_milli=250, mem=1 << 20, models=["Sim"], min_cc=(7, 0), priority=5))
+        client.submit(["prog"], gpus=2, exclusive=True).wait()
+        client.submit(["prog"], need=Need(gpus=2, exclusive=True)).wait()
+        with client.session(mem=1 << 20, model="Sim", models=["Big"]):
+            pass
+        with client.session(need=Need(mem=1 << 20, models=["Big", "Sim"])):
+            pass
+        with pytest.raises(InvalidRequest, match="not both"):
+            client.submit(["prog"], gpus=1, need=Need(gpus=1))
+        with pytest.raises(InvalidRequest, match="must be a gpud_client.Need"):
+            client.session(need={"mem": 1})  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest, match="gpu_milli"):
+            client.session(need=Need(gpu_milli=5000))  # refused before it is sent
+    needs = [h["need"] for c, h, _ in broker.seen if c is Command.REQUEST]
+    assert len(needs) == 6
+    assert needs[0] == needs[1] == {"tenant": "lab-1", "gpu_milli": 250, "mem": 1 << 20,
+                                    "models": ["Sim"], "min_cc": [7, 0], "priority": 5}
+    assert needs[2] == needs[3] == {"tenant": "lab-1", "gpus": 2, "exclusive": True}
+    assert needs[4] == needs[5] == {"tenant": "lab-1", "mem": 1 << 20, "models": ["Big", "Sim"]}
+
+
 def test_pointer_of_another_session_is_refused(broker: FakeBroker) -> None:
     with Client(broker.endpoint, timeout=5) as client, client.session() as a, client.session() as b:
         p = a.mem_alloc(16)
@@ -654,7 +679,7 @@ def test_launch_arg_typed_pair_refused(value: Any, why: str) -> None:
 def test_keepalive_pings_name_open_sessions(broker: FakeBroker) -> None:
     with Client(broker.endpoint, timeout=5, keepalive=0.05) as client:
         s = client.session()
-        thread = client._ka_thread
+        thread = client._conn._ka_thread
         assert thread is not None and thread.is_alive()
         assert broker.ping_event.wait(5)
         main_idents = {ident for c, _, ident in broker.seen if c is Command.REQUEST}
@@ -662,9 +687,9 @@ def test_keepalive_pings_name_open_sessions(broker: FakeBroker) -> None:
         assert sessions == [s.id] and ident not in main_idents  # its own socket
         s.close()
         thread.join(5)
-        assert not thread.is_alive() and client._ka_thread is None
+        assert not thread.is_alive() and client._conn._ka_thread is None
         s2 = client.session()  # a new session starts a new keepalive
-        assert client._ka_thread is not None and client._ka_thread.is_alive()
+        assert client._conn._ka_thread is not None and client._conn._ka_thread.is_alive()
     # Closing the client closed the open session (fire and forget) and stopped the keepalive.
     assert broker.close_event.wait(5)
     assert wait_for(lambda: s2.id in broker.closed_sessions)

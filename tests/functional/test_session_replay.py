@@ -209,7 +209,7 @@ def switches(caplog: pytest.LogCaptureFixture) -> int:
     return sum(
         1
         for r in caplog.records
-        if r.name == "gpud_client.client" and "is passive (NOT_ACTIVE)" in r.getMessage()
+        if r.name == "gpud_client.connection" and "is passive (NOT_ACTIVE)" in r.getMessage()
     )
 
 
@@ -222,7 +222,7 @@ def test_not_active_moves_to_the_other_endpoint_with_the_same_id(
 ) -> None:
     a, b = pair
     a.passive, a.as_error = True, as_error
-    caplog.set_level(logging.INFO, logger="gpud_client.client")
+    caplog.set_level(logging.INFO, logger="gpud_client.connection")
     with Client([a.endpoint, b.endpoint], timeout=10, settle=SETTLE) as client:
         pending = client.submit_echo(b"over there")
         assert pending.wait() == b"over there"  # not NotActive
@@ -238,7 +238,7 @@ def test_one_switch_for_many_outstanding_requests(
 ) -> None:
     a, b = pair
     a.passive = True
-    caplog.set_level(logging.INFO, logger="gpud_client.client")
+    caplog.set_level(logging.INFO, logger="gpud_client.connection")
     with Client([a.endpoint, b.endpoint], timeout=10, settle=SETTLE) as client:
         pendings = [client.submit_echo(b"%d" % i) for i in range(8)]
         assert wait_for(lambda: len(a.ids()) == 8)
@@ -252,7 +252,7 @@ def test_when_every_broker_is_passive_the_call_alternates_until_its_deadline(
 ) -> None:
     a, b = pair
     a.passive = b.passive = True
-    caplog.set_level(logging.INFO, logger="gpud_client.client")
+    caplog.set_level(logging.INFO, logger="gpud_client.connection")
     with Client([a.endpoint, b.endpoint], timeout=10, settle=SETTLE) as client:
         pending = client.submit_echo(b"anyone active?")
         with pytest.raises(Timeout, match="NOT_ACTIVE") as info:
@@ -501,13 +501,13 @@ def test_a_chunked_copy_is_replayed_after_the_loss_of_its_worker(cluster: LocalC
         cluster.kill_worker(first_worker)
 
         sent: list[int] = []  # payload bytes of each REQUEST and CALL from now on
-        submit = client._submit
+        submit = client._conn.submit
 
         def spy(rid: bytes, frames: list[Any], what: str, expect: int = 0) -> None:
             sent.append(sum(len(memoryview(f)) for f in frames[3:]))
             submit(rid, frames, what, expect)
 
-        client._submit = spy  # type: ignore[method-assign]
+        client._conn.submit = spy  # type: ignore[method-assign]
         out = np.empty(n + 100, np.uint8)
         s.memcpy_dtoh(p, out=out)  # chunked too: the first chunk finds the session lost
         assert s.worker != first_worker and s.replays == 1

@@ -35,20 +35,20 @@ def client(cluster: LocalCluster) -> Iterator[Client]:
 
 
 class Counter:
-    """Wraps ``Client._submit``: counts the CALLs sent and the most awaited at once."""
+    """Wraps the connection's ``submit``: counts the CALLs sent and the most awaited at once."""
 
     def __init__(self, client: Client) -> None:
         self.client = client
         self.calls = 0
         self.most = 0
-        self._submit = client._submit
+        self._submit = client._conn.submit
 
         def submit(*a: Any, **kw: Any) -> None:
             self._submit(*a, **kw)
             self.calls += 1
-            self.most = max(self.most, client._awaiting)
+            self.most = max(self.most, client._conn._awaiting)
 
-        client._submit = submit  # type: ignore[method-assign]
+        client._conn.submit = submit  # type: ignore[method-assign]
 
     def reset(self) -> None:
         self.calls = self.most = 0
@@ -140,7 +140,7 @@ def test_a_failed_chunk_fails_the_copy_and_the_session_goes_on(client: Client, o
             else:
                 s.memcpy_dtoh(p.handle, n, out=out)
         assert counter.calls == 5 and counter.most == WINDOW  # chunk 4 was sent, then abandoned
-        assert not client._table and client._awaiting == 0 and client._inflight == 0
+        assert not client._conn._table and client._conn._awaiting == 0 and client._conn._inflight == 0
         if op == "htod":  # the chunks before the failed one were written
             expect = np.concatenate([np.ones(3 * CHUNK, np.uint8), data[3 * CHUNK :]])
         else:  # and those read landed in out

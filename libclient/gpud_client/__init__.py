@@ -14,7 +14,8 @@ Needs only pyzmq and msgpack; numpy arrays and scalars are accepted, never requi
             s.launch(BUILTIN, "saxpy", 4, 256, (("f32", 2.0), x, x, ("i32", 1024)))
             ...
 
-A :class:`Client` is not thread-safe: use one per thread. Errors are the :mod:`gpud.errors`
+A :class:`Client` belongs to the thread that made it: a call from another thread raises
+:class:`~gpud.errors.GpudError` (use one Client per thread). Errors are the :mod:`gpud.errors`
 classes, re-exported here.
 
 The library logs to the ``gpud_client`` and ``gpud`` loggers and, as a library, configures no

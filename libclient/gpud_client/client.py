@@ -5,7 +5,8 @@ they put on the wire is built by :mod:`gpud_client._request`, the conversation w
 pair (request table, liveness, failover, keepalive) is :mod:`gpud_client.connection`'s, and
 sessions and their replay are :mod:`gpud_client.session`'s.
 
-A :class:`Client` is not thread-safe: use one Client per thread.
+A :class:`Client` is not thread-safe: it belongs to the thread that made it, and a call from
+another thread raises GpudError. Use one Client per thread.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ class Client:
 
     Notes
     -----
-    Not thread-safe: use one Client per thread.
+    Not thread-safe: the Client belongs to the thread that made it, and a call from any other
+    thread raises :class:`~gpud.errors.GpudError` at once. Use one Client per thread.
     """
 
     def __init__(
@@ -220,6 +222,7 @@ class Client:
         conn = self._conn
         if conn.closed:
             return
+        conn.check_owner()
         farewell = [f for s in conn.open_sessions() if (f := s._detach()) is not None]
         conn.close(farewell)
 

@@ -24,6 +24,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from threading import get_ident
 from time import monotonic
 from typing import Any, Generic, TypeVar
 
@@ -227,6 +228,9 @@ class Connection:
         self._switch_at: float | None = None  # when to leave a broker that answered NOT_ACTIVE
         self._passive = ""  # the last endpoint that answered NOT_ACTIVE, for Timeout messages
         self._closed = False
+        # The thread that made it, the only one that may use it (its socket is not thread-safe).
+        self._owner = get_ident()
+        self._owner_name = threading.current_thread().name
         self._lock = threading.Lock()  # guards _sessions and _ka_thread against the keepalive
         self._sessions: weakref.WeakValueDictionary[bytes, Any] = weakref.WeakValueDictionary()
         self._ka_thread: threading.Thread | None = None
@@ -260,6 +264,8 @@ class Connection:
         the connection made it. Idempotent."""
         if self._closed:
             return
+        if get_ident() != self._owner:
+            self._refuse()
         self._closed = True
         self._ka_stop.set()
         with self._lock:
@@ -284,14 +290,32 @@ class Connection:
             else:
                 self._ctx.term()
 
+    def check_owner(self) -> None:
+        """Raise GpudError unless called from the thread that made the connection."""
+        if get_ident() != self._owner:
+            self._refuse()
+
+    def _refuse(self) -> None:
+        """Raise why the connection may not be used now: it is closed, or this is not its thread.
+
+        A second thread on the same socket would take replies meant for the first (one thread
+        was seen to get another's request bytes back as its echo), so it is refused outright."""
+        if get_ident() != self._owner:
+            raise GpudError(
+                f"this Client belongs to thread {self._owner_name!r} and was called from thread "
+                f"{threading.current_thread().name!r}: a Client is not thread-safe, use one per "
+                "thread"
+            )
+        raise GpudError("the client is closed")
+
     # ------------------------------------------------------------------ request table
 
     def submit(self, rid: bytes, frames: list[Any], what: str, expect: int = 0, nbytes: int | None = None) -> None:
         """Send a REQUEST or CALL and record it for matching and re-sending (the caller then
         makes its Pending). ``expect``: payload bytes the reply is known to carry; ``nbytes``:
         those sent plus those expected, when the caller knows them."""
-        if self._closed:
-            raise GpudError("the client is closed")
+        if self._closed or get_ident() != self._owner:
+            self._refuse()
         if not self._awaiting:
             # Nothing was expected from the broker until now: its silence counts from here.
             self._quiet_since = monotonic()
@@ -324,6 +348,8 @@ class Connection:
 
     def cancel(self, rid: bytes) -> None:
         """Send a CANCEL of request ``rid`` (nothing when there is no connection to send it on)."""
+        if get_ident() != self._owner:
+            self._refuse()
         if not self._closed:
             try:
                 self.send(rq.cancel_frames(rid))
@@ -333,8 +359,8 @@ class Connection:
     def wait(self, rid: bytes, timeout: float, what: str) -> Message:
         """Wait for the reply to ``rid`` until ``timeout`` seconds from now, keeping the broker
         under watch (PING, failover). Returns the reply and forgets the request."""
-        if self._closed:
-            raise GpudError("the client is closed")
+        if self._closed or get_ident() != self._owner:
+            self._refuse()
         entry = self._table.get(rid)
         if entry is None:
             raise GpudError(f"{what}: not outstanding (already collected or forgotten)")
@@ -440,6 +466,8 @@ class Connection:
 
     def poll(self) -> None:
         """Read the replies that have arrived, without blocking."""
+        if get_ident() != self._owner:
+            self._refuse()
         if not self._closed:
             self._pump(0.0)
             if self._switch_at is not None and monotonic() >= self._switch_at:

@@ -580,6 +580,43 @@ def test_session_memory_and_launch(broker: FakeBroker) -> None:
     }
 
 
+def test_a_second_thread_is_refused_and_the_owner_unharmed(broker: FakeBroker) -> None:
+    """Two threads on one Client once got each other's replies (an echo returned the other
+    thread's request bytes): every call from a thread other than the Client's is refused."""
+    with Client(broker.endpoint, timeout=5) as client:
+        session = client.session()
+        pending = client.submit_echo(b"main")
+        calls: list[Callable[[], object]] = [
+            lambda: client.echo(b"other"),
+            lambda: client.submit_echo(b"other"),
+            lambda: client.run(["prog"]),
+            client.session,
+            pending.wait,
+            pending.done,
+            pending.cancel,
+            lambda: session.mem_alloc(16),
+            client.close,
+        ]
+        errors: list[str] = []
+
+        def other() -> None:
+            for call in calls:
+                try:
+                    call()
+                    errors.append("accepted")
+                except GpudError as exc:
+                    errors.append(exc.message)
+
+        thread = threading.Thread(target=other, name="other")
+        thread.start()
+        thread.join(10)
+        want = "this Client belongs to thread 'MainThread' and was called from thread 'other'"
+        assert len(errors) == len(calls) and all(e.startswith(want) for e in errors), errors
+        assert pending.wait() == b"main" and client.echo(b"again") == b"again"
+        assert not session.closed and session.mem_alloc(16).nbytes == 16
+    assert client.closed and session.closed
+
+
 def test_need_value_sends_what_the_keywords_send(broker: FakeBroker) -> None:
     """``need=Need(...)`` and the keywords are two spellings of one need."""
     with Client(broker.endpoint, timeout=5, tenant="lab-1") as client:

@@ -14,7 +14,7 @@ Needs only pyzmq and msgpack; numpy arrays and scalars are accepted, never requi
             s.launch(BUILTIN, "saxpy", 4, 256, (("f32", 2.0), x, x, ("i32", 1024)))
             ...
 
-A :class:`Client` belongs to the thread that made it: a call from another thread raises
+A :class:`Client` is not thread-safe: a call while another thread is inside one raises
 :class:`~gpud.errors.GpudError` (use one Client per thread). Errors are the :mod:`gpud.errors`
 classes, re-exported here.
 

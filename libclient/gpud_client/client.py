@@ -5,8 +5,8 @@ they put on the wire is built by :mod:`gpud_client._request`, the conversation w
 pair (request table, liveness, failover, keepalive) is :mod:`gpud_client.connection`'s, and
 sessions and their replay are :mod:`gpud_client.session`'s.
 
-A :class:`Client` is not thread-safe: it belongs to the thread that made it, and a call from
-another thread raises GpudError. Use one Client per thread.
+A :class:`Client` is not thread-safe: a call while another thread's call is under way raises
+GpudError (and the other call goes on unharmed). Use one Client per thread.
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ class Client:
 
     Notes
     -----
-    Not thread-safe: the Client belongs to the thread that made it, and a call from any other
-    thread raises :class:`~gpud.errors.GpudError` at once. Use one Client per thread.
+    Not thread-safe: a call made while another thread is inside a call of the same Client raises
+    :class:`~gpud.errors.GpudError` at once, and the other call goes on unharmed. Use one Client
+    per thread (handing one from a thread to another, one at a time, is fine).
     """
 
     def __init__(
@@ -219,12 +220,7 @@ class Client:
     def close(self) -> None:
         """Close the client: stop the keepalive, close open sessions (without waiting), close the
         socket, and terminate the context when the client made it. Idempotent."""
-        conn = self._conn
-        if conn.closed:
-            return
-        conn.check_owner()
-        farewell = [f for s in conn.open_sessions() if (f := s._detach()) is not None]
-        conn.close(farewell)
+        self._conn.close(Session._detach)
 
     # ------------------------------------------------------------------ public API
 

@@ -32,7 +32,7 @@ import zmq
 
 from gpud.errors import Busy, ConfigError, GpudError, InternalError, Timeout
 from gpud.protocol import Command, Message, Peer, decode, id_text, unbatch
-from gpud.security import CurveKeys, apply_client_keys
+from gpud.security import HANDSHAKE_FAILURES, CurveKeys, apply_client_keys
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
 from gpud_client import _request as rq
 from gpud_client._request import JobResult
@@ -66,6 +66,13 @@ are in flight, the broker may look silent for as long as they take at this rate 
 behind them), on top of ``ping_interval``, before the client PINGs it or gives it up."""
 KEEPALIVE_HWM = 4
 """PINGs a keepalive socket queues for a broker it is not connected to; more are not sent."""
+HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILURES
+"""What the connection's socket monitor reports: how each ZMTP (CURVE) handshake ended."""
+KEY_REFUSED = (
+    "the broker did not accept our key (wrong broker key, or this client's key is not in the "
+    "broker's allow-list)"
+)
+"""Why a broker that refuses the CURVE handshake never answers (said instead of a bare Timeout)."""
 
 T = TypeVar("T")
 Converter = Callable[[Message], T]
@@ -227,16 +234,18 @@ class Connection:
         self._last_dropped = ""  # why the last unusable message from the broker was dropped
         self._switch_at: float | None = None  # when to leave a broker that answered NOT_ACTIVE
         self._passive = ""  # the last endpoint that answered NOT_ACTIVE, for Timeout messages
+        # Endpoint -> why its last handshake failed (cleared by one that succeeds), for Timeouts.
+        self._refused: dict[str, str] = {}
         self._closed = False
-        # The thread that made it, the only one that may use it (its socket is not thread-safe).
-        self._owner = get_ident()
-        self._owner_name = threading.current_thread().name
+        # Held by the thread inside a call (its socket is not thread-safe); ``_user`` is that one.
+        self._busy = threading.Lock()
+        self._user = 0
         self._lock = threading.Lock()  # guards _sessions and _ka_thread against the keepalive
         self._sessions: weakref.WeakValueDictionary[bytes, Any] = weakref.WeakValueDictionary()
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
         try:
-            self._sock = self._connect(self._endpoints[0])
+            self._sock, self._monitor = self._connect(self._endpoints[0], watch=True)
             self._poller = zmq.Poller()
             self._poller.register(self._sock, zmq.POLLIN)
         except ConfigError:
@@ -258,21 +267,30 @@ class Connection:
     def closed(self) -> bool:
         return self._closed
 
-    def close(self, farewell: Sequence[list[Any]] = ()) -> None:
-        """Stop the keepalive, send ``farewell`` (messages that need no answer, such as the close
-        CALLs of open sessions) without waiting, close the socket, and terminate the context when
-        the connection made it. Idempotent."""
+    def close(self, farewell: Callable[[Any], list[Any] | None] | None = None) -> None:
+        """Stop the keepalive, send the ``farewell`` of each open session (a message that needs no
+        answer, such as its close CALL; None: nothing) without waiting, close the socket, and
+        terminate the context when the connection made it. Idempotent."""
+        self._enter()
+        try:
+            self._close(farewell)
+        finally:
+            self._leave()
+
+    def _close(self, farewell: Callable[[Any], list[Any] | None] | None) -> None:
         if self._closed:
             return
-        if get_ident() != self._owner:
-            self._refuse()
         self._closed = True
         self._ka_stop.set()
         with self._lock:
             thread = self._ka_thread
+            sessions = list(self._sessions.values())
             self._sessions.clear()
         linger = 0
-        for frames in farewell:
+        goodbyes = [] if farewell is None else [farewell(session) for session in sessions]
+        for frames in goodbyes:
+            if frames is None:
+                continue
             try:
                 self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
                 linger = 200  # ms: give those messages a moment to leave
@@ -280,6 +298,7 @@ class Connection:
                 log.debug("could not send a message on closing: %s", exc)
         if thread is not None:
             thread.join(timeout=5.0)
+        self._close_monitor()
         self._sock.close(linger=linger)
         self._table.clear()
         self._awaiting = 0
@@ -290,32 +309,51 @@ class Connection:
             else:
                 self._ctx.term()
 
-    def check_owner(self) -> None:
-        """Raise GpudError unless called from the thread that made the connection."""
-        if get_ident() != self._owner:
-            self._refuse()
+    def _enter(self) -> None:
+        """Begin a call; GpudError when another thread is inside one.
 
-    def _refuse(self) -> None:
-        """Raise why the connection may not be used now: it is closed, or this is not its thread.
+        Two threads on one socket take each other's replies (an echo was seen to return another
+        thread's request bytes), so a call while another thread's is under way is refused at
+        once, and that other call goes on unharmed. One thread after another is fine."""
+        if not self._busy.acquire(blocking=False):
+            raise GpudError(self._in_use_by())
+        self._user = get_ident()
 
-        A second thread on the same socket would take replies meant for the first (one thread
-        was seen to get another's request bytes back as its echo), so it is refused outright."""
-        if get_ident() != self._owner:
-            raise GpudError(
-                f"this Client belongs to thread {self._owner_name!r} and was called from thread "
-                f"{threading.current_thread().name!r}: a Client is not thread-safe, use one per "
-                "thread"
-            )
-        raise GpudError("the client is closed")
+    def _leave(self) -> None:
+        self._user = 0
+        self._busy.release()
+
+    def _in_use_by(self) -> str:
+        if self._user == get_ident():  # a call from inside a call: a bug of this library
+            return "the client was called again from inside one of its own calls"
+        other = next((t.name for t in threading.enumerate() if t.ident == self._user), "another")
+        return (
+            f"the client is in use by thread {other!r} and was called from thread "
+            f"{threading.current_thread().name!r}: a Client is not thread-safe, use one per thread"
+        )
 
     # ------------------------------------------------------------------ request table
 
-    def submit(self, rid: bytes, frames: list[Any], what: str, expect: int = 0, nbytes: int | None = None) -> None:
+    def submit(
+        self, rid: bytes, frames: list[Any], what: str, expect: int = 0, nbytes: int | None = None
+    ) -> None:
         """Send a REQUEST or CALL and record it for matching and re-sending (the caller then
         makes its Pending). ``expect``: payload bytes the reply is known to carry; ``nbytes``:
         those sent plus those expected, when the caller knows them."""
-        if self._closed or get_ident() != self._owner:
-            self._refuse()
+        if not self._busy.acquire(blocking=False):
+            raise GpudError(self._in_use_by())
+        self._user = get_ident()
+        try:
+            self._submit(rid, frames, what, expect, nbytes)
+        finally:
+            self._user = 0
+            self._busy.release()
+
+    def _submit(
+        self, rid: bytes, frames: list[Any], what: str, expect: int, nbytes: int | None
+    ) -> None:
+        if self._closed:
+            raise GpudError("the client is closed")
         if not self._awaiting:
             # Nothing was expected from the broker until now: its silence counts from here.
             self._quiet_since = monotonic()
@@ -348,19 +386,30 @@ class Connection:
 
     def cancel(self, rid: bytes) -> None:
         """Send a CANCEL of request ``rid`` (nothing when there is no connection to send it on)."""
-        if get_ident() != self._owner:
-            self._refuse()
-        if not self._closed:
-            try:
+        self._enter()
+        try:
+            if not self._closed:
                 self.send(rq.cancel_frames(rid))
-            except Busy:  # no connection (e.g. a refused CURVE handshake): nothing to cancel there
-                log.debug("no connection to send CANCEL %s on", id_text(rid))
+        except Busy:  # no connection (e.g. a refused CURVE handshake): nothing to cancel there
+            log.debug("no connection to send CANCEL %s on", id_text(rid))
+        finally:
+            self._leave()
 
     def wait(self, rid: bytes, timeout: float, what: str) -> Message:
         """Wait for the reply to ``rid`` until ``timeout`` seconds from now, keeping the broker
         under watch (PING, failover). Returns the reply and forgets the request."""
-        if self._closed or get_ident() != self._owner:
-            self._refuse()
+        if not self._busy.acquire(blocking=False):
+            raise GpudError(self._in_use_by())
+        self._user = get_ident()
+        try:
+            return self._wait(rid, timeout, what)
+        finally:
+            self._user = 0
+            self._busy.release()
+
+    def _wait(self, rid: bytes, timeout: float, what: str) -> Message:
+        if self._closed:
+            raise GpudError("the client is closed")
         entry = self._table.get(rid)
         if entry is None:
             raise GpudError(f"{what}: not outstanding (already collected or forgotten)")
@@ -373,6 +422,10 @@ class Connection:
                 hint = f"; last dropped message: {self._last_dropped}" if self._last_dropped else ""
                 if self._passive:
                     hint += f"; {self._passive} answered NOT_ACTIVE (the passive broker)"
+                self._read_handshakes()
+                if self._refused:  # the current endpoint's reason first
+                    why = self._refused.get(self.endpoint) or next(iter(self._refused.values()))
+                    hint = f": {why}{hint}"
                 raise Timeout(f"{what}: no reply within {timeout:g}s from {self.endpoint}{hint}")
         del self._table[rid]
         return entry.reply
@@ -401,6 +454,7 @@ class Connection:
         log.debug(
             "broker %s silent for %.1fs; sending PING", self.endpoint, now - self._quiet_since
         )
+        self._read_handshakes()  # now and then, so that the monitor's queue never fills
         try:
             self.send(rq.ping_frames(self._session_ids()))
         except Busy:
@@ -420,15 +474,17 @@ class Connection:
         for step in range(1, count + 1):
             index = (self._index + step) % count
             try:
-                sock = self._connect(self._endpoints[index])
+                sock, monitor = self._connect(self._endpoints[index], watch=True)
             except ConfigError as exc:
                 if step == count:
                     raise
                 log.error("%s; trying the next endpoint", exc)
                 continue
             break
+        self._read_handshakes()  # the old socket's, under the old endpoint
+        self._close_monitor()
         self._sock.close(linger=0)
-        self._sock, self._index = sock, index
+        self._sock, self._monitor, self._index = sock, monitor, index
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         resend = [e for e in list(self._table.values()) if e.reply is None]
@@ -446,7 +502,10 @@ class Connection:
         self._ping_at = None
         self._switch_at = None
 
-    def _connect(self, endpoint: str, sndhwm: int = 0) -> zmq.Socket[Any]:
+    def _connect(
+        self, endpoint: str, sndhwm: int = 0, watch: bool = False
+    ) -> tuple[zmq.Socket[Any], zmq.Socket[Any] | None]:
+        """A DEALER connected to ``endpoint``; with ``watch``, and the monitor of its handshakes."""
         sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # Unbounded queues: outstanding requests are bounded by the caller, and a reply dropped at
@@ -455,23 +514,80 @@ class Connection:
         sock.setsockopt(zmq.RCVHWM, 0)
         if self._curve is not None:
             apply_client_keys(sock, self._curve)
+        monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS) if watch else None
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
             sock.close(linger=0)
             raise ConfigError(f"cannot connect to {endpoint!r}: {exc}") from None
-        return sock
+        return sock, monitor
+
+    def _close_monitor(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+    def _read_handshakes(self) -> None:
+        """Note how the current socket's handshakes ended: a refusal (by reason) or a success
+        (which clears the endpoint's refusal). Read only when the broker is silent or at a
+        Timeout, never on the path of a reply."""
+        monitor = self._monitor
+        if monitor is None:
+            return
+        endpoint = self.endpoint
+        while True:
+            try:
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 1 or len(frames[0]) != 6:
+                continue  # not a monitor event (libzmq writes 6 bytes: event, value)
+            event = int.from_bytes(frames[0][:2], "little")
+            value = int.from_bytes(frames[0][2:], "little")
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._refused.pop(endpoint, None)
+                continue
+            why = self._refusal(event, value)
+            if why is not None and not (
+                event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and endpoint in self._refused
+            ):  # a reset says less than the refusal it follows
+                if self._refused.get(endpoint) != why:
+                    log.warning("broker %s: %s", endpoint, why)
+                self._refused[endpoint] = why
+
+    def _refusal(self, event: int, value: int) -> str | None:
+        """Why a failed handshake failed, as the caller should read it."""
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == getattr(
+            zmq, "PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH", 0x11000002
+        ):
+            if self._curve is None:
+                return (
+                    "the broker did not accept our connection: it uses CURVE and this client has "
+                    "no keys (Client(..., curve=CurveKeys.from_files(secret, broker_public)))"
+                )
+            return "the broker did not accept our connection: it does not use CURVE, and we do"
+        if event & HANDSHAKE_FAILURES:
+            if self._curve is None and event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                return "the broker ended the connection during the handshake"
+            return KEY_REFUSED
+        return None
 
     # ------------------------------------------------------------------ receiving
 
     def poll(self) -> None:
         """Read the replies that have arrived, without blocking."""
-        if get_ident() != self._owner:
-            self._refuse()
-        if not self._closed:
-            self._pump(0.0)
-            if self._switch_at is not None and monotonic() >= self._switch_at:
-                self._watch_broker(monotonic())
+        self._enter()
+        try:
+            if not self._closed:
+                self._pump(0.0)
+                if self._switch_at is not None and monotonic() >= self._switch_at:
+                    self._watch_broker(monotonic())
+        finally:
+            self._leave()
 
     def _pump(self, timeout: float, entry: _Outstanding | None = None) -> None:
         """Handle the messages that are queued, waiting up to ``timeout`` seconds for the first;
@@ -559,11 +675,6 @@ class Connection:
         with self._lock:
             return list(self._sessions.keys())
 
-    def open_sessions(self) -> list[Any]:
-        """The sessions registered (and still referenced), for closing them with the client."""
-        with self._lock:
-            return list(self._sessions.values())
-
     def add_session(self, sid: bytes, session: Any) -> None:
         """Keep session ``sid`` alive (its lease renewed) while ``session`` is referenced and
         until :meth:`remove_session`."""
@@ -620,7 +731,7 @@ class Connection:
                 frames = rq.ping_frames(ids)
                 for index in targets:
                     if index not in socks:
-                        socks[index] = self._connect(self._endpoints[index], KEEPALIVE_HWM)
+                        socks[index], _ = self._connect(self._endpoints[index], KEEPALIVE_HWM)
                         heard.setdefault(index, now)
                     try:
                         socks[index].send_multipart(frames, flags=zmq.NOBLOCK)

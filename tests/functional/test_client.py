@@ -580,12 +580,14 @@ def test_session_memory_and_launch(broker: FakeBroker) -> None:
     }
 
 
-def test_a_second_thread_is_refused_and_the_owner_unharmed(broker: FakeBroker) -> None:
+def test_a_second_thread_is_refused_while_the_first_is_in_a_call(broker: FakeBroker) -> None:
     """Two threads on one Client once got each other's replies (an echo returned the other
-    thread's request bytes): every call from a thread other than the Client's is refused."""
+    thread's request bytes): a call while another thread is inside one is refused, and the call
+    under way is unharmed. One thread after the other is fine."""
     with Client(broker.endpoint, timeout=5) as client:
         session = client.session()
         pending = client.submit_echo(b"main")
+        held = client.submit_echo(b"silent")  # the fake broker never answers it
         calls: list[Callable[[], object]] = [
             lambda: client.echo(b"other"),
             lambda: client.submit_echo(b"other"),
@@ -600,6 +602,7 @@ def test_a_second_thread_is_refused_and_the_owner_unharmed(broker: FakeBroker) -
         errors: list[str] = []
 
         def other() -> None:
+            assert wait_for(client._conn._busy.locked)  # the main thread is inside its wait
             for call in calls:
                 try:
                     call()
@@ -609,11 +612,20 @@ def test_a_second_thread_is_refused_and_the_owner_unharmed(broker: FakeBroker) -
 
         thread = threading.Thread(target=other, name="other")
         thread.start()
+        with pytest.raises(Timeout):
+            held.wait(timeout=3)  # the other thread's calls are refused meanwhile
         thread.join(10)
-        want = "this Client belongs to thread 'MainThread' and was called from thread 'other'"
+        want = "the client is in use by thread 'MainThread' and was called from thread 'other'"
         assert len(errors) == len(calls) and all(e.startswith(want) for e in errors), errors
         assert pending.wait() == b"main" and client.echo(b"again") == b"again"
         assert not session.closed and session.mem_alloc(16).nbytes == 16
+
+        # Handed to another thread, one at a time: fine.
+        results: list[bytes] = []
+        later = threading.Thread(target=lambda: results.append(client.echo(b"later")))
+        later.start()
+        later.join(10)
+        assert results == [b"later"]
     assert client.closed and session.closed
 
 

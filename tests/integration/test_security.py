@@ -7,6 +7,7 @@ to loopback.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -97,8 +98,15 @@ def test_worker_with_an_allowed_key_registers_and_one_with_an_unknown_key_cannot
         del cluster.worker_procs["intruder"]
 
 
+# What a refused client is told instead of a bare "no reply": its socket monitor saw the handshake fail.
+KEY_REFUSED = ("the broker did not accept our key (wrong broker key, or this client's key is not in the "
+               "broker's allow-list)")
+
+
 def test_client_without_a_key_gets_nothing_through(cluster: LocalCluster) -> None:
-    with Client(cluster.frontend, timeout=1.5, ping_interval=0.5) as c, pytest.raises(Timeout):
+    with (Client(cluster.frontend, timeout=1.5, ping_interval=0.5) as c,
+          pytest.raises(Timeout, match=r"no reply within 1.5s from .*: the broker did not accept our connection: "
+                                       r"it uses CURVE and this client has no keys")):
         c.echo(b"hello")
     wait_for("the broker to log the handshake failure",
              in_log(cluster, "broker", "frontend", "CURVE handshake failed"))
@@ -106,7 +114,8 @@ def test_client_without_a_key_gets_nothing_through(cluster: LocalCluster) -> Non
 
 def test_client_with_an_unknown_key_gets_nothing_through(cluster: LocalCluster) -> None:
     stranger = cluster.client_keys("mallory", allowed=False)
-    with Client(cluster.frontend, timeout=1.5, ping_interval=0.5, curve=stranger) as c, pytest.raises(Timeout):
+    with (Client(cluster.frontend, timeout=1.5, ping_interval=0.5, curve=stranger) as c,
+          pytest.raises(Timeout, match=r"no reply within 1.5s from .*: " + re.escape(KEY_REFUSED))):
         c.echo(b"hello")
     wait_for("the broker to log the refusal",
              in_log(cluster, "broker", "refused a connection on gpud-frontend", "unknown client key",
@@ -115,7 +124,8 @@ def test_client_with_an_unknown_key_gets_nothing_through(cluster: LocalCluster) 
 
 def test_client_with_the_wrong_broker_key_gets_nothing_through(cluster: LocalCluster, alice: CurveKeys) -> None:
     wrong = CurveKeys(alice.public, alice.secret, zmq.curve_keypair()[0])
-    with Client(cluster.frontend, timeout=1.5, ping_interval=0.5, curve=wrong) as c, pytest.raises(Timeout):
+    with (Client(cluster.frontend, timeout=1.5, ping_interval=0.5, curve=wrong) as c,
+          pytest.raises(Timeout, match=r"no reply within 1.5s from .*: " + re.escape(KEY_REFUSED))):
         c.echo(b"hello")
 
 

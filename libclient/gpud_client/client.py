@@ -245,7 +245,7 @@ class Client:
         self, payload: BytesLike = b"", *, timeout: float | None = None
     ) -> Pending[bytes]:
         """Send an echo request without waiting; ``Pending.wait()`` returns the payload."""
-        limit = self.timeout if timeout is None else timeout
+        limit = self._settings.timeout if timeout is None else timeout
         rid = new_id()
         view = rq.as_view(payload, "payload")
         frames = rq.request_frames(

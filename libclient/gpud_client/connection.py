@@ -24,7 +24,6 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from threading import get_ident
 from time import monotonic
 from typing import Any, Generic, TypeVar
 
@@ -237,9 +236,8 @@ class Connection:
         # Endpoint -> why its last handshake failed (cleared by one that succeeds), for Timeouts.
         self._refused: dict[str, str] = {}
         self._closed = False
-        # Held by the thread inside a call (its socket is not thread-safe); ``_user`` is that one.
+        # Held by the thread inside a call (the socket is not thread-safe).
         self._busy = threading.Lock()
-        self._user = 0
         self._lock = threading.Lock()  # guards _sessions and _ka_thread against the keepalive
         self._sessions: weakref.WeakValueDictionary[bytes, Any] = weakref.WeakValueDictionary()
         self._ka_thread: threading.Thread | None = None
@@ -316,20 +314,15 @@ class Connection:
         thread's request bytes), so a call while another thread's is under way is refused at
         once, and that other call goes on unharmed. One thread after another is fine."""
         if not self._busy.acquire(blocking=False):
-            raise GpudError(self._in_use_by())
-        self._user = get_ident()
+            raise GpudError(self._in_use())
 
     def _leave(self) -> None:
-        self._user = 0
         self._busy.release()
 
-    def _in_use_by(self) -> str:
-        if self._user == get_ident():  # a call from inside a call: a bug of this library
-            return "the client was called again from inside one of its own calls"
-        other = next((t.name for t in threading.enumerate() if t.ident == self._user), "another")
+    def _in_use(self) -> str:
         return (
-            f"the client is in use by thread {other!r} and was called from thread "
-            f"{threading.current_thread().name!r}: a Client is not thread-safe, use one per thread"
+            f"the client is in use by another thread (this call is from thread "
+            f"{threading.current_thread().name!r}): a Client is not thread-safe, use one per thread"
         )
 
     # ------------------------------------------------------------------ request table
@@ -340,30 +333,23 @@ class Connection:
         """Send a REQUEST or CALL and record it for matching and re-sending (the caller then
         makes its Pending). ``expect``: payload bytes the reply is known to carry; ``nbytes``:
         those sent plus those expected, when the caller knows them."""
-        if not self._busy.acquire(blocking=False):
-            raise GpudError(self._in_use_by())
-        self._user = get_ident()
+        if not self._busy.acquire(blocking=False):  # inline: the hot path
+            raise GpudError(self._in_use())
         try:
-            self._submit(rid, frames, what, expect, nbytes)
+            if self._closed:
+                raise GpudError("the client is closed")
+            if not self._awaiting:
+                # Nothing was expected from the broker until now: its silence counts from here.
+                self._quiet_since = monotonic()
+                self._ping_at = None
+            self.send(frames)
+            if nbytes is None:
+                nbytes = _payload_bytes(frames) + expect
+            self._table[rid] = _Outstanding(frames, what, nbytes)
+            self._awaiting += 1
+            self._inflight += nbytes
         finally:
-            self._user = 0
             self._busy.release()
-
-    def _submit(
-        self, rid: bytes, frames: list[Any], what: str, expect: int, nbytes: int | None
-    ) -> None:
-        if self._closed:
-            raise GpudError("the client is closed")
-        if not self._awaiting:
-            # Nothing was expected from the broker until now: its silence counts from here.
-            self._quiet_since = monotonic()
-            self._ping_at = None
-        self.send(frames)
-        if nbytes is None:
-            nbytes = _payload_bytes(frames) + expect
-        self._table[rid] = _Outstanding(frames, what, nbytes)
-        self._awaiting += 1
-        self._inflight += nbytes
 
     def forget(self, rid: bytes) -> None:
         """Forget a request (its reply, if any comes, is then dropped)."""
@@ -398,37 +384,36 @@ class Connection:
     def wait(self, rid: bytes, timeout: float, what: str) -> Message:
         """Wait for the reply to ``rid`` until ``timeout`` seconds from now, keeping the broker
         under watch (PING, failover). Returns the reply and forgets the request."""
-        if not self._busy.acquire(blocking=False):
-            raise GpudError(self._in_use_by())
-        self._user = get_ident()
+        if not self._busy.acquire(blocking=False):  # inline: the hot path
+            raise GpudError(self._in_use())
         try:
-            return self._wait(rid, timeout, what)
+            if self._closed:
+                raise GpudError("the client is closed")
+            entry = self._table.get(rid)
+            if entry is None:
+                raise GpudError(f"{what}: not outstanding (already collected or forgotten)")
+            deadline = monotonic() + max(0.0, timeout)
+            while entry.reply is None:
+                now = monotonic()
+                wake = self._watch_broker(now)
+                self._pump(min(deadline, wake) - now, entry)
+                if entry.reply is None and monotonic() >= deadline:
+                    raise self._timeout(what, timeout)
+            del self._table[rid]
+            return entry.reply
         finally:
-            self._user = 0
             self._busy.release()
 
-    def _wait(self, rid: bytes, timeout: float, what: str) -> Message:
-        if self._closed:
-            raise GpudError("the client is closed")
-        entry = self._table.get(rid)
-        if entry is None:
-            raise GpudError(f"{what}: not outstanding (already collected or forgotten)")
-        deadline = monotonic() + max(0.0, timeout)
-        while entry.reply is None:
-            now = monotonic()
-            wake = self._watch_broker(now)
-            self._pump(min(deadline, wake) - now, entry)
-            if entry.reply is None and monotonic() >= deadline:
-                hint = f"; last dropped message: {self._last_dropped}" if self._last_dropped else ""
-                if self._passive:
-                    hint += f"; {self._passive} answered NOT_ACTIVE (the passive broker)"
-                self._read_handshakes()
-                if self._refused:  # the current endpoint's reason first
-                    why = self._refused.get(self.endpoint) or next(iter(self._refused.values()))
-                    hint = f": {why}{hint}"
-                raise Timeout(f"{what}: no reply within {timeout:g}s from {self.endpoint}{hint}")
-        del self._table[rid]
-        return entry.reply
+    def _timeout(self, what: str, timeout: float) -> Timeout:
+        """The Timeout of a wait, with what the connection knows of why nothing came."""
+        hint = f"; last dropped message: {self._last_dropped}" if self._last_dropped else ""
+        if self._passive:
+            hint += f"; {self._passive} answered NOT_ACTIVE (the passive broker)"
+        self._read_handshakes()
+        if self._refused:  # the current endpoint's reason first
+            why = self._refused.get(self.endpoint) or next(iter(self._refused.values()))
+            hint = f": {why}{hint}"
+        return Timeout(f"{what}: no reply within {timeout:g}s from {self.endpoint}{hint}")
 
     # ------------------------------------------------------------------ broker liveness
 

@@ -35,7 +35,13 @@ from gpud_client.journal import Entry, Journal
 if TYPE_CHECKING:
     from gpud_client._request import BytesLike
 
-__all__ = ["DEFAULT_JOURNAL_BYTES", "DEFAULT_SESSION_REPLAYS", "Session", "SessionSettings", "open_session"]
+__all__ = [
+    "DEFAULT_JOURNAL_BYTES",
+    "DEFAULT_SESSION_REPLAYS",
+    "Session",
+    "SessionSettings",
+    "open_session",
+]
 
 log = logging.getLogger(__name__)
 

@@ -615,7 +615,7 @@ def test_a_second_thread_is_refused_while_the_first_is_in_a_call(broker: FakeBro
         with pytest.raises(Timeout):
             held.wait(timeout=3)  # the other thread's calls are refused meanwhile
         thread.join(10)
-        want = "the client is in use by thread 'MainThread' and was called from thread 'other'"
+        want = "the client is in use by another thread (this call is from thread 'other')"
         assert len(errors) == len(calls) and all(e.startswith(want) for e in errors), errors
         assert pending.wait() == b"main" and client.echo(b"again") == b"again"
         assert not session.closed and session.mem_alloc(16).nbytes == 16

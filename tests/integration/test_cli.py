@@ -1,58 +1,25 @@
 """The ``gpud`` command as installed pieces: the core alone, a missing extra, and a closing terminal.
 
-The isolated runs are real: a fresh interpreter (``python -I -S``, so no site-packages and no
-editable-install finder) whose ``sys.path`` holds copies of only the packages named, and symlinks to
-only the third-party modules named; whatever else it imports fails as it would on such a host.
+The isolated runs are real (:mod:`tests.isolated`): a fresh interpreter whose path holds copies of
+only the packages named.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import msgpack
-import zmq
-
 from gpud_cli.main import EXTRAS
-
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"gpud": ROOT / "gpud", "gpud_cli": ROOT / "cli" / "gpud_cli",
-            "gpud_broker": ROOT / "broker" / "gpud_broker", "gpud_worker": ROOT / "worker" / "gpud_worker",
-            "gpud_standby": ROOT / "standby" / "gpud_standby", "gpud_client": ROOT / "libclient" / "gpud_client"}
-COMPONENTS = ("gpud_broker", "gpud_worker", "gpud_standby", "gpud_client")
-
-
-def _site(tmp: Path, packages: list[str], third_party: bool) -> Path:
-    """A directory holding copies of ``packages`` and, with ``third_party``, links to pyzmq and
-    msgpack only (the core's two dependencies)."""
-    site = tmp / "site"
-    site.mkdir()
-    for name in packages:
-        shutil.copytree(PACKAGES[name], site / name, ignore=shutil.ignore_patterns("__pycache__"))
-    if third_party:
-        for module in (zmq, msgpack):
-            src = Path(module.__file__ or "").parent
-            (site / src.name).symlink_to(src)
-            libs = src.parent / f"py{src.name}.libs"  # pyzmq's bundled libzmq, where wheels put it
-            if libs.exists():
-                (site / libs.name).symlink_to(libs)
-    return site
-
-
-def _isolated(site: Path, code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    boot = f"import sys; sys.path.insert(0, {str(site)!r})\n"
-    return subprocess.run([sys.executable, "-I", "-S", "-c", boot + code], capture_output=True, text=True,
-                          timeout=timeout, cwd=site)
+from tests.isolated import COMPONENTS, PACKAGES, ROOT, run_isolated, site_with
 
 
 def test_version_and_help_with_only_the_core(tmp_path: Path) -> None:
-    site = _site(tmp_path, ["gpud", "gpud_cli"], third_party=False)
-    r = _isolated(site, (
+    site = site_with(tmp_path, ["gpud", "gpud_cli"], third_party=False)
+    r = run_isolated(site, (
         "import importlib.util\n"
         f"assert all(importlib.util.find_spec(m) is None for m in {COMPONENTS!r}), 'a component is importable'\n"
         "from gpud_cli.main import main\n"
@@ -62,15 +29,15 @@ def test_version_and_help_with_only_the_core(tmp_path: Path) -> None:
         "sys.exit(rc)\n"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().startswith("gpud ") and "Traceback" not in r.stderr
-    r = _isolated(site, "from gpud_cli.main import main; main(['--help'])")
+    r = run_isolated(site, "from gpud_cli.main import main; main(['--help'])")
     assert r.returncode == 0, r.stderr
     assert all(name in r.stdout for name in ("broker", "worker", "up", "keygen", "replay", "version", "config"))
 
 
 def test_the_core_imports_no_component(tmp_path: Path) -> None:
-    site = _site(tmp_path, ["gpud"], third_party=True)
+    site = site_with(tmp_path, ["gpud"], third_party=True)
     modules = sorted(f"gpud.{p.stem}" for p in (ROOT / "gpud").glob("*.py") if p.stem != "__init__")
-    r = _isolated(site, (
+    r = run_isolated(site, (
         f"import importlib\nfor m in {modules!r}: importlib.import_module(m)\n"
         f"loaded = sorted(m for m in sys.modules if m.split('.')[0] in {(*COMPONENTS, 'gpud_cli')!r})\n"
         "assert not loaded, loaded\nprint(len(sys.modules))\n"))
@@ -80,8 +47,8 @@ def test_the_core_imports_no_component(tmp_path: Path) -> None:
 def test_a_missing_extra_is_named_not_a_traceback(tmp_path: Path) -> None:
     """Every package of the distribution but none of the extras: the worker's dependencies
     (psutil, nvidia-ml-py, numpy) are not there."""
-    site = _site(tmp_path, list(PACKAGES), third_party=True)
-    r = _isolated(site, (
+    site = site_with(tmp_path, list(PACKAGES), third_party=True)
+    r = run_isolated(site, (
         "from gpud_cli.main import main\n"
         f"sys.exit(main(['worker', '--security', 'none', '--simulate', '1', '--broker', 'tcp://127.0.0.1:1',"
         f" '--name', 'w', '--workdir', {str(tmp_path / 'jobs')!r}]))\n"))
@@ -89,7 +56,7 @@ def test_a_missing_extra_is_named_not_a_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
     assert "gpud worker needs the extra 'worker'" in r.stderr and "pip install 'gpud[worker]'" in r.stderr
     # gpud up starts workers: it needs the same extra, and says so at once.
-    r = _isolated(site, "from gpud_cli.main import main; sys.exit(main(['up', '--single', '--workers', '1']))")
+    r = run_isolated(site, "from gpud_cli.main import main; sys.exit(main(['up', '--single', '--workers', '1']))")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "pip install 'gpud[worker]'" in r.stderr
 

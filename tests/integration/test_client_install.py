@@ -1,48 +1,26 @@
 """The client library as a user VM has it: ``pip install gpud`` alone (no numpy), and an application
 that configures logging, or not.
 
-The client-only runs are real: a fresh interpreter (``python -I -S``: no site-packages, no
-editable-install finder) whose path holds copies of ``gpud`` and ``gpud_client`` and links to pyzmq
-and msgpack, nothing else; the broker and worker are real daemons (LocalCluster, CURVE on).
+The client-only runs are real (:mod:`tests.isolated`): a fresh interpreter whose path holds only
+``gpud``, ``gpud_client``, pyzmq and msgpack; the broker and worker are real daemons (LocalCluster,
+CURVE on).
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
-
-import msgpack
-import zmq
 
 from gpud.security import keygen
 from gpud_cli.cluster import LocalCluster
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.isolated import ROOT, run_isolated, site_with
 
 
 def client_only_site(tmp: Path) -> Path:
-    """A directory with what ``pip install gpud`` gives a user VM's program: the core, the client
-    library, pyzmq and msgpack."""
-    site = tmp / "site"
-    site.mkdir()
-    for src in (ROOT / "gpud", ROOT / "libclient" / "gpud_client"):
-        shutil.copytree(src, site / src.name, ignore=shutil.ignore_patterns("__pycache__"))
-    for module in (zmq, msgpack):
-        src = Path(module.__file__ or "").parent
-        (site / src.name).symlink_to(src)
-        libs = src.parent / f"py{src.name}.libs"  # pyzmq's bundled libzmq, where wheels put it
-        if libs.exists():
-            (site / libs.name).symlink_to(libs)
-    return site
-
-
-def run_isolated(site: Path, code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    boot = f"import sys; sys.path.insert(0, {str(site)!r})\n"
-    return subprocess.run([sys.executable, "-I", "-S", "-c", boot + code], capture_output=True, text=True,
-                          timeout=timeout, cwd=site)
+    """What ``pip install gpud`` gives a user VM's program: the core, the client library, pyzmq
+    and msgpack."""
+    return site_with(tmp, ["gpud", "gpud_client"], third_party=True)
 
 
 def readme_example() -> str:

@@ -177,7 +177,8 @@ class Need:
 
     ``Client.run``, ``submit`` and ``session`` take these fields as keywords, or one Need as
     ``need=``. A field left ``None`` (or 0, False) is not sent, so the broker's default for the kind
-    of request applies (a job: one whole GPU share; a session: 100 milli and 256 MiB).
+    of request applies (a job: one whole GPU share; a session: 100 milli and 256 MiB). It is what a
+    caller asks for; :class:`gpud.protocol.Need` is what the broker makes of it, defaults filled in.
 
     Attributes
     ----------

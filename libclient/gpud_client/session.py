@@ -11,7 +11,7 @@ keep a session's lease alive) and reads its limits from the client's :class:`Ses
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -186,13 +186,28 @@ class Session:
     ) -> T:
         """One CALL, ``args`` with the caller's handles; replays the session when it was lost.
         ``expect``: payload bytes the reply carries."""
+
+        def send(wire: Mapping[str, Any], limit: float) -> T:
+            return self._send(op, wire, convert, limit, payload, expect)
+
+        return self._replaying(op, args, timeout, send)
+
+    def _replaying(
+        self,
+        op: str,
+        args: Mapping[str, Any],
+        timeout: float | None,
+        send: Callable[[Mapping[str, Any], float], T],
+    ) -> T:
+        """``send(args with the session's handles, limit)`` on the current session; when that
+        finds the session lost, replay it on a new one and send again (a close is not replayed)."""
         if self._closed:
             raise SessionLost(f"session {id_text(self.id)} is closed")
         limit = self._settings.timeout if timeout is None else timeout
         while True:
             wire = self._wire(op, args, self._handles)
             try:
-                return self._send(op, wire, convert, limit, payload, expect)
+                return send(wire, limit)
             except (SessionLost, GpuFault) as exc:
                 if op == "close" or self._closed:
                     raise
@@ -216,22 +231,17 @@ class Session:
         pending = Pending(conn, rid, convert, limit, what, cancellable=False)
         return collect(pending)
 
-    def _copy(self, op: str, args: Mapping[str, Any], buf: memoryview, timeout: float | None) -> None:
+    def _copy(
+        self, op: str, args: Mapping[str, Any], buf: memoryview, timeout: float | None
+    ) -> None:
         """A chunked copy (``args``: handle and offset, the caller's handle): ``htod`` sends
         ``buf``, ``dtoh`` fills it. Replays the session when it was lost, then copies again from
         the start (what had reached the lost session is gone with it)."""
-        if self._closed:
-            raise SessionLost(f"session {id_text(self.id)} is closed")
-        limit = self._settings.timeout if timeout is None else timeout
-        while True:
-            wire = self._wire(op, args, self._handles)
-            try:
-                self._send_chunks(op, wire, buf, limit)
-                return
-            except (SessionLost, GpuFault) as exc:
-                if self._closed:
-                    raise
-                self._recover(exc, limit)
+
+        def send(wire: Mapping[str, Any], limit: float) -> None:
+            self._send_chunks(op, wire, buf, limit)
+
+        self._replaying(op, args, timeout, send)
 
     def _send_chunks(self, op: str, args: Mapping[str, Any], buf: memoryview, limit: float) -> None:
         """One copy on the current session (``args`` with its real handle) as chunk CALLs of at

@@ -48,6 +48,7 @@ from gpud_broker.mix import TaskMix
 from gpud_broker.policies import FACTORIES, could_ever_fit, make_policy
 from gpud_broker.queue import DEFAULT_AGING_S, DEFAULT_RESERVE_AFTER_S, FairShare, PendingQueue
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
+from gpud_broker.starts import Loss, StartGate, on_loss
 from gpud_broker.stats import PlacementTimes, RequestStats
 from gpud_broker.tasks import Session, State, Task, TaskTable
 from gpud_standby import replica as R
@@ -104,6 +105,7 @@ _CLIENT_SIG = Peer.CLIENT.value
 _WORKER_SIG = Peer.WORKER.value
 _REPLY = P.CMD_BYTES[Command.REPLY]
 _DISPATCH = P.CMD_BYTES[Command.DISPATCH]
+_GO = P.CMD_BYTES[Command.GO]
 _packb = P.packb
 
 
@@ -151,6 +153,7 @@ class BrokerCore:
         self.durable_seq = 0  # updates up to here are held by the passive peer (set by the shell)
         self.acking = False  # in a pair: workers keep results until ACKed (standalone: no ACKs)
         self.unacked: deque[tuple[int, bytes, bytes]] = deque()  # (seq, worker, RESULT id) to ACK once durable
+        self.starts = StartGate()  # jobs' STARTs: which may have begun, and the GOs waiting to be durable
         self.lost_sessions: dict[bytes, str] = {}  # session id -> the worker it was lost with (recent)
         self._sweep_at = 0.0  # next look for sessions their workers no longer list
 
@@ -608,6 +611,9 @@ class BrokerCore:
                 self.unacked.append((self.seq, identity, P.get_id(msg.header)))
         elif cmd is Command.HEARTBEAT:
             self._on_heartbeat(worker, msg.header)
+        elif cmd is Command.START:
+            if self.active:  # a passive broker leaves STARTs to the active one (the worker asks it again)
+                self._on_start(worker, msg.header)
         elif cmd is Command.DISCONNECT:
             reason = msg.header.get("reason")
             log.info("worker %s said goodbye (%s)", worker.name, reason if type(reason) is str else "")
@@ -721,6 +727,44 @@ class BrokerCore:
                 self._reconcile(worker, running)
             if not self.settle_wait:
                 self._settled()
+
+    def _on_start(self, worker: WorkerRecord, h: dict[str, Any]) -> None:
+        """A START (PROTOCOL.md §4.4): GO at once without a peer; with one, once the marks are
+        durable (``take_go``). Refusals go at once: not starting is always safe."""
+        go, refused = self.starts.on_start(worker, h.get("ids"), self._mark_started, self.seq, not self.acking)
+        if go or refused:
+            self._log_go(worker.name, go, refused)
+            self.send_worker(worker.identity, self._go_message(go, refused))
+
+    @staticmethod
+    def _log_go(name: str, go: list[bytes], refused: list[bytes] | None = None) -> None:
+        """One line per job told GO (it may have begun from here on: chaos tests read these)."""
+        if log.isEnabledFor(logging.DEBUG):
+            for rid in go:
+                log.debug("GO %s to %s", rid.hex(), name)
+        for rid in refused or ():
+            log.info("START of %s refused to %s: it does not run there", P.id_text(rid), name)
+
+    def _mark_started(self, task: Task) -> int:
+        if self.journal is not None:
+            self._rep([R.START, task.id])
+        return self.seq
+
+    @staticmethod
+    def _go_message(go: list[bytes], refused: list[bytes] | None = None) -> list[Any]:
+        header: dict[str, Any] = {"ids": go}
+        if refused:
+            header["refused"] = refused
+        return [_WORKER_SIG, _GO, _packb(header)]
+
+    def take_go(self) -> dict[bytes, list[Any]]:
+        """The GO messages due now (their START marks are held by the peer, ``durable_seq``), by
+        worker identity."""
+        due = self.starts.due(self.durable_seq, self.registry)
+        reg = self.registry.by_identity
+        for ident, ids in due.items():
+            self._log_go(reg[ident].name, ids)
+        return {ident: self._go_message(ids) for ident, ids in due.items()}
 
     def take_acks(self) -> dict[bytes, list[bytes]]:
         """The ACKs due now (their RESULTs' updates are held by the peer, ``durable_seq``), by
@@ -884,9 +928,10 @@ class BrokerCore:
                 self.fair.release(task.tenant, task.grant.gpu_milli * len(task.grant.gpus), self.now)
                 if self.limits:
                     self._charge(task.tenant, task.grant, task.kind == "session", -1)
-            if task.kind == "call":
+            loss = on_loss(self.starts, task)
+            if loss is Loss.SESSION_LOST:
                 self._fail(task, SessionLost(f"the session's worker {worker.name} was lost ({why})"))
-            elif task.retryable:
+            elif loss is Loss.REPLACE:
                 retry.append(task)
             else:
                 self._fail(task, WorkerLost(f"worker {worker.name} was lost ({why}) while running it"))
@@ -899,6 +944,7 @@ class BrokerCore:
         that can take it now); fail it when that is not possible."""
         task.grant = None
         task.state = State.QUEUED
+        task.started = False
         task.avoid.add(worker_name)
         if task.attempts >= self.config.max_attempts:
             self._fail(task, WorkerLost(f"worker {worker_name} failed it ({why}) after {task.attempts} attempts"))
@@ -962,6 +1008,7 @@ class BrokerCore:
         self.sessions = {}
         self.usage = {}
         self.unacked.clear()
+        self.starts.clear()
         for w in self.registry.by_identity.values():
             w.assigned.clear()
             w.grants.clear()
@@ -1054,9 +1101,10 @@ class BrokerCore:
         self.beat_workers()
         for task in lost:
             name = task.worker or "?"
-            if task.kind == "call":
+            loss = on_loss(self.starts, task)
+            if loss is Loss.SESSION_LOST:
                 self._fail(task, SessionLost(f"the session's worker {name} is gone"))
-            elif task.retryable:
+            elif loss is Loss.REPLACE:
                 self._replace(task, name, "not connected after the failover")
             else:
                 self._fail(task, WorkerLost(f"worker {name} was lost during a broker failover while running it"))

@@ -18,7 +18,8 @@ from gpud_broker.tasks import Session, State, Task
 log = logging.getLogger(__name__)
 
 # Update tags (the first item of each update).
-TASK, RUN, QUEUE, DONE, FORGET, SESSION, END, MARKS = "task", "run", "queue", "done", "forget", "session", "end", "marks"
+TASK, RUN, QUEUE, DONE, FORGET, SESSION, END, MARKS, START = ("task", "run", "queue", "done", "forget", "session",
+                                                            "end", "marks", "start")
 
 
 def grant_to_wire(g: Grant | None) -> list[Any] | None:
@@ -45,18 +46,20 @@ def task_to_wire(t: Task, now: float) -> list[Any]:
         t.id, t.kind, P.need_to_wire(t.need) if t.need is not None else None, t.body, frames_bytes(t.frames),
         now - t.created, t.deadline - now, t.tenant, t.retryable, t.attempts, sorted(t.avoid), t.session,
         t.state.value, t.worker, grant_to_wire(t.grant), frames_bytes(t.reply) if t.reply is not None else None,
+        t.started,
     ]
 
 
 def task_from_wire(raw: list[Any], now: float) -> Task:
     (rid, kind, need, body, frames, age, left, tenant, retryable, attempts, avoid, session,
-     state, worker, grant, reply) = raw
+     state, worker, grant, reply) = raw[:16]
     parsed = P.parse_need(kind, need) if need is not None else None
     return Task(
         id=rid, kind=kind, need=parsed, body=body, frames=frames, route=None,
         created=now - age, deadline=now + left, state=State(state),
         priority=parsed.priority if parsed is not None else 0, tenant=tenant, grant=grant_from_wire(grant),
         worker=worker, attempts=attempts, avoid=set(avoid), retryable=retryable, session=session, reply=reply,
+        started=len(raw) > 16 and raw[16] is True,
     )
 
 
@@ -126,9 +129,11 @@ def apply(core: Any, update: list[Any]) -> None:
         log.debug("update %s for unknown task %s ignored", tag, P.id_text(update[1]))
         return
     if tag == RUN:
-        t.state, t.worker, t.grant = State.RUNNING, update[2], grant_from_wire(update[3])
+        t.state, t.worker, t.grant, t.started = State.RUNNING, update[2], grant_from_wire(update[3]), False
+    elif tag == START:
+        t.started = True
     elif tag == QUEUE:
-        t.state, t.worker, t.grant, t.avoid = State.QUEUED, None, None, set(update[2])
+        t.state, t.worker, t.grant, t.avoid, t.started = State.QUEUED, None, None, set(update[2]), False
     elif tag == FORGET:
         tasks.forget(t)
     else:

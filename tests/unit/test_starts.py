@@ -133,13 +133,19 @@ def test_a_job_asked_again_gets_go_again_and_is_marked_once() -> None:
 # --------------------------------------------------------------------------- the pair
 
 
-def test_go_waits_until_the_passive_holds_the_mark() -> None:
+def asked_in_a_pair() -> tuple[Harness, Harness]:
+    """A pair (active a, passive b) both knowing w1, which runs job 1 and has asked its START."""
     a, b = pair()
     for h in (a, b):
         h.ready(W1, "w1")
     a.request(C1, rid(1), **JOB)
     a.take_worker()
     start(a, W1, rid(1))
+    return a, b
+
+
+def test_go_waits_until_the_passive_holds_the_mark() -> None:
+    a, b = asked_in_a_pair()
     assert gos(a) == [] and a.core.take_go() == {}  # journalled, not yet held by the peer
     ship(a, b)
     assert b.core.tasks.tasks[rid(1)].started is True
@@ -199,12 +205,7 @@ def test_after_a_failover_marked_jobs_may_have_begun_the_others_never_did() -> N
 
 
 def test_a_go_lost_in_a_failover_is_given_again_by_the_new_active_broker() -> None:
-    a, b = pair()
-    for h in (a, b):
-        h.ready(W1, "w1")
-    a.request(C1, rid(1), **JOB)
-    a.take_worker()
-    start(a, W1, rid(1))
+    a, b = asked_in_a_pair()
     ship(a, b)
     a.core.durable_seq = a.core.seq  # the GO is due; the active dies before sending it
     take_over(b)
@@ -239,14 +240,20 @@ def test_a_passive_broker_ignores_start_and_the_mark_travels_in_the_snapshot() -
 # --------------------------------------------------------------------------- sessions and calls
 
 
-def test_a_session_whose_opening_was_never_answered_opens_on_the_replica() -> None:
+def session_on_w1() -> Harness:
+    """Session 1 dispatched to w1; w2 is w1's replica, w3 looks better to the policy."""
     h = Harness()
     h.ready(W1, "w1")
     h.request(C1, rid(1), kind="session", need={"gpu_milli": 100})
     h.ready(W2, "w2", replica_of="w1")
     h.ready(W3, "w3")
-    h.core.registry.by_name["w2"].gpus[0].granted_milli = 800  # w3 looks better to the policy
+    h.core.registry.by_name["w2"].gpus[0].granted_milli = 800
     assert dispatched(h) == [(W1, rid(1))]
+    return h
+
+
+def test_a_session_whose_opening_was_never_answered_opens_on_the_replica() -> None:
+    h = session_on_w1()
     lose(h, W1)
     assert h.take_client() == [] and dispatched(h) == [(W2, rid(1))]
     h.result(W2, rid(1), session=rid(1))
@@ -254,13 +261,7 @@ def test_a_session_whose_opening_was_never_answered_opens_on_the_replica() -> No
 
 
 def test_queued_calls_of_a_lost_session_get_session_lost_and_its_replacement_the_replica() -> None:
-    h = Harness()
-    h.ready(W1, "w1")
-    h.request(C1, rid(1), kind="session", need={"gpu_milli": 100})
-    h.ready(W2, "w2", replica_of="w1")
-    h.ready(W3, "w3")
-    h.core.registry.by_name["w2"].gpus[0].granted_milli = 800
-    h.take_worker()
+    h = session_on_w1()
     h.result(W1, rid(1), session=rid(1))
     h.take_client()
     for n in (2, 3):  # a running call and one queued behind it on the worker

@@ -22,7 +22,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -61,7 +60,9 @@ def run_in(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=path)
     argv = [sys.executable, str(HERE / "bench" / "job_start.py"), "--role", "measure", "--jobs", str(args.jobs),
             "--latency-jobs", str(args.latency_jobs), *(["--pair"] if args.pair else [])]
-    out = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, check=True, timeout=900)
+    out = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"the measurement in {tree} failed:\n{out.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
@@ -78,20 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "measure" or args.against is None:
         print(json.dumps(measure(args)))
         return 0
-    sides: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
-    with tempfile.TemporaryDirectory(prefix="gpud-before-") as tmp:
-        before = Path(tmp) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", str(before), args.against], cwd=HERE, check=True,
-                       capture_output=True)
-        try:
-            for _ in range(args.pairs):
-                for side, tree in (("before", before), ("after", HERE)):
-                    r = run_in(tree, args)
-                    sides[side].append(r)
-                    print(f"{side:6s} " + "  ".join(f"{k} {r[k]}" for k in KEYS), flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=HERE, check=False,
-                           capture_output=True)
+    sys.path.insert(0, str(HERE / "bench"))
+    from before_after import alternate
+
+    sides = alternate(args.against, args.pairs, lambda tree: run_in(tree, args), KEYS)
     means = {side: {k: round(statistics.fmean(r[k] for r in runs), 2) for k in KEYS} for side, runs in sides.items()}
     ratios = {f"{k}_ratio": round(means["after"][k] / means["before"][k], 3) for k in KEYS}
     for side in ("before", "after"):

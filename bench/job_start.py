@@ -32,7 +32,7 @@ KEYS = ("jobs_per_s", "p50_ms", "p90_ms")
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """One round on the code this interpreter imports (a tree on PYTHONPATH, or this one)."""
-    from gpud.cluster import LocalCluster
+    from gpud_cli.cluster import LocalCluster
     from gpud_client import Client
 
     with LocalCluster(workers=1, heartbeat_ms=500, pair=args.pair, log_level="WARNING") as c:
@@ -56,7 +56,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_in(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     """``measure`` in a child interpreter whose imports (and daemons) come from ``tree``."""
-    path = os.pathsep.join(str(tree / d) for d in (".", "broker", "worker", "standby", "libclient"))
+    path = os.pathsep.join(str(tree / d) for d in (".", "cli", "broker", "worker", "standby", "libclient"))
     env = dict(os.environ, PYTHONPATH=path)
     argv = [sys.executable, str(HERE / "bench" / "job_start.py"), "--role", "measure", "--jobs", str(args.jobs),
             "--latency-jobs", str(args.latency_jobs), *(["--pair"] if args.pair else [])]

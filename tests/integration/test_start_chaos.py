@@ -19,8 +19,8 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from gpud.cluster import LocalCluster
 from gpud.errors import GpudError
+from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
 
 ROUNDS = 12

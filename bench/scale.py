@@ -13,7 +13,9 @@ answers each echo DISPATCH with a RESULT at once (payload echoed). Measured:
     for ``--drive-seconds``;
 (c) broker resident memory (RSS);
 (d) end-to-end echo latency p50/p99: ``--latency-requests`` sequential round trips, heartbeats
-    flowing meanwhile.
+    flowing meanwhile;
+(e) with ``--decisions N``, instead of all that: the placement policies' decision time alone,
+    in-process, at the same scale (``decisions``), for ``--policies``.
 
 The same measurements are taken first with ``--baseline-workers`` workers (default 10: 80 GPUs), so
 the large figures can be read as ratios on a noisy machine. Targets (the issue's): placement p99
@@ -24,6 +26,7 @@ The last line of output is one JSON object (for scripts); everything above it is
 Usage::
 
     .venv/bin/python bench/scale.py [--workers 1000] [--gpus 8] [--procs 4] [--window 32]
+    .venv/bin/python bench/scale.py --decisions 5000 [--policies balanced,fgd-balanced,fgd]
 
 ``--role fake-workers`` runs one process of simulated workers (internal).
 """
@@ -234,7 +237,7 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 class Run:
     """One broker and its simulated workers, as child processes."""
 
-    def __init__(self, workers: int, gpus: int, procs: int, tmp: Path) -> None:
+    def __init__(self, workers: int, gpus: int, procs: int, tmp: Path, policy: str | None = None) -> None:
         self.tmp = tmp
         self.workers = workers
         self.procs: list[subprocess.Popen[str]] = []
@@ -244,7 +247,8 @@ class Run:
         self.broker = subprocess.Popen(
             [sys.executable, "-m", "gpud_cli", "broker", "--security", "none",
              "--frontend", "tcp://127.0.0.1:*", "--backend", "tcp://127.0.0.1:*",
-             "--admin", f"ipc://{tmp}/admin.sock", "--ready-file", str(ready), "--log-level", "WARNING"],
+             "--admin", f"ipc://{tmp}/admin.sock", "--ready-file", str(ready), "--log-level", "WARNING",
+             *(["--policy", policy] if policy else [])],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + 30
         while not ready.exists():
@@ -341,11 +345,12 @@ def measure(workers: int, args: argparse.Namespace) -> dict[str, Any]:
     from gpud_client import Client
 
     with tempfile.TemporaryDirectory(prefix="gpud-scale-") as d:
-        run = Run(workers, args.gpus, args.procs, Path(d))
+        run = Run(workers, args.gpus, args.procs, Path(d), args.policy)
         out: dict[str, Any] = {"workers": workers, "gpus": workers * args.gpus}
         try:
             pid = run.broker.pid
             st = run.status()
+            out["policy"] = st["broker"]["policy"]
             if st["counts"]["workers"] != workers:
                 raise RuntimeError(f"the broker counts {st['counts']['workers']} workers, not {workers}")
             time.sleep(args.settle_seconds)  # every worker heartbeating at its own phase
@@ -460,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle-seconds", type=float, default=2.0, help="wait after registration (default %(default)s)")
     p.add_argument("--latency-requests", type=int, default=2000, help="sequential echoes (default %(default)s)")
     p.add_argument("--payload", type=int, default=64, help="echo payload bytes (default %(default)s)")
+    p.add_argument("--policy", default=None, help="the broker's placement policy (default: the broker's default)")
+    p.add_argument("--decisions", type=int, default=0, metavar="N",
+                   help="instead: N placement decisions in-process per policy (--policies), no sockets")
+    p.add_argument("--policies", default="balanced,fgd-balanced,fgd",
+                   help="with --decisions: the policies to time (default %(default)s)")
     p.add_argument("--role", choices=["bench", "fake-workers"], default="bench", help=argparse.SUPPRESS)
     p.add_argument("--backend", help=argparse.SUPPRESS)
     p.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
@@ -473,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus > 64:
         p.error("--gpus must be at most 64 (the protocol's limit per worker)")
 
+    if args.decisions:
+        return decisions(args)
     small = measure(args.baseline_workers, args)
     large = measure(args.workers, args)
     print(f"scale: {args.workers} simulated workers x {args.gpus} GPUs in {args.procs} processes, heartbeat "
@@ -523,6 +535,84 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
     }
     print(json.dumps(summary))
+    return 0
+
+
+def decisions(args: argparse.Namespace) -> int:
+    """(e) The policy call alone, in this process, with the broker's own objects: ``--workers``
+    workers of ``--gpus`` GPUs in a ``WorkerRegistry``, a seeded stream of echoes (1 milli, most of
+    the traffic), session and job shares and whole GPUs, each granted through ``ledger.grant`` and
+    released first in, first out, so the cluster stays about a third full; the broker's task mix fed
+    with every request. Each decision is timed as the broker times it (wall time of the call, with
+    ``balanced`` given the broker's random sample first), in this thread's CPU time (what it costs,
+    whatever else the machine runs) and in wall time; the first half warms up the cluster."""
+    import random
+    from collections import deque
+    from time import perf_counter, thread_time
+
+    from gpud.heartbeat import HeartbeatPolicy
+    from gpud.resources import GpuInfo, Need
+    from gpud_broker import ledger
+    from gpud_broker.core import SAMPLE_ABOVE, SAMPLE_K
+    from gpud_broker.mix import TaskMix
+    from gpud_broker.policies import make_policy
+    from gpud_broker.registry import WorkerRegistry
+
+    needs = [Need(gpu_milli=1)] * 6 + [
+        Need(gpu_milli=100, mem=256 << 20), Need(gpu_milli=250, cpu_milli=2000), Need(gpu_milli=500, cpu_milli=4000),
+        Need(gpus=1, cpu_milli=8000), Need(gpus=2, cpu_milli=16000),
+    ]
+    capacity = args.workers * args.gpus * 1000
+    mean_milli = sum(n.total_milli for n in needs) / len(needs)
+    hold = int(capacity / 3 / mean_milli)
+    rows = {}
+    for policy in [p for p in args.policies.split(",") if p]:
+        rng = random.Random(1)
+        reg = WorkerRegistry()
+        for i in range(args.workers):
+            name = f"sim{i:05d}"
+            reg.add(name=name, identity=name.encode(), hostname=name, cpu_milli=96_000, host_mem=512 << 30,
+                    slots=1 << 20, policy=HeartbeatPolicy(), now=0.0, simulated=True,
+                    gpus=[GpuInfo(f"{name}-{g}", g, "simulated", 16 << 30, (8, 0), simulated=True) for g in range(args.gpus)])
+        mix = TaskMix()
+        place = make_policy(policy, seed=1, mix=mix)
+        live: deque[Any] = deque()
+        n = args.decisions if policy != "fgd" else max(1, args.decisions // 10)  # fgd looks at every worker
+        times: list[float] = []  # wall
+        cpus: list[float] = []  # this thread's CPU time: what a decision costs, without the waits
+        for i in range(2 * n):
+            need = needs[rng.randrange(len(needs))]
+            mix.observe(need)
+            c0 = thread_time()
+            t0 = perf_counter()
+            if policy == "balanced" and len(reg.workers) > SAMPLE_ABOVE:
+                got = place(need, reg.sample(SAMPLE_K, rng), ()) or place(need, reg.by_identity.values(), ())
+            else:
+                got = place(need, reg.by_identity.values(), ())
+            if i >= n:
+                times.append(perf_counter() - t0)
+                cpus.append(thread_time() - c0)
+            if got is not None:
+                live.append((got.worker, got.gpus, ledger.grant(got.worker, got.gpus, need)))
+            while len(live) > hold:
+                w, gpus, g = live.popleft()
+                ledger.release(w, gpus, g)
+        times.sort()
+        cpus.sort()
+        rows[policy] = {
+            "decisions": len(times),
+            "cpu_p50_us": _r1(1e6 * _percentile(cpus, 0.50)),
+            "cpu_p99_us": _r1(1e6 * _percentile(cpus, 0.99)),
+            "cpu_max_us": _r1(1e6 * cpus[-1]),
+            "wall_p50_us": _r1(1e6 * _percentile(times, 0.50)),
+            "wall_p99_us": _r1(1e6 * _percentile(times, 0.99)),
+            "held_share": round(sum(g.granted_milli for g in reg.gpus.values()) / capacity, 3),
+        }
+        r = rows[policy]
+        print(f"  {policy:<13} {r['decisions']:>6} decisions: CPU p50 {r['cpu_p50_us']:>8.1f} us  p99 {r['cpu_p99_us']:>8.1f} us  "
+              f"max {r['cpu_max_us']:>9.1f} us; wall p50 {r['wall_p50_us']:>8.1f} us  p99 {r['wall_p99_us']:>9.1f} us  "
+              f"({100 * r['held_share']:.0f}% of the GPU share held)", flush=True)
+    print(json.dumps({"workers": args.workers, "gpus": args.workers * args.gpus, "decisions": rows}))
     return 0
 
 

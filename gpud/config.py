@@ -154,7 +154,7 @@ class BrokerSection:
     frontend: str = _key("tcp://127.0.0.1:5555", _endpoint)
     backend: str = _key("tcp://127.0.0.1:5556", _endpoint)
     admin: str = _key("", _optional_endpoint)  # empty: no admin socket
-    policy: str = _key("balanced", _nonempty)  # load(policies=...) checks the name
+    policy: str = _key("fgd-balanced", _nonempty)  # load(policies=...) checks the name
     heartbeat_ms: int = _key(DEFAULT_HEARTBEAT_MS, _at_least(10))
     liveness: int = _key(DEFAULT_LIVENESS, _at_least(1))
     max_queue: int = _key(10_000, _at_least(1))

@@ -45,7 +45,14 @@ from gpud.protocol import Command, Message, Peer
 from gpud.resources import GpuInfo, Grant, Need, TenantLimits
 from gpud_broker import ledger
 from gpud_broker.mix import TaskMix
-from gpud_broker.policies import FACTORIES, could_ever_fit, make_policy
+from gpud_broker.policies import (
+    FACTORIES,
+    SAMPLE_ABOVE,
+    SAMPLE_K,
+    could_ever_fit,
+    make_policy,
+    reserve_worker,
+)
 from gpud_broker.queue import DEFAULT_AGING_S, DEFAULT_RESERVE_AFTER_S, FairShare, PendingQueue
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
 from gpud_broker.starts import Loss, StartGate, on_loss
@@ -59,8 +66,6 @@ Send = Callable[[bytes, list[Any]], object]
 
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
 MAX_SLOTS = 100_000
-SAMPLE_ABOVE = 64  # workers: above this many, ``balanced`` looks at a random sample first
-SAMPLE_K = 16  # workers in that sample
 SESSION_SWEEP_S = 1.0  # how often sessions are checked against their workers' heartbeats
 
 
@@ -68,7 +73,7 @@ SESSION_SWEEP_S = 1.0  # how often sessions are checked against their workers' h
 class BrokerConfig:
     name: str = "broker"
     heartbeat: HeartbeatPolicy = field(default_factory=HeartbeatPolicy)
-    policy: str = "balanced"
+    policy: str = "fgd-balanced"
     max_queue: int = 10_000
     default_deadline_ms: int = 30_000
     result_ttl: float = 60.0  # seconds a finished reply is kept for retries
@@ -557,19 +562,13 @@ class BrokerCore:
         return self.queue.place(self._try_dispatch, self.now, self._reserve)
 
     def _reserve(self, task: Task, reserved: Set[str]) -> str | None:
-        """The worker a long-waiting request reserves: of those that could ever take it, the one
-        with the most free share on fitting GPUs (it frees up soonest, on average)."""
+        """The worker a long-waiting request reserves (``policies.reserve_worker``), unless its
+        tenant's limit is what holds it back."""
         need = task.need
         assert need is not None
         if self.limits and not self._within_limits(task, need):
             return None  # its tenant's limit holds it back, not a lack of GPUs: reserve nothing
-        best, best_free = None, -1
-        for w in self.registry.by_identity.values():
-            if w.name in reserved or w.name in task.avoid or not could_ever_fit(need, (w,)):
-                continue
-            free = sum(g.free_milli for g in w.gpus if need.fits_type(g.info))
-            if free > best_free:
-                best, best_free = w.name, free
+        best = reserve_worker(need, self.registry.by_identity.values(), reserved, task.avoid)
         if best is not None:
             log.info("request %s waited %.0fs; reserving worker %s for it", P.id_text(task.id), self.now - task.created, best)
         return best

@@ -4,10 +4,19 @@
 free share and memory, exclusivity) are the one filter every policy applies. A policy ranks what
 passes and returns a ``Placement`` or None. Its signature is ``(need, workers, avoid)``; it reads the
 registry's records and changes nothing (the caller grants through ``ledger.grant``).
+``reserve_worker`` is the worker a long-waiting request reserves, for the broker and the trace
+simulator alike.
 
 Policies:
 
-``balanced`` (the default)
+``fgd-balanced`` (the default)
+    ``fgd``'s packing, with live-load balancing among the placements that pack equally well: of
+    those, the least loaded by ledger, measurements and work dispatched since the last heartbeat
+    (``balanced_score``) and requests not yet answered. Above ``SAMPLE_ABOVE`` workers it judges
+    ``SAMPLE_K`` workers drawn at random and the ``SAMPLE_K`` it chose last while they are still
+    registered (power of k choices with memory: its packing goes on where it left off), and all the
+    workers it is given only when none of them can take the request.
+``balanced``
     The least-loaded feasible GPU by ledger and live measurements.
 ``best-fit``
     Pack, with the node-level Best-fit of Weng et al. (USENIX ATC '23): the feasible worker with the
@@ -21,15 +30,16 @@ Policies:
 ``fgd``
     Fragmentation gradient descent (Weng et al., "Beware of Fragmentation: Scheduling GPU-Sharing
     Workloads with Fragmentation Gradient Descent", USENIX ATC '23): the placement that adds the
-    least expected fragmentation, judged against the running mix of requests (``mix.TaskMix``),
-    plus the GPU share that the worker's CPU and memory could no longer feed (see the class).
+    least expected waste, judged against the running mix of requests (``mix.TaskMix``): the paper's
+    fragment, plus the GPU share the worker's CPU and memory could no longer feed and the models
+    that tasks naming models need (see the class). Looks at every worker.
 ``fgd-classic``
-    The paper's measure alone (no CPU/memory shortfall term), for comparison.
+    The paper's measure alone, for comparison.
 
 Everywhere: a request for whole GPUs (``Need.gpus``) takes fully free GPUs of one worker only (the
-lowest-index ones with ``best-fit``, ``random`` and ``fgd``; the best-scoring ones with ``balanced``
-and ``spread``); the model, compute-capability and memory filters are hard; the worker's CPU and
-memory are hard limits. A need with no GPU at all (``gpus == 0`` and
+lowest-index ones with ``best-fit``, ``random`` and the ``fgd`` family; the best-scoring ones with
+``balanced`` and ``spread``); the model, compute-capability and memory filters are hard; the
+worker's CPU and memory are hard limits. A need with no GPU at all (``gpus == 0`` and
 ``gpu_milli == 0``, as CPU-only tasks of a replayed trace) is placed on a worker with its CPU and
 memory and an empty GPU list.
 
@@ -40,8 +50,10 @@ where it has state.
 
 from __future__ import annotations
 
+import math
 import random as _random
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -183,6 +195,22 @@ def spread(need: Need, workers: Iterable[WorkerRecord], avoid: Collection[str] =
     return _place(need, workers, avoid, lambda g, n: -_left_after(g, n))
 
 
+def reserve_worker(
+    need: Need, workers: Iterable[WorkerRecord], reserved: Collection[str], avoid: Collection[str] = ()
+) -> str | None:
+    """The worker a long-waiting request reserves (``queue.PendingQueue``): of those not reserved
+    yet, not avoided and able to take ``need`` when idle, the one with the most free share on
+    fitting GPUs (it frees up soonest, on average); the first of them on ties. None: no such worker."""
+    best, best_free = None, -1
+    for w in workers:
+        if w.name in reserved or w.name in avoid or not could_ever_fit(need, (w,)):
+            continue
+        free = sum(g.free_milli for g in w.gpus if need.fits_type(g.info))
+        if free > best_free:
+            best, best_free = w.name, free
+    return best
+
+
 # --------------------------------------------------------------------------- node-level scans
 
 
@@ -301,7 +329,11 @@ class RandomFit:
 
 # --------------------------------------------------------------------------- fragmentation gradient descent
 
-DEFAULT_SHORTFALL_WEIGHT = 3.0
+DEFAULT_SHORTFALL_WEIGHT = 1.0
+DEFAULT_PRESSURE_WEIGHT = 1.0
+SUPPLY_EVERY = 256  # placements between two full counts of the free share of each GPU model
+SAMPLE_ABOVE = 64  # workers: above this many, a sampling policy looks at a sample first
+SAMPLE_K = 16  # workers drawn at random for that sample (and as many it chose last)
 
 
 class _Tables:
@@ -309,8 +341,12 @@ class _Tables:
 
     GPU classes are grouped by (share per GPU, GPU count); ``levels`` are the distinct CPU requests
     of the classes, and a worker's CPU level is how many of them its free CPU covers. Classes without
-    GPU are left out: whatever a placement does, they count every free GPU share as fragment on
-    every worker, so they add the same amount to every candidate's score.
+    GPU are left out of the fragment: whatever a placement does, they count every free GPU share as
+    fragment on every worker, so they add the same amount to every candidate's score.
+
+    ``demand`` is each GPU class's share of the GPU demand (probability x milli-GPU it asks);
+    ``ratios`` the CPU each class asks per milli-GPU, ascending, with the suffix sums ``stranded``
+    needs.
     """
 
     def __init__(self, snap: MixSnapshot) -> None:
@@ -320,7 +356,12 @@ class _Tables:
         if norm > 0:
             self.gpu_classes = [(c, p / norm) for c, p in self.gpu_classes]
         self.levels = sorted({c.cpu_milli for c, _ in self.gpu_classes})
-        self.cpu_per_milli = snap.cpu_per_milli
+        volume = sum(p * c.milli * c.gpus for c, p in self.gpu_classes)
+        self.demand = [(c, p * c.milli * c.gpus / volume) for c, p in self.gpu_classes] if volume > 0 else []
+        by_ratio = sorted((c.cpu_milli / (c.milli * c.gpus), d) for c, d in self.demand if c.cpu_milli > 0)
+        self.ratios = [r for r, _ in by_ratio]
+        self.tail_demand = list(accumulate((d for _, d in reversed(by_ratio)), initial=0.0))[::-1]
+        self.tail_per_cpu = list(accumulate((d / r for r, d in reversed(by_ratio)), initial=0.0))[::-1]
         self.mem_per_milli = snap.mem_per_milli
         self._by_model: dict[str, tuple[float, list[tuple[int, int, float, list[float]]]]] = {}
         self.memo: dict[tuple[str, int, tuple[int, ...]], float] = {}
@@ -376,13 +417,46 @@ class _Tables:
         self.memo[key] = out
         return out
 
-    def shortfall(self, free_milli: int, free_cpu: int, free_mem: int) -> float:
-        """GPU share (milli) the worker's free CPU and host memory cannot feed at the mix's ratios."""
-        out = 0.0
-        if self.cpu_per_milli > 0:
-            out += max(0.0, free_milli - free_cpu / self.cpu_per_milli)
+    def stranded(self, free_milli: int, free_cpu: int, free_mem: int) -> float:
+        """Expected free GPU share (milli) that the worker's free CPU and host memory cannot feed.
+
+        CPU: for each GPU class, filling the worker's free share with tasks of that class needs
+        ``ratio x free_milli`` milli-CPU; what the free CPU cannot feed (``free_milli - free_cpu /
+        ratio`` when positive) is stranded for that class. Weighted by the classes' share of the
+        GPU demand: ``free_milli x D - free_cpu x Q`` over the classes whose ratio is above
+        ``free_cpu / free_milli`` (suffix sums, one bisection). Memory: the same at the mix's mean
+        host memory per milli-GPU.
+        """
+        if free_milli <= 0:
+            return 0.0
+        k = bisect_right(self.ratios, free_cpu / free_milli)
+        out = free_milli * self.tail_demand[k] - free_cpu * self.tail_per_cpu[k]
         if self.mem_per_milli > 0:
             out += max(0.0, free_milli - free_mem / self.mem_per_milli)
+        return max(0.0, out)
+
+    def pressure(self, supply: dict[str, int]) -> dict[str, float]:
+        """Demand per free share that each GPU model must absorb from the classes that name models.
+
+        Each class that names its models spreads its share of the GPU demand over the free share of
+        those models in proportion to it, so model ``m`` receives ``sum(demand / free share of the
+        class's models)`` (shares as fractions of the cluster's free share) over the classes that
+        may use it. Classes that take any model add the same to every model and are left out. A
+        model above 1 is wanted, by the tasks that can run nowhere else, more than it has free.
+        """
+        total = sum(supply.values())
+        out = dict.fromkeys(supply, 0.0)
+        if total <= 0:
+            return out
+        for c, d in self.demand:
+            if c.models is None:
+                continue
+            allowed = [m for m in c.models if supply.get(m, 0) > 0]
+            share = sum(supply[m] for m in allowed) / total
+            if share <= 0:
+                continue
+            for m in allowed:
+                out[m] += d / share
         return out
 
 
@@ -390,24 +464,33 @@ _EPS = 1e-9
 
 
 class FragmentationGradientDescent:
-    """FGD: place where the expected fragmentation grows least.
+    """FGD: place where the expected waste of GPU share grows least.
 
-    The fragment a worker offers a request class (Weng et al., ATC '23, section 4): all of its free
-    GPU share when the class cannot run there (GPU model, CPU, or not enough GPUs with the share it
-    needs), else the free share of the GPUs too small for it. The expected fragment weighs the
-    classes by the task mix (``mix.TaskMix``, the requests actually seen, not a fixed table).
+    A worker's score (milli-GPU) has three terms, all judged against the task mix (``mix.TaskMix``,
+    the requests actually seen, not a fixed table):
 
-    gpud adds one term the paper does not have: the *shortfall*, the free GPU share a worker's free
-    CPU and host memory cannot feed at the ratios the mix asks for (``free GPU - free CPU / CPU per
-    milli-GPU``, and the same for memory, when positive), weighted by ``shortfall_weight``. The
-    paper's measure only sees CPU through the next request; the shortfall sees GPUs that will be
-    stranded once the CPU is spent, whatever comes next. On the published trace it is worth about
-    one point of unallocated GPU share (BENCHMARKS.md). ``shortfall_weight=0`` is the paper's
-    measure alone (``fgd-classic``).
+    - *fragment* (Weng et al., ATC '23, section 4): the free GPU share a request class cannot use
+      there (all of it when the class cannot run on the worker: GPU model, CPU, or not enough GPUs
+      with the share it needs; else the free share of the GPUs too small for it), expected over the
+      classes;
+    - *stranded* (``shortfall_weight``): the free GPU share the worker's free CPU and host memory
+      cannot feed, expected over the classes' CPU per milli-GPU (``_Tables.stranded``). The fragment
+      sees CPU only through the next request; this sees GPUs that will be stranded once the CPU is
+      spent, whatever comes next, so CPU-only work goes where CPU is plentiful for the GPUs;
+    - *model pressure* (``pressure_weight``): minus the free share of each model weighted by the
+      demand for that model from the tasks that name models, per free share of what they may use
+      (``_Tables.pressure``, from the cluster's free share by model, counted every
+      ``SUPPLY_EVERY`` placements and kept up by the policy's own placements in between). A task
+      that may run anywhere so leaves the models in short supply to the tasks that need them.
+
+    ``shortfall_weight=0, pressure_weight=0`` is the paper's measure alone (``fgd-classic``).
 
     FGD takes the feasible (worker, GPUs) whose placement increases the score least; ties go to
     the worker Best-fit would take, then to the first seen; inside a worker to the lowest index.
-    Whole GPUs are the lowest-index free GPUs, as everywhere.
+    Whole GPUs are the lowest-index free GPUs, as everywhere. With ``balance`` (``fgd-balanced``)
+    ties go first to the least live load (``_live_load``). With ``sample`` > 0 and more than
+    ``sample_above`` workers, a decision judges ``sample`` workers drawn at random (``seed``) and the
+    ``sample`` it chose last, and every worker only when none of those can take the request.
 
     With ``mix=None`` the policy keeps its own mix and counts each request it is asked to place (a
     caller that retries a request counts it again; the broker feeds a shared mix instead).
@@ -415,19 +498,52 @@ class FragmentationGradientDescent:
 
     name = "fgd"
 
-    def __init__(self, mix: TaskMix | None = None, shortfall_weight: float = DEFAULT_SHORTFALL_WEIGHT) -> None:
+    def __init__(
+        self,
+        mix: TaskMix | None = None,
+        shortfall_weight: float = DEFAULT_SHORTFALL_WEIGHT,
+        pressure_weight: float = DEFAULT_PRESSURE_WEIGHT,
+        *,
+        balance: bool = False,
+        sample: int = 0,
+        sample_above: int = SAMPLE_ABOVE,
+        seed: int | None = None,
+    ) -> None:
+        self.balance = balance
+        self.sample = sample
+        self.sample_above = sample_above
+        self.rng = _random.Random(seed)
+        self._recent: deque[WorkerRecord] = deque(maxlen=sample or 1)
         self.feeds = mix is None
         self.mix = mix if mix is not None else TaskMix()
         self.shortfall_weight = shortfall_weight
+        self.pressure_weight = pressure_weight
         self._tables: _Tables | None = None
         self._static: dict[int, tuple[WorkerRecord, str | None]] = {}
+        self.supply: dict[str, int] = {}  # free milli-GPU by model, as last counted and kept up
+        self.pressure: dict[str, float] = {}
+        self._supply_age = 0  # placements since the last count (SUPPLY_EVERY: count again)
 
     def tables(self) -> _Tables:
         snap = self.mix.snapshot()
         t = self._tables
         if t is None or t.version != snap.version:
             t = self._tables = _Tables(snap)
+            self._supply_age = SUPPLY_EVERY  # new demand: weigh the models again
         return t
+
+    def count_supply(self, workers: Iterable[WorkerRecord]) -> None:
+        """Count the free share of every GPU model over ``workers`` and weigh the models again."""
+        supply: dict[str, int] = {}
+        for w in workers:
+            for g in w.gpus:
+                used = g.granted_milli
+                if used < MILLI_PER_GPU and not (g.cordoned or g.exclusive or g.state.health == "failed"):
+                    m = g.info.model
+                    supply[m] = supply.get(m, 0) + MILLI_PER_GPU - used
+        self.supply = supply
+        self.pressure = self.tables().pressure(supply) if self.pressure_weight else {}
+        self._supply_age = 0
 
     def _single_model(self, w: WorkerRecord) -> str | None:
         """The model of all of ``w``'s GPUs, or None when they differ (or there are none)."""
@@ -441,22 +557,52 @@ class FragmentationGradientDescent:
         return got[1]
 
     def score(self, w: WorkerRecord) -> float:
-        """The worker's score as it stands: expected fragment plus weighted shortfall (milli-GPU)."""
+        """The worker's score as it stands (milli-GPU): fragment, plus weighted stranded share,
+        less the pressure-weighted free share (with the model weights as last counted)."""
         t = self.tables()
         groups = _groups(w)
         level = t.level(w.free_cpu)
         free = sum(sum(f) for f in groups.values())
-        frag = sum(t.frag(m, level, f) for m, f in groups.items())
-        return frag + self.shortfall_weight * t.shortfall(free, w.free_cpu, w.free_host_mem)
+        out = sum(t.frag(m, level, f) for m, f in groups.items())
+        out += self.shortfall_weight * t.stranded(free, w.free_cpu, w.free_host_mem)
+        pressure = self.pressure
+        out -= self.pressure_weight * sum(pressure.get(m, 0.0) * sum(f) for m, f in groups.items())
+        return out
 
     def __call__(self, need: Need, workers: Iterable[WorkerRecord], avoid: Collection[str] = ()) -> Placement | None:
         if self.feeds:
             self.mix.observe(need)
+        pool: Sequence[WorkerRecord] = workers if isinstance(workers, (list, tuple)) else list(workers)
+        if self._supply_age >= SUPPLY_EVERY:
+            self.count_supply(pool)
+        if not self.sample or len(pool) <= self.sample_above:
+            placement = self._decide(need, pool, avoid)
+        else:
+            # Power of k choices with memory: k workers at random and the workers it chose last
+            # (where its packing goes on) while they are registered, the whole cluster only when
+            # none of them can take it.
+            offered = self.rng.sample(pool, self.sample)
+            drawn = {id(w) for w in offered}
+            offered += [w for w in self._recent if w.pos >= 0 and id(w) not in drawn]
+            placement = self._decide(need, offered, avoid)
+            if placement is None:
+                placement = self._decide(need, pool, avoid)
+        if placement is not None and self.sample:
+            recent = self._recent
+            if placement.worker in recent:
+                recent.remove(placement.worker)
+            recent.append(placement.worker)
+        return placement
+
+    def _decide(self, need: Need, workers: Sequence[WorkerRecord], avoid: Collection[str]) -> Placement | None:
         t = self.tables()
         frag = t.frag
-        level_of = t.level
+        levels = t.levels
         beta = self.shortfall_weight
-        short = t.shortfall
+        gamma = self.pressure_weight
+        pressure = self.pressure
+        stranded = t.stranded
+        static = self._static
         gpu = needs_gpu(need)
         cpu = need.cpu_milli
         host_mem = need.host_mem
@@ -464,37 +610,54 @@ class FragmentationGradientDescent:
         milli = MILLI_PER_GPU if need.exclusive else need.milli_per_gpu
         whole = need.gpus > 0 or need.exclusive
         typed = need.models is not None or need.min_cc is not None
+        mem = need.mem
+        exclusive = need.exclusive
         taken = (MILLI_PER_GPU * count if whole else milli) if gpu else 0
-        dedupe = need.mem == 0  # equal states score equal: the first of them wins anyway
+        # Equal states score equal, so the first of them wins anyway (unless live load decides).
+        dedupe = need.mem == 0 and not self.balance
         seen: set[tuple[object, ...]] = set()
-        best_w: WorkerRecord | None = None
-        best_gpus: list[int] = []
-        best = best_fit_left = 0.0
+        best = math.inf
+        near: list[tuple[float, float, WorkerRecord, list[int]]] = []  # as good as the best so far
 
-        def better(delta: float, left: float) -> bool:
-            if best_w is None or delta < best - _EPS:
-                return True
-            return delta <= best + _EPS and left < best_fit_left
+        def offer(delta: float, left: float, w: WorkerRecord, option: list[int]) -> None:
+            nonlocal best
+            if delta <= best + _EPS:
+                near.append((delta, left, w, option))
+                if delta < best:
+                    best = delta
 
         for w in workers:
             free_cpu = w.cpu_milli - w.granted_cpu
             free_mem = w.host_mem - w.granted_host_mem
             if free_cpu < cpu or free_mem < host_mem:
                 continue
-            if not w.has_slot or (avoid and w.name in avoid):
+            if w.inflight >= w.slots or w.draining or (avoid and w.name in avoid):
                 continue
-            lb = level_of(free_cpu)
-            la = level_of(free_cpu - cpu)
-            model = self._single_model(w)
+            got = static.get(id(w))
+            model = got[1] if got is not None and got[0] is w else self._single_model(w)
+            lb = bisect_right(levels, free_cpu)
+            la = bisect_right(levels, free_cpu - cpu)
             if model is not None:
-                # One model on the worker (the common case): no grouping needed.
+                # One model on the worker (the common case): no grouping, one pass over its GPUs.
                 if gpu and typed and not need.fits_type(w.gpus[0].info):
                     continue
                 free: list[int] = []
+                fit: list[tuple[int, int]] = []  # (index, free share) of the GPUs the need may take
+                i = -1
                 for g in w.gpus:
+                    i += 1
                     used = g.granted_milli
-                    if used < MILLI_PER_GPU and not (g.cordoned or g.exclusive or g.state.health == "failed"):
-                        free.append(MILLI_PER_GPU - used)
+                    if used >= MILLI_PER_GPU or g.cordoned or g.exclusive or g.state.health == "failed":
+                        continue
+                    f = MILLI_PER_GPU - used
+                    free.append(f)
+                    if f < milli or (mem and g.info.mem - g.granted_mem < mem) or (exclusive and g.tasks):
+                        continue
+                    if typed and not need.fits_type(g.info):
+                        continue
+                    fit.append((i, f))
+                if gpu and len(fit) < count:
+                    continue
                 free.sort()
                 state = tuple(free)
                 if dedupe:
@@ -504,30 +667,31 @@ class FragmentationGradientDescent:
                     seen.add(key)
                 total = sum(state)
                 before = frag(model, lb, state)
-                after_short = 0.0
+                cost = 0.0
                 if beta:
-                    before += beta * short(total, free_cpu, free_mem)
-                    after_short = beta * short(total - taken, free_cpu - cpu, free_mem - host_mem)
+                    before += beta * stranded(total, free_cpu, free_mem)
+                    cost = beta * stranded(total - taken, free_cpu - cpu, free_mem - host_mem)
+                if gamma and gpu:
+                    cost += gamma * pressure.get(model, 0.0) * taken
+                cost -= before
                 left = (free_cpu - cpu) / (2 * BEST_FIT_CPU_SCALE) + (total - taken) / (2 * BEST_FIT_GPU_SCALE)
                 if not gpu:
-                    delta = frag(model, la, state) + after_short - before
-                    if better(delta, left):
-                        best_w, best_gpus, best, best_fit_left = w, [], delta, left
-                    continue
-                cand = self._candidates(need, w, milli, whole, count, typed)
-                if cand is None:
+                    delta = frag(model, la, state) + cost
+                    if delta <= best + _EPS:
+                        near.append((delta, left, w, []))
+                        best = min(best, delta)
                     continue
                 if whole:
                     after = list(state)
-                    for gi in cand:
-                        after.remove(MILLI_PER_GPU - w.gpus[gi].granted_milli)
-                    delta = frag(model, la, tuple(after)) + after_short - before
-                    if better(delta, left):
-                        best_w, best_gpus, best, best_fit_left = w, cand, delta, left
+                    for _, f in fit[:count]:
+                        after.remove(f)
+                    delta = frag(model, la, tuple(after)) + cost
+                    if delta <= best + _EPS:
+                        near.append((delta, left, w, [gi for gi, _ in fit[:count]]))
+                        best = min(best, delta)
                     continue
                 tried: set[int] = set()
-                for gi in cand:
-                    f = MILLI_PER_GPU - w.gpus[gi].granted_milli
+                for gi, f in fit:
                     if f in tried:
                         continue
                     tried.add(f)
@@ -536,9 +700,10 @@ class FragmentationGradientDescent:
                     if f > milli:
                         after.append(f - milli)
                         after.sort()
-                    delta = frag(model, la, tuple(after)) + after_short - before
-                    if better(delta, left):
-                        best_w, best_gpus, best, best_fit_left = w, [gi], delta, left
+                    delta = frag(model, la, tuple(after)) + cost
+                    if delta <= best + _EPS:
+                        near.append((delta, left, w, [gi]))
+                        best = min(best, delta)
                 continue
             # GPUs of several models on one worker: each model's GPUs are judged as one group.
             groups = _groups(w)
@@ -546,13 +711,12 @@ class FragmentationGradientDescent:
             before = sum(frag(m, lb, f) for m, f in groups.items())
             after_short = 0.0
             if beta:
-                before += beta * short(total, free_cpu, free_mem)
-                after_short = beta * short(total - taken, free_cpu - cpu, free_mem - host_mem)
+                before += beta * stranded(total, free_cpu, free_mem)
+                after_short = beta * stranded(total - taken, free_cpu - cpu, free_mem - host_mem)
             left = (free_cpu - cpu) / (2 * BEST_FIT_CPU_SCALE) + (total - taken) / (2 * BEST_FIT_GPU_SCALE)
             if not gpu:
                 delta = sum(frag(m, la, f) for m, f in groups.items()) + after_short - before
-                if better(delta, left):
-                    best_w, best_gpus, best, best_fit_left = w, [], delta, left
+                offer(delta, left, w, [])
                 continue
             cand = self._candidates(need, w, milli, whole, count, typed)
             if cand is None:
@@ -560,6 +724,7 @@ class FragmentationGradientDescent:
             options = [cand] if whole else [[gi] for gi in cand]
             for option in options:
                 after_groups = {m: list(f) for m, f in groups.items()}
+                cost = after_short
                 for gi in option:
                     g = w.gpus[gi]
                     f = MILLI_PER_GPU - g.granted_milli
@@ -567,12 +732,27 @@ class FragmentationGradientDescent:
                     lst.remove(f)
                     if not whole and f > milli:
                         lst.append(f - milli)
-                delta = sum(frag(m, la, tuple(sorted(f))) for m, f in after_groups.items()) + after_short - before
-                if better(delta, left):
-                    best_w, best_gpus, best, best_fit_left = w, option, delta, left
-        if best_w is None:
+                    if gamma:
+                        cost += gamma * pressure.get(g.info.model, 0.0) * (MILLI_PER_GPU if whole else milli)
+                delta = sum(frag(m, la, tuple(sorted(f))) for m, f in after_groups.items()) + cost - before
+                offer(delta, left, w, option)
+        if not near:
             return None
-        return Placement(best_w, [best_w.gpus[i] for i in best_gpus])
+        limit = best + _EPS
+        pool = [c for c in near if c[0] <= limit]
+        if self.balance:
+            # Equally good for packing: the least loaded by live state, then as Best-fit would.
+            _, _, best_w, best_gpus = min(pool, key=lambda c: (_live_load(c[2], c[3], need), c[1]))
+        else:
+            _, _, best_w, best_gpus = min(pool, key=lambda c: c[1])
+        chosen = [best_w.gpus[i] for i in best_gpus]
+        self._supply_age += 1
+        supply = self.supply
+        for g in chosen:
+            m = g.info.model
+            if m in supply:
+                supply[m] -= MILLI_PER_GPU if whole else milli
+        return Placement(best_w, chosen)
 
     @staticmethod
     def _candidates(
@@ -596,6 +776,16 @@ class FragmentationGradientDescent:
         if whole or not out:
             return None
         return out
+
+
+def _live_load(w: WorkerRecord, option: list[int], need: Need) -> float:
+    """Live load of a placement: the most loaded of its GPUs (``balanced_score``: ledger,
+    measurements, grants the last heartbeat cannot show yet), or the worker's CPU for a need
+    without GPU; plus the worker's dispatched requests not yet answered."""
+    if not option:
+        return _cpu_load(w) + 0.001 * w.inflight
+    gpus = w.gpus
+    return max(balanced_score(gpus[i], need) for i in option) + 0.001 * w.inflight
 
 
 def _groups(w: WorkerRecord) -> dict[str, tuple[int, ...]]:
@@ -631,7 +821,10 @@ FACTORIES: dict[str, PolicyFactory] = {
     "spread": _stateless(spread),
     "random": lambda seed, mix: RandomFit(seed),
     "fgd": lambda seed, mix: FragmentationGradientDescent(mix),
-    "fgd-classic": lambda seed, mix: FragmentationGradientDescent(mix, shortfall_weight=0.0),
+    "fgd-classic": lambda seed, mix: FragmentationGradientDescent(mix, shortfall_weight=0.0, pressure_weight=0.0),
+    "fgd-balanced": lambda seed, mix: FragmentationGradientDescent(
+        mix, balance=True, sample=SAMPLE_K, seed=seed
+    ),
 }
 """Every policy by name, as a factory ``(seed, mix) -> Policy``."""
 
@@ -648,6 +841,7 @@ def make_policy(name: str, *, seed: int | None = None, mix: TaskMix | None = Non
 __all__ = [
     "BEST_FIT_CPU_SCALE",
     "BEST_FIT_GPU_SCALE",
+    "DEFAULT_PRESSURE_WEIGHT",
     "DEFAULT_SHORTFALL_WEIGHT",
     "FACTORIES",
     "POLICIES",
@@ -655,6 +849,9 @@ __all__ = [
     "Placement",
     "Policy",
     "PolicyFactory",
+    "SAMPLE_ABOVE",
+    "SAMPLE_K",
+    "SUPPLY_EVERY",
     "RandomFit",
     "balanced",
     "balanced_score",
@@ -663,6 +860,7 @@ __all__ = [
     "feasible_gpus",
     "make_policy",
     "needs_gpu",
+    "reserve_worker",
     "spread",
     "worker_can_take",
 ]

@@ -1,4 +1,4 @@
-"""The ``gpud`` command: ``broker``, ``worker``, ``up`` (a local all-in-one cluster), ``config check``, ``keygen``, ``replay`` and ``version``.
+"""The ``gpud`` command: ``broker``, ``worker``, ``up`` (a local all-in-one cluster), ``config check``, ``keygen`` and ``version``.
 
 A subcommand imports its component, and fills in its flags, only when it is the one that runs, so
 ``gpud version`` and ``gpud --help`` work on a host with only the core. A subcommand whose optional
@@ -191,7 +191,6 @@ COMMANDS: dict[str, tuple[str, str | tuple[_Arguments, _Run]]] = {
     "up": ("run a local cluster: a broker pair and N workers as child processes", (_up_arguments, _up)),
     "keygen": ("write a CURVE key pair: DIR/NAME.key (public) and DIR/NAME.key_secret (0600)",
                (_keygen_arguments, _keygen)),
-    "replay": ("replay a GPU trace through the scheduler (static or dynamic)", "gpud_broker.replay"),
     "version": ("print the version", (_no_arguments, _version)),
     "config": ("configuration tools", (_config_arguments, _config_check)),
 }

@@ -396,7 +396,8 @@ def test_retry_never_goes_back_to_the_same_worker(h: Harness) -> None:
     h.assert_idle()
 
 
-def test_worker_lost_fails_plain_jobs_and_replaces_idempotent_ones(h: Harness) -> None:
+def test_worker_lost_fails_plain_jobs_and_replaces_idempotent_ones() -> None:
+    h = Harness(policy="balanced")  # spreads: both jobs go to w1's two idle GPUs
     h.ready(W1, "w1", ngpus=2)
     h.ready(W2, "w2")
     h.take_worker()

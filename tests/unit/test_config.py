@@ -14,7 +14,7 @@ import pytest
 from gpud import config
 from gpud.config import GpudConfig, TenantLimits, for_role, load
 from gpud.errors import ConfigError
-from gpud_broker.policies import POLICIES
+from gpud_broker.policies import FACTORIES, POLICIES
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "systemd" / "gpud.toml.example"
@@ -40,7 +40,7 @@ def test_defaults_without_a_file(tmp_path: Path) -> None:
     cfg = load(None, {}, default_path=str(tmp_path / "absent.toml"))
     assert cfg.path == ""
     assert cfg.broker == config.BrokerSection() and cfg.worker == config.WorkerSection()
-    assert cfg.broker.policy == "balanced" and cfg.broker.heartbeat_ms == 1000 and cfg.broker.tenants == {}
+    assert cfg.broker.policy == "fgd-balanced" and cfg.broker.heartbeat_ms == 1000 and cfg.broker.tenants == {}
     assert cfg.worker.brokers == ("tcp://127.0.0.1:5556",)
     assert cfg.security.mode == "curve" and cfg.security.secret_key_file == ""  # keys_dir's, for_role says which
     assert cfg.metrics.listen == "" and cfg.logging.level == "INFO"
@@ -345,7 +345,7 @@ worker_metadata = { "a key" = "v" }
 
 
 def test_example_loads_and_documents_every_key_with_its_default() -> None:
-    cfg = load(str(EXAMPLE), {}, policies=POLICIES)
+    cfg = load(str(EXAMPLE), {}, policies=FACTORIES)
     doc = tomllib.loads(EXAMPLE.read_text())
     assert set(doc) == set(config.SECTIONS)
     for name, cls in config.SECTIONS.items():

@@ -7,11 +7,13 @@ import random
 import pytest
 
 from gpud.heartbeat import HeartbeatPolicy
-from gpud.resources import GpuInfo, Need
+from gpud.resources import GpuInfo, GpuState, Need
 from gpud_broker import ledger
 from gpud_broker.mix import NeedClass, TaskMix
 from gpud_broker.policies import (
     FACTORIES,
+    SAMPLE_ABOVE,
+    SAMPLE_K,
     FragmentationGradientDescent,
     RandomFit,
     best_fit,
@@ -103,13 +105,13 @@ def test_snapshot_versions_follow_real_change() -> None:
 # --------------------------------------------------------------------------- FGD by hand
 
 
-def fgd_with(classes: list[tuple[Need, int]], shortfall_weight: float = 3.0) -> FragmentationGradientDescent:
+def fgd_with(classes: list[tuple[Need, int]], shortfall_weight: float = 1.0, pressure_weight: float = 1.0) -> FragmentationGradientDescent:
     mix = TaskMix(half_life=1e9, cpu_step=1)
     for need, n in classes:
         for _ in range(n):
             mix.observe(need)
     mix.publish()
-    return FragmentationGradientDescent(mix, shortfall_weight=shortfall_weight)
+    return FragmentationGradientDescent(mix, shortfall_weight=shortfall_weight, pressure_weight=pressure_weight)
 
 
 def test_expected_fragment_by_hand() -> None:
@@ -159,11 +161,12 @@ def test_fgd_takes_the_gpu_that_fragments_least_inside_a_worker() -> None:
     assert p is not None and p.gpus == [w.gpus[1]]
 
 
-def test_shortfall_counts_gpus_the_cpu_cannot_feed() -> None:
+def test_stranded_counts_gpus_the_cpu_cannot_feed() -> None:
     """Mix: 500 shares asking 5000 milli-CPU, i.e. 10 milli-CPU per milli-GPU.
 
-    B (1 free GPU, 12000 CPU) can feed 1200 milli: no shortfall. After a CPU-only task of 4000 it
-    can feed 800 of its 1000: 200 short, weighted 3: 600. A has no free GPU: nothing to strand.
+    B (1 free GPU, 12000 CPU) can feed 1200 milli: nothing stranded. After a CPU-only task of 4000
+    it can feed 800 of its 1000: 200 stranded. A has no free GPU: nothing to strand, so the CPU-only
+    task goes there.
     """
     fgd = fgd_with([(Need(gpu_milli=500, cpu_milli=5000), 10)])
     reg = WorkerRegistry()
@@ -174,9 +177,56 @@ def test_shortfall_counts_gpus_the_cpu_cannot_feed() -> None:
     p = fgd(cpu_task, [b, a], ())
     assert p is not None and p.worker is a and p.gpus == []
     ledger.grant(b, [], cpu_task)
-    assert fgd.score(b) == pytest.approx(600.0)
+    assert fgd.score(b) == pytest.approx(200.0)
     classic = fgd_with([(Need(gpu_milli=500, cpu_milli=5000), 10)], shortfall_weight=0.0)
     assert classic.score(b) == 0.0
+
+
+def test_stranded_is_expected_over_the_classes_cpu_per_gpu() -> None:
+    """Mix by GPU demand: half whole GPUs asking 4000 CPU (4 per milli-GPU), half asking 16000 (16).
+
+    A worker with 1000 free milli and 8000 free CPU feeds all of the first class (needs 4000) and
+    half of the second (8000 / 16 = 500 milli): expected stranded 0.5 * 500 = 250 milli. With 20000
+    CPU nothing is stranded; with 2000 the first class strands 500 and the second 875: 687.5.
+    """
+    fgd = fgd_with([(Need(gpus=1, cpu_milli=4000), 5), (Need(gpus=1, cpu_milli=16000), 5)])
+    t = fgd.tables()
+    assert t.stranded(1000, 8000, 0) == pytest.approx(250.0)
+    assert t.stranded(1000, 20000, 0) == 0.0
+    assert t.stranded(1000, 2000, 0) == pytest.approx(0.5 * 500 + 0.5 * 875)
+    assert t.stranded(0, 0, 0) == 0.0
+    # a CPU-only task goes where it strands least: the worker with CPU to spare for its GPUs
+    reg = WorkerRegistry()
+    lean, rich = add(reg, "lean", cpu=16000), add(reg, "rich", cpu=64000)
+    p = fgd(Need(gpu_milli=0, cpu_milli=8000), [lean, rich], ())
+    assert p is not None and p.worker is rich
+
+
+def test_model_pressure_keeps_wanted_models_for_the_tasks_that_name_them() -> None:
+    """Mix (by count): 30 % one T4 GPU only, 40 % one GPU of any model, 30 % two GPUs of any model.
+    Free: a T4 worker with 1 GPU, a V100 worker with 2.
+
+    The paper's measure: one GPU on the T4 worker removes the GPU the two-GPU class could never use
+    there (-300); on the V100 worker it removes a GPU the T4 class cannot use (-300) but breaks the
+    pair (+300): 0. It takes the T4 and leaves the T4-only tasks nothing. By GPU demand the T4-only
+    class is 300 / 1300 of the demand and T4 a third of the free share: pressure 0.69 on T4, 0 on
+    V100, so taking the T4 costs 692 more, and the task goes to the V100."""
+    mix = [(Need(gpus=1, models=frozenset({"T4"})), 3), (Need(gpus=1), 4), (Need(gpus=2), 3)]
+    fgd = fgd_with(mix)
+    reg = WorkerRegistry()
+    t4, v100 = add(reg, "t4", 1, "T4"), add(reg, "v100", 2, "V100")
+    fgd.count_supply([t4, v100])
+    assert fgd.pressure == pytest.approx({"T4": 300 / 1300 * 3, "V100": 0.0})
+    p = fgd(Need(gpus=1), [t4, v100], ())
+    assert p is not None and p.worker is v100
+    classic = fgd_with(mix, shortfall_weight=0.0, pressure_weight=0.0)
+    p = classic(Need(gpus=1), [t4, v100], ())
+    assert p is not None and p.worker is t4
+    # The T4-only task itself still goes to the T4, the only GPU it may use.
+    p = fgd(Need(gpus=1, models=frozenset({"T4"})), [t4, v100], ())
+    assert p is not None and p.worker is t4
+    # Between counts the policy keeps the free share up with its own placements.
+    assert fgd.supply == {"T4": 0, "V100": 1000}
 
 
 def test_fgd_without_a_mix_feeds_its_own() -> None:
@@ -231,6 +281,7 @@ def test_fgd_picks_the_least_increase_against_brute_force() -> None:
             n = need()
             mix.observe(n)
             fgd.tables()
+            fgd.count_supply(workers)  # the model weights this decision uses
             best = None
             for w in workers:
                 if not worker_can_take(n, w):
@@ -287,3 +338,97 @@ def test_random_fit_is_seeded_and_uniform_over_feasible_workers() -> None:
     policy.tries = 0  # the listing path
     p = policy(Need(gpu_milli=100), workers, {"w1", "w2"})
     assert p is not None and p.worker.name == "w3"
+
+
+# --------------------------------------------------------------------------- fgd-balanced
+
+
+def test_fgd_balanced_spreads_where_packing_ties_and_packs_where_it_does_not() -> None:
+    """Mix: 250-milli shares only, so no placement of a 250 share fragments: every GPU ties.
+    fgd breaks the tie as Best-fit (the fullest GPU: all four on one); fgd-balanced by live load
+    (one on each). With whole GPUs in the mix, putting the share on an idle GPU would break a whole
+    GPU: both pack it onto the used one."""
+    shares = [(Need(gpu_milli=250), 10)]
+    for balance, expected in ((False, {"a-0": 4}), (True, {"a-0": 1, "a-1": 1, "b-0": 1, "b-1": 1})):
+        reg = WorkerRegistry()
+        a, b = add(reg, "a", 2), add(reg, "b", 2)
+        fgd = fgd_with(shares)
+        fgd.balance = balance
+        placed: dict[str, int] = {}
+        for _ in range(4):
+            p = fgd(Need(gpu_milli=250), [a, b], ())
+            assert p is not None
+            ledger.grant(p.worker, p.gpus, Need(gpu_milli=250))
+            placed[p.gpus[0].uuid] = placed.get(p.gpus[0].uuid, 0) + 1
+        assert placed == expected, balance
+    reg = WorkerRegistry()
+    a, b = add(reg, "a", 2), add(reg, "b", 2)
+    mixed = make_policy("fgd-balanced", mix=fgd_with([(Need(gpu_milli=250), 5), (Need(gpus=1), 5)]).mix)
+    ledger.grant(a, [a.gpus[0]], Need(gpu_milli=250))
+    p = mixed(Need(gpu_milli=250), [b, a], ())
+    assert p is not None and p.gpus == [a.gpus[0]]
+
+
+def test_fgd_balanced_follows_live_utilization_and_pending_work() -> None:
+    """Two idle workers tie for packing. The one whose GPU measures busy (work the ledger does not
+    hold) or that has requests dispatched and not answered loses the tie."""
+    reg = WorkerRegistry()
+    a, b = add(reg, "a", 1), add(reg, "b", 1)
+    policy = make_policy("fgd-balanced", mix=fgd_with([(Need(gpus=1), 10)]).mix)
+    p = policy(Need(gpus=1), [a, b], ())
+    assert p is not None and p.worker is a  # a plain tie: the first
+    reg.update_state(a, {a.gpus[0].uuid: GpuState(util=80.0)})
+    p = policy(Need(gpus=1), [a, b], ())
+    assert p is not None and p.worker is b
+    reg.update_state(a, {a.gpus[0].uuid: GpuState()})
+    a.inflight = 0
+    b.inflight = 3
+    p = policy(Need(gpus=1), [a, b], ())
+    assert p is not None and p.worker is a
+    fgd = make_policy("fgd", mix=policy.mix)  # type: ignore[attr-defined]
+    p = fgd(Need(gpus=1), [b, a], ())
+    assert p is not None and p.worker is b  # fgd does not look: the first of the tie
+
+
+def offered_counts(policy: FragmentationGradientDescent) -> list[int]:
+    """Record how many workers each decision of ``policy`` is offered."""
+    offered: list[int] = []
+    decide = policy._decide
+
+    def counting(need: Need, ws: list[WorkerRecord], avoid: object) -> object:
+        offered.append(len(ws))
+        return decide(need, ws, avoid)  # type: ignore[arg-type]
+
+    policy._decide = counting  # type: ignore[assignment,method-assign]
+    return offered
+
+
+def test_fgd_balanced_samples_a_large_cluster_and_remembers_where_it_packs() -> None:
+    reg = WorkerRegistry()
+    workers = [add(reg, f"w{i}", 2) for i in range(SAMPLE_ABOVE + 36)]
+    mix = fgd_with([(Need(gpu_milli=300), 5), (Need(gpus=1), 5)]).mix
+    policy = make_policy("fgd-balanced", seed=3, mix=mix)
+    assert isinstance(policy, FragmentationGradientDescent)
+    offered = offered_counts(policy)
+    first = policy(Need(gpu_milli=300), workers, ())
+    assert first is not None
+    ledger.grant(first.worker, first.gpus, Need(gpu_milli=300))
+    second = policy(Need(gpu_milli=300), workers, ())
+    assert second is not None and second.worker is first.worker  # packed where it chose last
+    assert offered == [SAMPLE_K, SAMPLE_K + 1] or offered == [SAMPLE_K, SAMPLE_K]  # (drawn again)
+    # A worker it chose that has left the cluster is never taken again.
+    reg.remove(first.worker)
+    workers.remove(first.worker)
+    for _ in range(5):
+        p = policy(Need(gpu_milli=300), workers, ())
+        assert p is not None and p.worker is not first.worker
+    # Only one worker can take a model-restricted request: where the sample misses it, the policy
+    # asks the whole cluster (five draws: the sample of 16 in 101 misses it at least once).
+    special = add(reg, "special", 1, "A100")
+    offered.clear()
+    for seed in range(5):
+        policy.rng = random.Random(seed)
+        policy._recent.clear()
+        p = policy(Need(gpu_milli=300, models=frozenset({"A100"})), [*workers, special], ())
+        assert p is not None and p.worker is special
+    assert len(workers) + 1 in offered

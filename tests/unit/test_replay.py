@@ -1,4 +1,4 @@
-"""Trace replay (gpud_broker.replay): loading, Need conversion, every policy's limits, the published
+"""Trace replay (bench/tracesim.py): loading, Need conversion, every policy's limits, the published
 static method's bookkeeping, the dynamic mode, the command line and, where the trace is present, the
 published Random-fit and Best-fit figures."""
 
@@ -10,11 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gpud.resources import Need
-from gpud_broker import ledger
-from gpud_broker.mix import TaskMix
-from gpud_broker.policies import FACTORIES, make_policy, needs_gpu
-from gpud_broker.replay import (
+from bench import tracesim
+from bench.tracesim import (
     GPU_MEM,
     MiB,
     TraceNode,
@@ -34,7 +31,10 @@ from gpud_broker.replay import (
     unallocated_at,
     wait_percentiles,
 )
-from gpud_cli import main as cli
+from gpud.resources import Need
+from gpud_broker import ledger
+from gpud_broker.mix import TaskMix
+from gpud_broker.policies import FACTORIES, make_policy, needs_gpu
 
 NODE_HEADER = "sn,cpu_milli,memory_mib,gpu,model\n"
 TASK_HEADER = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time\n"
@@ -291,7 +291,7 @@ def test_proportional_order_keeps_kinds_in_proportion() -> None:
 
 def test_cli_static_json(trace: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
     nodes, tasks = trace
-    assert cli.main(["replay", str(tasks), "--nodes", str(nodes), "--policy", "best-fit", "--seeds", "1..2", "--json"]) == 0
+    assert tracesim.main([str(tasks), "--nodes", str(nodes), "--policy", "best-fit", "--seeds", "1..2", "--json"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert "unallocated GPU share at 100% arrived" in "\n".join(out)
     summary = json.loads(out[-1])
@@ -302,10 +302,10 @@ def test_cli_static_json(trace: tuple[Path, Path], capsys: pytest.CaptureFixture
 
 def test_cli_dynamic_and_errors(trace: tuple[Path, Path], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     nodes, tasks = trace
-    assert cli.main(["replay", str(tasks), "--nodes", str(nodes), "--mode", "dynamic", "--json"]) == 0
+    assert tracesim.main([str(tasks), "--nodes", str(nodes), "--mode", "dynamic", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["mode"] == "dynamic" and len(summary["rows"]) == 2
-    assert cli.main(["replay", str(tmp_path / "missing.csv"), "--nodes", str(nodes)]) == 2
+    assert tracesim.main([str(tmp_path / "missing.csv"), "--nodes", str(nodes)]) == 2
 
 
 # --------------------------------------------------------------------------- the published figures

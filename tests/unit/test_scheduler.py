@@ -15,6 +15,7 @@ from gpud_broker.policies import (
     best_fit,
     could_ever_fit,
     feasible_gpus,
+    reserve_worker,
     spread,
     worker_can_take,
 )
@@ -466,3 +467,21 @@ def test_avoid_excludes_workers_by_name(reg: WorkerRegistry, name: str) -> None:
     assert other is not None and other.worker is w2
     assert policy(need, reg, {"w1", "w2"}) is None
     assert policy(need, reg, {"nobody"}) is not None
+
+
+# --------------------------------------------------------------------------- reservation
+
+
+def test_reserve_worker_takes_the_most_free_fitting_share(reg: WorkerRegistry) -> None:
+    """The broker's queue and the trace simulator reserve through this one function."""
+    a = add(reg, "a", 2)
+    add(reg, "b", [info("b-0", 0), info("b-1", 1), info("b-2", 2, model="T4")])
+    add(reg, "c", 4, cpu_milli=1000)
+    ledger.grant(a, [a.gpus[0]], Need(gpu_milli=500))
+    need = Need(gpu_milli=500, cpu_milli=2000, models=frozenset({"A100"}))
+    # a: 1500 free on A100s; b: 2000 on A100s (its T4 does not count); c can never take the CPU.
+    assert reserve_worker(need, reg, set()) == "b"
+    assert reserve_worker(need, reg, {"b"}) == "a"
+    assert reserve_worker(need, reg, set(), avoid={"b"}) == "a"
+    assert reserve_worker(need, reg, {"a", "b"}) is None
+    assert reserve_worker(Need(gpus=1), reg, set()) == "c"  # 4 free GPUs, the CPU it asks is none

@@ -1,4 +1,7 @@
-"""Trace replay through the broker's own scheduling objects: the ``gpud replay`` command.
+"""Trace replay through the broker's own scheduling objects: a research simulator, not a daemon part.
+
+Run it as ``python bench/tracesim.py TRACE.csv [--policy fgd] [--seeds 42..51]`` (``--help``);
+``bench/replay.py`` builds the tables and plots of BENCHMARKS.md from it.
 
 A replay builds a ``WorkerRegistry`` with one simulated worker per node of the trace, asks the
 policies of ``policies.py`` for every placement and records every grant with ``ledger.grant`` (and
@@ -55,7 +58,7 @@ from gpud.heartbeat import HeartbeatPolicy
 from gpud.resources import GpuInfo, Grant, Need
 from gpud_broker import ledger
 from gpud_broker.mix import TaskMix
-from gpud_broker.policies import FACTORIES, Policy, could_ever_fit, make_policy
+from gpud_broker.policies import FACTORIES, Policy, could_ever_fit, make_policy, reserve_worker
 from gpud_broker.queue import DEFAULT_RESERVE_AFTER_S, PendingQueue
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
 
@@ -499,15 +502,7 @@ def run_dynamic(
         return True
 
     def reserve(entry: _Waiting, reserved: Set[str]) -> str | None:
-        need = entry.need
-        best, best_free = None, -1
-        for w in workers:
-            if w.name in reserved or not could_ever_fit(need, (w,)):
-                continue
-            free = sum(g.free_milli for g in w.gpus if need.fits_type(g.info))
-            if free > best_free:
-                best, best_free = w.name, free
-        return best
+        return reserve_worker(entry.need, workers, reserved)
 
     i = 0
     n = len(arrivals)
@@ -861,7 +856,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             summary = _run_dynamic(args, trace, nodes_path, out)
     except (OSError, ValueError, KeyError) as exc:
-        print(f"gpud replay: {exc}", file=sys.stderr)
+        print(f"tracesim: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(summary, separators=(",", ":")))
@@ -869,7 +864,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gpud replay", description="Replay a GPU trace through gpud's scheduler.")
+    p = argparse.ArgumentParser(prog="bench/tracesim.py", description="Replay a GPU trace through gpud's scheduler.")
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -212,7 +212,8 @@ def plot_curves(every: dict[str, dict[str, dict[str, Any]]], path: Path) -> None
             if not s:
                 continue
             pts = [(a, u) for a, u in s["curve"] if 50 <= a <= 101]
-            ax.plot([a for a, _ in pts], [u for _, u in pts], label=LABEL[policy], linewidth=1.2)
+            color = f"C{EVERY_TRACE_POLICIES.index(policy)}"  # the same colour in every panel
+            ax.plot([a for a, _ in pts], [u for _, u in pts], label=LABEL[policy], linewidth=1.2, color=color)
         if trace in PUBLISHED_FGD:
             ax.plot([100], [PUBLISHED_FGD[trace]], marker="x", color="black", linestyle="none", label="published FGD")
         ax.set_title(trace, fontsize=9)

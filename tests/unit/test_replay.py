@@ -326,7 +326,6 @@ def test_published_random_and_best_fit_figures_one_seed() -> None:
     assert abs(best.unallocated_at_100 - 7.14) < 1.0, best.unallocated_at_100
     rand = replay_static(nodes, tasks, "random", seed=42)
     assert abs(rand.unallocated_at_100 - 13.70) < 1.5, rand.unallocated_at_100
-    assert best.seconds < 30 and rand.seconds < 30
 
 
 def test_a_trace_without_gpu_requests_ends(tmp_path: Path) -> None:

@@ -97,6 +97,7 @@ ARG_TYPES = ("ptr", "i32", "u32", "i64", "u64", "f32", "f64")
 BUILTIN_MODULE = "builtin"
 
 _packb: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
+_EMPTY_MAP = _packb({})
 
 
 def packb(obj: Any) -> bytes:
@@ -122,9 +123,40 @@ class Message:
     frames: list[Any] = field(default_factory=list)
 
 
+# --------------------------------------------------------------------------- building messages
+# Every message is built by ``encode`` or, for the ones each request sends, by a builder below
+# whose ``[signature, command]`` frames are made once, here. ``frames`` (payload) are passed
+# through untouched (no copies).
+
+_CLIENT_SIG = Peer.CLIENT.value
+_WORKER_SIG = Peer.WORKER.value
+_REPLY = CMD_BYTES[Command.REPLY]
+_DISPATCH = CMD_BYTES[Command.DISPATCH]
+_PONG = CMD_BYTES[Command.PONG]
+
+
 def encode(peer: Peer, command: Command, header: dict[str, Any], frames: Sequence[Any] = ()) -> list[Any]:
-    """Frames for one message. ``frames`` are passed through untouched (no copies)."""
+    """Frames for one message."""
     return [peer.value, CMD_BYTES[command], _packb(header), *frames]
+
+
+def reply(raw_header: bytes, frames: Sequence[Any] = ()) -> list[Any]:
+    """A REPLY to a client whose header is packed already (a worker's RESULT header, as it came)."""
+    return [_CLIENT_SIG, _REPLY, raw_header, *frames]
+
+
+def error_reply(rid: bytes | None, exc: GpudError) -> list[Any]:
+    """The REPLY that ends request ``rid`` with ``exc``."""
+    return [_CLIENT_SIG, _REPLY, _packb(error_header(rid, exc))]
+
+
+def pong() -> list[Any]:
+    return [_CLIENT_SIG, _PONG, _EMPTY_MAP]
+
+
+def dispatch(header: dict[str, Any], frames: Sequence[Any] = ()) -> list[Any]:
+    """A DISPATCH to a worker."""
+    return [_WORKER_SIG, _DISPATCH, _packb(header), *frames]
 
 
 def decode(
@@ -604,6 +636,22 @@ def _int_field(raw: dict[str, Any], key: str, lo: int, hi: int) -> int:
     if type(v) is not int or isinstance(v, bool):
         raise InvalidRequest(f"field {key!r} must be an int")
     return _int_in(v, key, lo, hi)
+
+
+def peek_id(frames: Sequence[Any]) -> bytes | None:
+    """The request id in the header of message ``frames`` (``[signature, command, header, ...]``)
+    that was refused or could not be decoded, when the header is readable enough to have one."""
+    if len(frames) < 3:
+        return None
+    try:
+        raw = _as_bytes(frames[2])
+        if len(raw) > MAX_HEADER_BYTES:
+            return None
+        h = unpackb(raw)
+    except Exception:  # garbage msgpack raises many types
+        return None
+    rid = h.get("id") if type(h) is dict else None
+    return rid if type(rid) is bytes and len(rid) == ID_BYTES else None
 
 
 def error_header(rid: bytes | None, exc: GpudError) -> dict[str, Any]:

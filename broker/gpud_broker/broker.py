@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import MethodType
 from typing import Any
 
 import zmq
@@ -121,23 +122,81 @@ class Broker:
             self.admin = self._router(ADMIN_DOMAIN, keys if admin_tcp else None)
             self.endpoints = Endpoints(self.endpoints.frontend, self.endpoints.backend, bind(self.admin, endpoints.admin))
         self._stop = threading.Event()
-        self._draining = False
+        self._draining = False  # drain() was called (SIGTERM)
+        self._refusing = False  # the drain has begun: new work is refused (``_start_drain``)
         self._reload_requested = False
         self.pair: Pair | None = None
         if pair is not None:
             if not self.security.curve:
                 check_bind(pair.bind, self.security, "peer")
-            self.pair = Pair(self.core, pair, self.ctx, keys, serve=lambda frames, tenant: Broker._on_client(self, frames, tenant),
+            self.pair = Pair(self.core, pair, self.ctx, keys, serve=self._serve_as_active,
                              set_serving=self._set_serving, send_client=lambda frames: to_client(frames[0], frames[1:]))
-            self._set_serving(False)
+        self._set_serving(pair is None)
+
+    # ------------------------------------------------------------------ the client handler
 
     def _set_serving(self, serving: bool) -> None:
-        """Serve clients (the active broker of a pair) or hand them to the pair's vote."""
-        if serving:
-            self.__dict__.pop("_on_client", None)
-        else:
+        """Serve clients (standalone, or the active broker of a pair) or hand them to the pair."""
+        self._serving = serving
+        self._choose_client_handler()
+
+    def _choose_client_handler(self) -> None:
+        """``_on_client``, what both frontend paths (plain and CURVE) call for each message, from
+        one table by (serving, draining): chosen when either changes, never tested per message."""
+        self._on_client = MethodType(self._CLIENT_HANDLERS[(self._serving, self._refusing)], self)
+
+    def _serve_client(self, frames: list[bytes], tenant: str | None = None) -> None:
+        """Serving: the message goes to the core."""
+        ident = frames[0]
+        try:
+            msg = P.decode(frames[1:], Peer.CLIENT, self.config.max_message_bytes)
+            self.core.on_client(ident, msg, tenant)
+        except GpudError as exc:
+            self._bad(self.frontend, Peer.CLIENT, ident, frames, exc)
+        except Exception:
+            log.exception("bug while handling a client message")
+            self._bad(self.frontend, Peer.CLIENT, ident, frames, InternalError("internal error in the broker"))
+
+    def _serve_client_draining(self, frames: list[bytes], tenant: str | None = None) -> None:
+        """Serving while draining: new requests and session calls are answered SHUTTING_DOWN (the
+        client may go to the other broker); retries of known ids, pings and cancels are served."""
+        if not self._refused_as_new_work(frames):
+            self._serve_client(frames, tenant)
+
+    def _vote_client(self, frames: list[bytes], tenant: str | None = None) -> None:
+        """Not serving (the passive broker of a pair): the pair's vote decides."""
+        assert self.pair is not None
+        self.pair.on_client(frames, tenant)
+
+    def _vote_client_draining(self, frames: list[bytes], tenant: str | None = None) -> None:
+        """Not serving while draining: new work is answered SHUTTING_DOWN, the rest is sent to the
+        peer as a passive broker's answer is (a stopping broker never takes over on a vote)."""
+        if not self._refused_as_new_work(frames):
             assert self.pair is not None
-            self._on_client = self.pair.on_client  # type: ignore[method-assign]
+            self.pair.reject(frames)
+
+    _CLIENT_HANDLERS: dict[tuple[bool, bool], Callable[..., None]] = {
+        (True, False): _serve_client,
+        (True, True): _serve_client_draining,
+        (False, False): _vote_client,
+        (False, True): _vote_client_draining,
+    }
+
+    def _serve_as_active(self, frames: list[Any], tenant: str | None) -> None:
+        """What the pair hands over once this broker is active (a vote's message, held ones)."""
+        self._CLIENT_HANDLERS[(True, self._refusing)](self, frames, tenant)
+
+    def _refused_as_new_work(self, frames: list[bytes]) -> bool:
+        """While draining: answer a new REQUEST or CALL SHUTTING_DOWN; False for anything else."""
+        if len(frames) > 3 and frames[2] in _NEW_WORK:
+            rid = P.peek_id(frames[1:])
+            if rid is not None and rid not in self.core.tasks.tasks:
+                exc = ShuttingDown(f"broker {self.config.name} is stopping and takes no new work")
+                self.core.counters["errors"] += 1
+                self.core.stats.error(exc.code)
+                send_frames(self.frontend, [frames[0], *P.error_reply(rid, exc)])
+                return True
+        return False
 
     def failover(self) -> dict[str, Any]:
         """``gpudctl failover``: hand the active role to the passive peer.
@@ -367,29 +426,13 @@ class Broker:
             box.clear()
 
     def _start_drain(self) -> None:
-        """Answer the queue SHUTTING_DOWN and from now on refuse new work (``_on_client_draining``)."""
+        """Answer the queue SHUTTING_DOWN and from now on refuse new work."""
         core = self.core
         failed = core.fail_queued(ShuttingDown(f"broker {self.config.name} is stopping"))
-        # Both frontend paths (plain and CURVE) call ``self._on_client``: shadow it on the instance
-        # rather than test a flag per message on the hot path.
-        self._on_client = self._on_client_draining  # type: ignore[method-assign]
+        self._refusing = True
+        self._choose_client_handler()
         log.info("stopping: %d queued request(s) answered SHUTTING_DOWN; waiting up to %gs for %d dispatched",
                  failed, self.config.drain_timeout, core.dispatched())
-
-    def _on_client_draining(self, frames: list[bytes], tenant: str | None = None) -> None:
-        """``_on_client`` while draining: new requests and session calls are answered
-        SHUTTING_DOWN (the client may go to the other broker); retries of known ids, pings and
-        cancels are served as usual."""
-        if len(frames) > 3 and frames[2] in _NEW_WORK:
-            rid = _peek_id(frames)
-            if rid is not None and rid not in self.core.tasks.tasks:
-                exc = ShuttingDown(f"broker {self.config.name} is stopping and takes no new work")
-                self.core.counters["errors"] += 1
-                self.core.stats.error(exc.code)
-                send_frames(self.frontend, [frames[0], Peer.CLIENT.value, P.CMD_BYTES[Command.REPLY],
-                                            P.packb(P.error_header(rid, exc))])
-                return
-        Broker._on_client(self, frames, tenant)
 
     def _drain(self, sock: zmq.Socket[bytes], handle: Any) -> int:
         """Handle up to BATCH queued messages of ``sock``; returns how many there were."""
@@ -400,17 +443,6 @@ class Broker:
                 return n
             handle(frames)
         return BATCH
-
-    def _on_client(self, frames: list[bytes], tenant: str | None = None) -> None:
-        ident = frames[0]
-        try:
-            msg = P.decode(frames[1:], Peer.CLIENT, self.config.max_message_bytes)
-            self.core.on_client(ident, msg, tenant)
-        except GpudError as exc:
-            self._bad(self.frontend, Peer.CLIENT, ident, frames, exc)
-        except Exception:
-            log.exception("bug while handling a client message")
-            self._bad(self.frontend, Peer.CLIENT, ident, frames, InternalError("internal error in the broker"))
 
     def _on_worker(self, frames: list[bytes]) -> None:
         ident = frames[0]
@@ -475,7 +507,7 @@ class Broker:
         self.core.counters["bad_messages"] += 1
         log.warning("bad message from %s %s: %s %s", peer.name.lower(), ident.hex()[:16], exc.code, exc.message)
         header: dict[str, Any] = {"code": exc.code, "message": exc.message}
-        rid = _peek_id(frames)
+        rid = P.peek_id(frames[1:])
         if rid is not None:
             header["id"] = rid
         sock.send_multipart([ident, peer.value, P.CMD_BYTES[Command.ERROR], P.packb(header)])
@@ -497,18 +529,6 @@ def _admin_who(h: dict[str, Any]) -> str:
     user, pid = h.get("user"), h.get("pid")
     shown = user if type(user) is str and 0 < len(user) <= 64 and user.isprintable() and " " not in user else "?"
     return f"{shown} pid {pid if type(pid) is int else '?'}"
-
-
-def _peek_id(frames: list[bytes]) -> bytes | None:
-    """The request id of a rejected message, when its header is readable enough to have one."""
-    if len(frames) < 4 or len(frames[3]) > P.MAX_HEADER_BYTES:
-        return None
-    try:
-        h = P.unpackb(frames[3])
-        rid = h.get("id") if type(h) is dict else None
-    except Exception:
-        return None
-    return rid if type(rid) is bytes and len(rid) == P.ID_BYTES else None
 
 
 def _on_stop_signal(broker: Broker) -> None:

@@ -179,14 +179,15 @@ class Pair:
         elif action is Action.HOLD:
             self.held.append((frames, tenant, now))
         else:
-            self._reject(frames)
+            self.reject(frames)
 
-    def _reject(self, frames: list[Any]) -> None:
+    def reject(self, frames: list[Any]) -> None:
+        """Answer a client as a broker that is not active: PONG to a PING, NOT_ACTIVE to the rest."""
         ident = frames[0]
         if frames[2] == _PING:
             self.send_client([ident, _CLIENT_SIG, P.CMD_BYTES[Command.PONG], P.packb({})])
             return
-        rid = _peek_id(frames)
+        rid = P.peek_id(frames[1:])
         if rid is not None:
             exc = NotActive(f"broker {self.core.config.name} is passive; its peer is active")
             self.send_client([ident, _CLIENT_SIG, P.CMD_BYTES[Command.REPLY], P.packb(P.error_header(rid, exc))])
@@ -318,7 +319,7 @@ class Pair:
                     elif f.peer_expired:
                         self.on_client(frames, tenant)  # the vote again: take over, or reject
                     else:
-                        self._reject(frames)
+                        self.reject(frames)
         if self.state is State.ACTIVE and self.streaming and now - self.peer_heard > self.cfg.expiry:
             log.warning("pair: the passive peer is silent; results are acknowledged without it")
             self.streaming = False
@@ -386,13 +387,3 @@ def next_epoch(seen: int, primary: bool) -> int:
     if (epoch % 2 == 0) != primary:
         epoch += 1
     return epoch
-
-
-def _peek_id(frames: list[Any]) -> bytes | None:
-    try:
-        h = P.unpackb(bytes(frames[3]))
-        rid = h.get("id") if type(h) is dict else None
-    except Exception:
-        return None
-    return rid if type(rid) is bytes and len(rid) == P.ID_BYTES else None
-

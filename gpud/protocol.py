@@ -174,7 +174,7 @@ def decode(
         raise ProtocolError(f"message has {n} frames; at least 3 are required")
     if n - 3 > MAX_PAYLOAD_FRAMES:
         raise TooLarge(f"message has {n - 3} payload frames; the limit is {MAX_PAYLOAD_FRAMES}")
-    sig = _as_bytes(frames[0])
+    sig = as_bytes(frames[0])
     peer = _PEER_BY_SIG.get(sig)
     if peer is None:
         if len(sig) == 6 and sig[:4] == SIGNATURE_PREFIX and sig[4:5] in b"CWAB":
@@ -184,10 +184,10 @@ def decode(
         raise ProtocolError(f"bad signature frame {sig[:16]!r}")
     if expect is not None and peer is not expect:
         raise UnknownCommand(f"a {peer.name.lower()} peer may not talk to this socket")
-    command = _CMD_BY_BYTE.get(_as_bytes(frames[1]))
+    command = _CMD_BY_BYTE.get(as_bytes(frames[1]))
     if command is None:
-        raise UnknownCommand(f"unknown command {_as_bytes(frames[1])[:4]!r}")
-    raw = _as_bytes(frames[2])
+        raise UnknownCommand(f"unknown command {as_bytes(frames[1])[:4]!r}")
+    raw = as_bytes(frames[2])
     if len(raw) > MAX_HEADER_BYTES:
         raise TooLarge(f"header is {len(raw)} bytes; the limit is {MAX_HEADER_BYTES}")
     total = len(raw)
@@ -289,7 +289,8 @@ def messages(msg: Message) -> list[Message]:
     return [m for m, _ in unbatch(msg)] if msg.command is Command.BATCH else [msg]
 
 
-def _as_bytes(frame: Any) -> bytes:
+def as_bytes(frame: Any) -> bytes:
+    """A frame (bytes, zmq.Frame or any buffer) as bytes: the one conversion every component uses."""
     if type(frame) is bytes:
         return frame
     b = getattr(frame, "bytes", None)  # zmq.Frame
@@ -644,7 +645,7 @@ def peek_id(frames: Sequence[Any]) -> bytes | None:
     if len(frames) < 3:
         return None
     try:
-        raw = _as_bytes(frames[2])
+        raw = as_bytes(frames[2])
         if len(raw) > MAX_HEADER_BYTES:
             return None
         h = unpackb(raw)

@@ -43,14 +43,14 @@ from gpud.errors import (
 from gpud.heartbeat import HeartbeatPolicy
 from gpud.protocol import Command, Message, Peer
 from gpud.resources import GpuInfo, Grant, Need, TenantLimits
-from gpud_broker import ledger
+from gpud_broker import ledger, replication
 from gpud_broker.mix import TaskMix
 from gpud_broker.policies import FACTORIES, could_ever_fit, make_policy
 from gpud_broker.queue import DEFAULT_AGING_S, DEFAULT_RESERVE_AFTER_S, FairShare, PendingQueue
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
+from gpud_broker.replication import NULL_JOURNAL, Journal
 from gpud_broker.stats import PlacementTimes, RequestStats
 from gpud_broker.tasks import Session, State, Task, TaskTable
-from gpud_standby import replica as R
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +146,7 @@ class BrokerCore:
         self.settling_until: float | None = None
         self.settle_wait: set[str] = set()  # workers not yet heard at the new epoch
         self.takeover_at = 0.0
-        self.journal: list[list[Any]] | None = None  # replication updates not yet sent (pair only)
-        self.seq = 0  # seq of the last update put in the journal
-        self.durable_seq = 0  # updates up to here are held by the passive peer (set by the shell)
+        self.journal: Journal = NULL_JOURNAL  # replication updates not yet sent (a pair's active broker)
         self.acking = False  # in a pair: workers keep results until ACKed (standalone: no ACKs)
         self.unacked: deque[tuple[int, bytes, bytes]] = deque()  # (seq, worker, RESULT id) to ACK once durable
         self.lost_sessions: dict[bytes, str] = {}  # session id -> the worker it was lost with (recent)
@@ -156,11 +154,47 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ replication
 
-    def _rep(self, update: list[Any]) -> None:
-        """Journal one replication update (callers check that ``journal`` is a list: a pair's
-        active broker)."""
-        self.seq += 1
-        self.journal.append(update)  # type: ignore[union-attr]
+    # What the pair asks of its broker (gpud_standby.paired.PairedBroker).
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def seq(self) -> int:
+        return self.journal.seq
+
+    @property
+    def settling(self) -> bool:
+        return self.settling_until is not None
+
+    def join_pair(self) -> None:
+        self.become_passive()
+        self.acking = True
+
+    def saw_epoch(self, epoch: int) -> None:
+        self.max_epoch_seen = max(self.max_epoch_seen, epoch)
+
+    def snapshot(self) -> dict[str, Any]:
+        self.journal.take()  # what it journalled is in the snapshot
+        return replication.snapshot(self)
+
+    def load(self, snap: Any, now: float) -> None:
+        self.now = now
+        replication.load(self, snap)
+
+    def apply(self, updates: Any, now: float) -> None:
+        if type(updates) is not list:
+            raise ProtocolError("UPDATES must carry a list of updates")
+        self.now = now
+        for update in updates:
+            replication.apply(self, update)
+
+    def take_updates(self) -> list[list[Any]]:
+        return self.journal.take()
+
+    def set_durable(self, seq: int) -> None:
+        self.journal.durable = seq
 
     # ------------------------------------------------------------------ client dialog
 
@@ -229,8 +263,7 @@ class BrokerCore:
             retryable=retryable,
         )
         self.tasks.add(task)
-        if self.journal is not None:
-            self._rep([R.TASK, R.task_to_wire(task, now)])
+        self.journal.task(task, now)
         replaces = h.get("replaces") if kind == "session" else None
         if type(replaces) is bytes:
             self.counters["session_replays"] += 1  # a client replays a lost session's journal
@@ -254,8 +287,7 @@ class BrokerCore:
 
     def _forget(self, task: Task) -> None:
         self.tasks.forget(task)
-        if self.journal is not None:
-            self._rep([R.FORGET, task.id])
+        self.journal.forget(task.id)
 
     def _need(self, kind: str, raw: Any) -> Need:
         """parse_need, memoized: clients send the same few need maps over and over."""
@@ -364,8 +396,7 @@ class BrokerCore:
             session=sid,
         )
         self.tasks.add(task)
-        if self.journal is not None:
-            self._rep([R.TASK, R.task_to_wire(task, now)])
+        self.journal.task(task, now)
         self.stats.accept("call", session.tenant)
         self._send_dispatch(worker, task)
 
@@ -435,8 +466,7 @@ class BrokerCore:
         task.worker = worker.name
         task.dispatched_at = self.now
         worker.assigned[task.id] = task
-        if self.journal is not None:
-            self._rep([R.RUN, task.id, worker.name, R.grant_to_wire(task.grant)])
+        self.journal.run(task.id, worker.name, task.grant)
         if task.grant is not None:
             had = worker.has_slot
             worker.inflight += 1
@@ -575,8 +605,7 @@ class BrokerCore:
 
     def _finish(self, task: Task, reply: list[Any]) -> None:
         self.tasks.finish(task, reply, self.now)
-        if self.journal is not None:
-            self._rep([R.DONE, task.id, R.frames_bytes(reply)])
+        self.journal.done(task.id, reply)
         self.stats.finish(task.kind, self.now - task.created)
         if task.route is not None:
             self.send_client(task.route, reply)
@@ -605,7 +634,7 @@ class BrokerCore:
             # A passive broker leaves results unacknowledged: the active one takes them. The ACK
             # waits for what the result changed to be durable (its updates are journalled now).
             if self.active and self._on_result(worker, msg, raw_header) and self.acking:
-                self.unacked.append((self.seq, identity, P.get_id(msg.header)))
+                self.unacked.append((self.journal.seq, identity, P.get_id(msg.header)))
         elif cmd is Command.HEARTBEAT:
             self._on_heartbeat(worker, msg.header)
         elif cmd is Command.DISCONNECT:
@@ -723,9 +752,9 @@ class BrokerCore:
                 self._settled()
 
     def take_acks(self) -> dict[bytes, list[bytes]]:
-        """The ACKs due now (their RESULTs' updates are held by the peer, ``durable_seq``), by
+        """The ACKs due now (their RESULTs' updates are held by the peer, ``journal.durable``), by
         worker identity: the shell sends one ACK message per worker."""
-        pending, durable = self.unacked, self.durable_seq
+        pending, durable = self.unacked, self.journal.durable
         acks: dict[bytes, list[bytes]] = {}
         while pending and pending[0][0] <= durable:
             _, ident, rid = pending.popleft()
@@ -799,8 +828,7 @@ class BrokerCore:
                     id=rid, worker=worker.name, gpu=task.grant.gpus[0], grant=task.grant,
                     tenant=task.tenant, route=task.route or b"", last_seen=self.now, opened=self.now,
                 )
-                if self.journal is not None:
-                    self._rep([R.SESSION, R.session_to_wire(s)])
+                self.journal.session(s)
             else:
                 self._release(worker, task)
         elif kind == "call":
@@ -847,8 +875,7 @@ class BrokerCore:
 
     def _end_session(self, sid: bytes) -> None:
         s = self.sessions.pop(sid, None)
-        if self.journal is not None:
-            self._rep([R.END, sid])
+        self.journal.end(sid)
         if s is None:
             return
         self.fair.release(s.tenant, s.grant.gpu_milli, self.now)
@@ -905,8 +932,7 @@ class BrokerCore:
         elif self._try_replica(task, worker_name) or self._try_dispatch(task):
             return
         elif self.queue.push(task, front=True):
-            if self.journal is not None:
-                self._rep([R.QUEUE, task.id, sorted(task.avoid)])
+            self.journal.queued(task)
         else:
             self._fail(task, WorkerLost(f"worker {worker_name} failed it ({why}) and the queue is full"))
 
@@ -935,8 +961,7 @@ class BrokerCore:
 
     def marks_changed(self) -> None:
         """The operator drained or cordoned something (or undid it): replicate the marks."""
-        if self.journal is not None:
-            self._rep([R.MARKS, sorted(self.registry.drained), sorted(self.registry.cordoned)])
+        self.journal.marks(self.registry.drained, self.registry.cordoned)
 
     def set_marks(self, drained: list[str], cordoned: list[str]) -> None:
         """Take the operator's marks as replicated (drained workers, cordoned GPUs)."""
@@ -987,7 +1012,7 @@ class BrokerCore:
         self.fenced = False
         self.settling_until = None
         self.settle_wait = set()
-        self.journal = None
+        self.journal = NULL_JOURNAL
         self.clear_work()
         self.beat_workers()
         log.warning("broker %s stepped down to passive; %d client(s) sent to the peer", self.config.name, told)
@@ -997,18 +1022,17 @@ class BrokerCore:
         """Passive from the start (or after a restart): accept no work, hold no tables yet."""
         self.active = False
         self.hold = True
-        self.journal = None
+        self.journal = NULL_JOURNAL
 
-    def take_over(self, epoch: int, settle: float) -> None:
+    def take_over(self, epoch: int, settle: float, now: float) -> None:
         """Become the active broker at ``epoch`` with the replicated tables (and a new replication
-        journal): rebuild the ledger
-        from the running work and sessions on connected workers, queue what was queued, tell
-        every worker, and settle (place nothing) until each has answered at the new epoch or
-        ``settle`` seconds pass (PROTOCOL.md §9.4)."""
-        now = self.now
+        journal): rebuild the ledger from the running work and sessions on connected workers,
+        queue what was queued, tell every worker, and settle (place nothing) until each has
+        answered at the new epoch or ``settle`` seconds pass (PROTOCOL.md §9.4)."""
+        self.now = now
         self.active = True
         self.epoch = epoch
-        self.journal, self.seq, self.durable_seq = [], 0, 0  # a new stream: the peer syncs from a snapshot
+        self.journal = Journal()  # a new stream: the peer syncs from a snapshot
         self.max_epoch_seen = max(self.max_epoch_seen, epoch)
         self.fenced = False
         self.takeover_at = now
@@ -1084,16 +1108,14 @@ class BrokerCore:
                             created=self.now, deadline=self.now, tenant=tenant if type(tenant) is str else "default",
                             dispatched_at=float("inf"))  # not ours to dispatch again: we lack its content
                 self.tasks.add(task)
-                if self.journal is not None:
-                    self._rep([R.TASK, R.task_to_wire(task, self.now)])
+                self.journal.task(task, self.now)
             else:
                 self.queue.remove(task)
             task.state = State.RUNNING
             task.worker = worker.name
             task.dispatched_at = float("inf")  # it runs there already: never dispatched again
             worker.assigned[rid] = task
-            if self.journal is not None:
-                self._rep([R.RUN, rid, worker.name, None])
+            self.journal.run(rid, worker.name, None)
             log.info("after the failover: %s runs on %s (dispatched by the previous broker)", P.id_text(rid), worker.name)
 
     def _settled(self) -> None:

@@ -189,7 +189,7 @@ class BrokerCollector(Collector):
                               value=1 if core.active else 0),
             GaugeMetricFamily("gpud_replication_lag_updates",
                               "Replication updates sent to the passive peer and not yet applied by it (0 without one).",
-                              value=core.seq - core.durable_seq if core.journal is not None else 0),
+                              value=core.journal.lag),
         ]
         return out
 

@@ -22,8 +22,8 @@ from gpud.errors import ConflictError, GpudError, NotActive
 from gpud.protocol import Command, Peer
 from gpud.security import PEER_DOMAIN, CurveKeys, apply_client_keys, server_socket_options
 from gpud.sockets import NOBLOCK, send_frames
-from gpud_standby import replica
 from gpud_standby.bstar import PEER_EVENTS, Action, Event, Facts, State, step
+from gpud_standby.paired import PairedBroker
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Pair:
     handler; ``set_serving(bool)`` switches the shell between it and ``on_client``. ``clock`` is
     what the pair reads when a message comes (the broker's loop passes ``now`` to ``tick``)."""
 
-    def __init__(self, core: Any, cfg: PairConfig, ctx: zmq.Context[Any], keys: CurveKeys | None,
+    def __init__(self, core: PairedBroker, cfg: PairConfig, ctx: zmq.Context[Any], keys: CurveKeys | None,
                  serve: Callable[[list[Any], str | None], None], set_serving: Callable[[bool], None],
                  send_client: Callable[[list[Any]], None], clock: Clock | None = None) -> None:
         self.clock: Clock = clock if clock is not None else SystemClock()
@@ -97,8 +97,7 @@ class Pair:
         self.held: list[tuple[list[Any], str | None, float]] = []
         self.state_due = False
         self.misconfigured = False  # the peer has the same role (logged once)
-        core.become_passive()
-        core.acking = True
+        core.join_pair()
 
     # ------------------------------------------------------------------ facts and events
 
@@ -138,9 +137,8 @@ class Pair:
     def _take_over(self, now: float) -> None:
         core = self.core
         epoch = next_epoch(max(core.epoch, self.peer_epoch, core.max_epoch_seen), self.cfg.role == "primary")
-        core.now = now
         self.streaming = False
-        core.take_over(epoch, self.cfg.settle)
+        core.take_over(epoch, self.cfg.settle, now)
         self.set_serving(True)
         held, self.held = self.held, []
         for frames, tenant, _ in held:
@@ -189,7 +187,7 @@ class Pair:
             return
         rid = P.peek_id(frames[1:])
         if rid is not None:
-            exc = NotActive(f"broker {self.core.config.name} is passive; its peer is active")
+            exc = NotActive(f"broker {self.core.name} is passive; its peer is active")
             self.send_client([ident, _CLIENT_SIG, P.CMD_BYTES[Command.REPLY], P.packb(P.error_header(rid, exc))])
 
     # ------------------------------------------------------------------ the peer link
@@ -226,7 +224,7 @@ class Pair:
         epoch, applied = h.get("epoch"), h.get("applied")
         if type(epoch) is int:
             self.peer_epoch = epoch
-            self.core.max_epoch_seen = max(self.core.max_epoch_seen, epoch)
+            self.core.saw_epoch(epoch)
         if type(applied) is int:
             self.peer_applied = applied
         self.peer_streaming = h.get("streaming") is True
@@ -245,9 +243,7 @@ class Pair:
         core = self.core
         if self.state is not State.ACTIVE:
             return
-        snap = replica.snapshot(core)
-        if core.journal is not None:
-            core.journal.clear()  # their effects are in the snapshot
+        snap = core.snapshot()
         ok = self._send(Command.SNAPSHOT, {"seq": core.seq, "epoch": core.epoch}, [P.packb(snap)])
         self.streaming = ok
         self.peer_applied = 0
@@ -257,9 +253,8 @@ class Pair:
     def _on_snapshot(self, h: dict[str, Any], frames: list[Any], now: float) -> None:
         if self.state is not State.PASSIVE:
             return
-        snap = P.unpackb(bytes(frames[0]))
-        self.core.now = now
-        replica.load(self.core, snap)
+        snap = P.unpackb(P.as_bytes(frames[0]))
+        self.core.load(snap, now)
         self.applied = h["seq"]
         self.synced = True
         self.snapshots += 1
@@ -277,9 +272,7 @@ class Pair:
             log.warning("pair: updates from seq %d, expected %d: re-syncing", seq, self.applied + 1)
             self._sync(now)
             return
-        self.core.now = now
-        for update in P.unpackb(bytes(frames[0])):
-            replica.apply(self.core, update)
+        self.core.apply(P.unpackb(P.as_bytes(frames[0])), now)
         self.applied = seq + count - 1
         self.state_due = True
 
@@ -293,7 +286,7 @@ class Pair:
     def _send_state(self) -> None:
         core = self.core
         applied = self.applied if self.state is State.PASSIVE else core.seq
-        header = {"state": self.state.value, "epoch": core.epoch, "applied": applied, "name": core.config.name,
+        header = {"state": self.state.value, "epoch": core.epoch, "applied": applied, "name": core.name,
                   "streaming": self.streaming}
         if self.handover_beats > 0:
             header["handover"] = True
@@ -331,15 +324,13 @@ class Pair:
     def flush(self) -> None:
         """Once per loop turn: send the journal as one UPDATES, and advance what is durable."""
         core = self.core
-        journal = core.journal
-        if journal:
-            if self.streaming:
-                first = core.seq - len(journal) + 1
-                if not self._send(Command.UPDATES, {"seq": first, "count": len(journal)}, [P.packb(journal)]):
-                    log.warning("pair: the peer link is full; the passive peer will re-sync")
-                    self.streaming = False
-            journal.clear()
-        core.durable_seq = self.peer_applied if self.streaming else core.seq
+        updates = core.take_updates()
+        if updates and self.streaming:
+            first = core.seq - len(updates) + 1
+            if not self._send(Command.UPDATES, {"seq": first, "count": len(updates)}, [P.packb(updates)]):
+                log.warning("pair: the peer link is full; the passive peer will re-sync")
+                self.streaming = False
+        core.set_durable(self.peer_applied if self.streaming else core.seq)
         if self.state_due and self.state is State.PASSIVE:
             self._send_state()
             self.state_due = False
@@ -364,7 +355,7 @@ class Pair:
             "peer_silent_s": round(now - self.peer_heard, 3), "applied": self.applied if self.state is State.PASSIVE else self.core.seq,
             "peer_applied": self.peer_applied, "streaming": self.streaming, "synced": self.synced,
             "snapshots": self.snapshots,
-            "settling": self.core.settling_until is not None,
+            "settling": self.core.settling,
         }
 
     def close(self) -> None:

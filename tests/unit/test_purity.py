@@ -21,11 +21,12 @@ PURE = [
     "broker/gpud_broker/tasks.py",
     "broker/gpud_broker/core.py",
     "broker/gpud_broker/stats.py",
+    "broker/gpud_broker/replication.py",
     "worker/gpud_worker/health.py",
     "worker/gpud_worker/modules.py",
     "worker/gpud_worker/cgroups.py",
     "standby/gpud_standby/bstar.py",
-    "standby/gpud_standby/replica.py",
+    "standby/gpud_standby/paired.py",
     "libclient/gpud_client/journal.py",
     "libclient/gpud_client/chunks.py",
 ]

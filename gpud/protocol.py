@@ -135,9 +135,19 @@ _DISPATCH = CMD_BYTES[Command.DISPATCH]
 _PONG = CMD_BYTES[Command.PONG]
 
 
+_PREFIXES: dict[tuple[Peer, Command], tuple[bytes, bytes]] = {(p, c): (p.value, CMD_BYTES[c]) for p in Peer for c in Command}
+
+
 def encode(peer: Peer, command: Command, header: dict[str, Any], frames: Sequence[Any] = ()) -> list[Any]:
     """Frames for one message."""
-    return [peer.value, CMD_BYTES[command], _packb(header), *frames]
+    sig, cmd = _PREFIXES[peer, command]
+    return [sig, cmd, _packb(header), *frames]
+
+
+def encode_raw(peer: Peer, command: Command, raw_header: bytes, frames: Sequence[Any] = ()) -> list[Any]:
+    """Frames for one message whose header is packed already."""
+    sig, cmd = _PREFIXES[peer, command]
+    return [sig, cmd, raw_header, *frames]
 
 
 def reply(raw_header: bytes, frames: Sequence[Any] = ()) -> list[Any]:

@@ -331,7 +331,6 @@ class Broker:
         pair = self.pair
         if pair is not None:
             poller.register(pair.inbound, zmq.POLLIN)
-        ack = [Peer.WORKER.value, P.CMD_BYTES[Command.ACK]]
         curve = self.zap is not None
         core = self.core
         front, back, admin = self.frontend, self.backend, self.admin
@@ -375,7 +374,7 @@ class Broker:
                 self._flush()
             if core.unacked:
                 for ident, ids in core.take_acks().items():
-                    send_frames(back, [ident, *ack, P.packb({"ids": ids})])
+                    send_frames(back, [ident, *P.encode(Peer.WORKER, Command.ACK, {"ids": ids})])
             if now >= next_tick:
                 if side:
                     self._serve_security()
@@ -469,7 +468,7 @@ class Broker:
             self.core.on_worker(ident, msg, raw)
         except Exception as exc:
             if frames is None:
-                frames = [ident, Peer.WORKER.value, P.CMD_BYTES[msg.command], raw]
+                frames = [ident, *P.encode_raw(Peer.WORKER, msg.command, raw)]
             if isinstance(exc, GpudError):
                 self._bad(self.backend, Peer.WORKER, ident, frames, exc)
             else:
@@ -492,15 +491,15 @@ class Broker:
             # ``reload`` on the shell. ``who`` is what gpudctl declares (user, pid): the admin
             # socket's file permissions (0600 IPC) decide who may ask at all.
             result = ADMIN.dispatch(self, msg.header.get("cmd"), msg.header.get("args"), who=_admin_who(msg.header))
-            packed = P.packb({"id": rid, "ok": True, "result": result})
+            header = {"id": rid, "ok": True, "result": result}
         except GpudError as exc:
             log.info("admin request refused: %s %s", exc.code, exc.message)
-            packed = P.packb(P.error_header(rid, exc))
+            header = P.error_header(rid, exc)
         except Exception:
             log.exception("bug in an admin command")
-            packed = P.packb(P.error_header(rid, InternalError("internal error in the broker")))
+            header = P.error_header(rid, InternalError("internal error in the broker"))
         assert self.admin is not None
-        self.admin.send_multipart([ident, Peer.ADMIN.value, P.CMD_BYTES[Command.REPLY], packed])
+        self.admin.send_multipart([ident, *P.encode(Peer.ADMIN, Command.REPLY, header)])
 
     def _bad(self, sock: zmq.Socket[bytes], peer: Peer, ident: bytes, frames: list[bytes], exc: GpudError) -> None:
         """Log a message we could not use and answer it where the sender can be addressed."""
@@ -510,7 +509,7 @@ class Broker:
         rid = P.peek_id(frames[1:])
         if rid is not None:
             header["id"] = rid
-        sock.send_multipart([ident, peer.value, P.CMD_BYTES[Command.ERROR], P.packb(header)])
+        sock.send_multipart([ident, *P.encode(peer, Command.ERROR, header)])
 
 
 def _queue_in(box: dict[bytes, list[list[Any]]]) -> Callable[[bytes, list[Any]], None]:

@@ -31,11 +31,13 @@ from gpud.errors import (
     Busy,
     Cancelled,
     GpudError,
+    GpuFault,
     InvalidRequest,
     NoCapacity,
     NotActive,
     ProtocolError,
     SessionLost,
+    ShuttingDown,
     Timeout,
     UnknownCommand,
     WorkerLost,
@@ -100,11 +102,11 @@ class TenantUsage:
     sessions: int = 0
 
 
-_CLIENT_SIG = Peer.CLIENT.value
-_WORKER_SIG = Peer.WORKER.value
-_REPLY = P.CMD_BYTES[Command.REPLY]
-_DISPATCH = P.CMD_BYTES[Command.DISPATCH]
-_packb = P.packb
+# Wire codes a worker's RESULT is judged by.
+_NOT_ACTIVE = NotActive.code
+_SHUTTING_DOWN = ShuttingDown.code
+_GPU_FAULT = GpuFault.code
+_SESSION_LOST = SessionLost.code
 
 
 class BrokerCore:
@@ -341,7 +343,7 @@ class BrokerCore:
         self.counters["errors"] += 1
         self.stats.error(exc.code, tenant)
         log.info("refused %s: %s %s", P.id_text(rid), exc.code, exc.message)
-        self.send_client(identity, [_CLIENT_SIG, _REPLY, _packb(P.error_header(rid, exc))])
+        self.send_client(identity, P.error_reply(rid, exc))
 
     def _retry(self, identity: bytes, rid: bytes, tenant: str | None) -> bool:
         """A REQUEST or CALL whose id is known: attach it (never run twice), or, when the id is
@@ -408,7 +410,7 @@ class BrokerCore:
                 s = self.sessions.get(sid) if type(sid) is bytes else None
                 if s is not None and (tenant is None or s.tenant == tenant):
                     s.last_seen = now
-        self.send_client(identity, [_CLIENT_SIG, P.CMD_BYTES[Command.PONG], _packb({})])
+        self.send_client(identity, P.pong())
 
     def _on_cancel(self, h: dict[str, Any], tenant: str | None = None) -> None:
         rid = P.get_id(h)
@@ -483,7 +485,7 @@ class BrokerCore:
                                "cpu_milli": g.cpu_milli, "host_mem": g.host_mem}
         if task.body:
             header.update(task.body)
-        return [_WORKER_SIG, _DISPATCH, _packb(header), *task.frames]
+        return P.dispatch(header, task.frames)
 
     # ------------------------------------------------------------------ free slots
 
@@ -615,7 +617,7 @@ class BrokerCore:
         self.stats.error(exc.code, task.tenant)
         if task.state is State.QUEUED and task.queued:
             self.queue.remove(task)
-        self._finish(task, [_CLIENT_SIG, _REPLY, _packb(P.error_header(task.id, exc))])
+        self._finish(task, P.error_reply(task.id, exc))
 
     # ------------------------------------------------------------------ worker dialog
 
@@ -627,7 +629,7 @@ class BrokerCore:
             return
         if worker is None:
             log.info("%s from an unknown worker connection; asking it to reconnect", cmd.name)
-            self.send_worker(identity, [_WORKER_SIG, P.CMD_BYTES[Command.DISCONNECT], _packb({"reason": "unknown worker"})])
+            self.send_worker(identity, P.encode(Peer.WORKER, Command.DISCONNECT, {"reason": "unknown worker"}))
             return
         worker.liveness.heard(self.now)
         if cmd is Command.RESULT:
@@ -667,10 +669,10 @@ class BrokerCore:
                 raise ProtocolError("READY has a value out of range")
         except GpudError as exc:
             # A READY with a wrong-typed field is malformed (PROTOCOL.md §2), whatever the check.
-            code = "PROTOCOL" if exc.code == "INVALID_REQUEST" else exc.code
+            code = ProtocolError.code if exc.code == InvalidRequest.code else exc.code
             self.counters["bad_messages"] += 1
             log.warning("bad message from worker %s: %s bad READY: %s", identity.hex()[:16], code, exc.message)
-            self.send_worker(identity, [_WORKER_SIG, P.CMD_BYTES[Command.ERROR], _packb({"code": code, "message": exc.message})])
+            self.send_worker(identity, P.encode(Peer.WORKER, Command.ERROR, {"code": code, "message": exc.message}))
             return
         # Refuse before tearing anything down: a refused READY must not cost a live worker.
         replaced = {w.name for w in (current, self.registry.by_name.get(name)) if w is not None}
@@ -678,7 +680,7 @@ class BrokerCore:
             holder = self.registry.gpus.get(g.uuid)
             if holder is not None and holder.worker.name not in replaced:
                 log.error("worker %s announces GPU %s, held by worker %s; refused", name, g.uuid, holder.worker.name)
-                self.send_worker(identity, [_WORKER_SIG, P.CMD_BYTES[Command.DISCONNECT], _packb({"reason": f"GPU {g.uuid} is already registered"})])
+                self.send_worker(identity, P.encode(Peer.WORKER, Command.DISCONNECT, {"reason": f"GPU {g.uuid} is already registered"}))
                 return
         if current is not None:
             self.worker_lost(current, "sent READY again")
@@ -709,7 +711,9 @@ class BrokerCore:
         )
         self.send_worker(
             identity,
-            [_WORKER_SIG, P.CMD_BYTES[Command.WELCOME], _packb({"heartbeat_ms": round(policy.interval * 1000), "liveness": policy.liveness, "broker": self.config.name, "active": self.active, "epoch": self.epoch, "acks": self.acking})],
+            P.encode(Peer.WORKER, Command.WELCOME, {"heartbeat_ms": round(policy.interval * 1000), "liveness": policy.liveness,
+                                                    "broker": self.config.name, "active": self.active, "epoch": self.epoch,
+                                                    "acks": self.acking}),
         )
         self.place_queued()
 
@@ -787,38 +791,39 @@ class BrokerCore:
         if not isinstance(task, Task) or task.state is not State.RUNNING:
             self._on_other_result(worker, rid, msg, raw_header)
             return True
-        if h.get("code") == "NOT_ACTIVE":
+        code = h.get("code")
+        if code == _NOT_ACTIVE:
             log.error("worker %s refused %s: a broker with a later epoch is active", worker.name, P.id_text(rid))
             worker.assigned[rid] = task
             self.fenced = True
             return False
         ok = h.get("ok")
-        if ok is not True and (ok is not False or type(h.get("code")) is not str or type(h.get("message")) is not str):
+        if ok is not True and (ok is not False or type(code) is not str or type(h.get("message")) is not str):
             log.warning("malformed RESULT %s from %s", P.id_text(rid), worker.name)
             ok = False
-            raw_header = _packb(P.error_header(rid, ProtocolError(f"worker {worker.name} sent a malformed result")))
+            raw_header = P.packb(P.error_header(rid, ProtocolError(f"worker {worker.name} sent a malformed result")))
         kind = task.kind
         if task.grant is not None:
             had = worker.has_slot
             worker.inflight -= 1
             if not had:
                 self._open_changed(worker, had)
-        if ok is False and h.get("code") == "SHUTTING_DOWN" and kind != "call":
+        if ok is False and code == _SHUTTING_DOWN and kind != "call":
             # The worker is stopping and did not start it: place it elsewhere.
             self.set_draining(worker, True)
             self._release(worker, task)
             self._replace(task, worker.name, "the worker is shutting down")
             return True
-        if ok is False and h.get("code") == "GPU_FAULT" and kind not in ("call", "session") and task.retryable:
+        if ok is False and code == _GPU_FAULT and kind not in ("call", "session") and task.retryable:
             # Its GPU failed under it: place it again, never on this worker.
             self._release(worker, task)
             self._replace(task, worker.name, "its GPU failed")
             return True
         if ok:
-            reply = [_CLIENT_SIG, _REPLY, raw_header, *msg.frames]
+            reply = P.reply(raw_header, msg.frames)
         else:
-            reply = [_CLIENT_SIG, _REPLY, raw_header]
-            self.stats.error(h.get("code"), task.tenant)
+            reply = P.reply(raw_header)
+            self.stats.error(code, task.tenant)
         if h.get("timed_out") is True:
             self.counters["job_timeouts"] += 1
         if kind == "session":
@@ -833,8 +838,7 @@ class BrokerCore:
                 self._release(worker, task)
         elif kind == "call":
             sid = task.session
-            code = h.get("code")
-            if sid is not None and (task.body.get("op") == "close" or code in ("SESSION_LOST", "GPU_FAULT")):
+            if sid is not None and (task.body.get("op") == "close" or code == _SESSION_LOST or code == _GPU_FAULT):
                 if code is not None:
                     self.lost_sessions[sid] = worker.name  # its replacement goes to the replica first
                 self._end_session(sid)
@@ -857,7 +861,7 @@ class BrokerCore:
         the old active broker dispatched. Kept (never lost); a duplicate is dropped."""
         task = self.tasks.tasks.get(rid)
         ok = msg.header.get("ok") is True
-        reply = [_CLIENT_SIG, _REPLY, raw_header, *msg.frames] if ok else [_CLIENT_SIG, _REPLY, raw_header]
+        reply = P.reply(raw_header, msg.frames) if ok else P.reply(raw_header)
         if task is None:
             tenant = msg.header.get("tenant")
             task = Task(id=rid, kind="echo", need=None, body={}, frames=[], route=None, created=self.now,
@@ -1005,7 +1009,7 @@ class BrokerCore:
         exc = NotActive(f"broker {self.config.name} is no longer the active one; use its peer")
         for task in self.tasks.tasks.values():
             if task.state is not State.DONE and task.route is not None:
-                self.send_client(task.route, [_CLIENT_SIG, _REPLY, _packb(P.error_header(task.id, exc))])
+                self.send_client(task.route, P.error_reply(task.id, exc))
                 told += 1
         self.active = False
         self.hold = True
@@ -1140,8 +1144,8 @@ class BrokerCore:
 
     def _beat(self, worker: WorkerRecord) -> None:
         seq = worker.liveness.sent(self.now)
-        self.send_worker(worker.identity, [_WORKER_SIG, P.CMD_BYTES[Command.HEARTBEAT],
-                                           _packb({"seq": seq, "active": self.active, "epoch": self.epoch, "acks": self.acking})])
+        self.send_worker(worker.identity, P.encode(Peer.WORKER, Command.HEARTBEAT,
+                                                   {"seq": seq, "active": self.active, "epoch": self.epoch, "acks": self.acking}))
 
     # ------------------------------------------------------------------ timers
 
@@ -1202,4 +1206,4 @@ class BrokerCore:
     def shutdown(self) -> None:
         """Tell every worker goodbye (the broker is stopping)."""
         for worker in self.registry:
-            self.send_worker(worker.identity, [_WORKER_SIG, P.CMD_BYTES[Command.DISCONNECT], _packb({"reason": "broker stopping"})])
+            self.send_worker(worker.identity, P.encode(Peer.WORKER, Command.DISCONNECT, {"reason": "broker stopping"}))

@@ -30,8 +30,6 @@ log = logging.getLogger(__name__)
 DEFAULT_HEARTBEAT_S = 0.25
 DEFAULT_EXPIRY_S = 0.75
 HANDOVER_BEATS = 8  # STATEs that carry ``handover`` after the operator's failover
-_SIG = Peer.BROKER.value
-_CLIENT_SIG = Peer.CLIENT.value
 _REQ, _CALL, _PING = (P.CMD_BYTES[c] for c in (Command.REQUEST, Command.CALL, Command.PING))
 
 
@@ -183,12 +181,12 @@ class Pair:
         """Answer a client as a broker that is not active: PONG to a PING, NOT_ACTIVE to the rest."""
         ident = frames[0]
         if frames[2] == _PING:
-            self.send_client([ident, _CLIENT_SIG, P.CMD_BYTES[Command.PONG], P.packb({})])
+            self.send_client([ident, *P.pong()])
             return
         rid = P.peek_id(frames[1:])
         if rid is not None:
             exc = NotActive(f"broker {self.core.name} is passive; its peer is active")
-            self.send_client([ident, _CLIENT_SIG, P.CMD_BYTES[Command.REPLY], P.packb(P.error_header(rid, exc))])
+            self.send_client([ident, *P.error_reply(rid, exc)])
 
     # ------------------------------------------------------------------ the peer link
 
@@ -278,7 +276,7 @@ class Pair:
 
     def _send(self, cmd: Command, header: dict[str, Any], frames: list[Any] | None = None) -> bool:
         try:
-            send_frames(self.outbound, [_SIG, P.CMD_BYTES[cmd], P.packb(header), *(frames or [])], NOBLOCK)
+            send_frames(self.outbound, P.encode(Peer.BROKER, cmd, header, frames or ()), NOBLOCK)
             return True
         except zmq.Again:
             return False

@@ -510,6 +510,142 @@ def job_to_wire(spec: JobSpec) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------- typed requests
+# What a handler needs of a client's REQUEST or CALL and of a worker's READY, checked in one pass:
+# handlers get these objects, never raw header fields.
+
+MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
+MAX_SLOTS = 100_000
+
+
+class NeedCache:
+    """``parse_need``, memoized: clients send the same few need maps over and over."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._needs: dict[Any, Need] = {}
+
+    def parse(self, kind: str, raw: Any) -> Need:
+        try:
+            # Types are part of the key: True == 1 and 1.0 == 1, but parse_need refuses them.
+            key = (kind, tuple([(k, v.__class__, v) for k, v in raw.items()])) if type(raw) is dict else (kind, raw)
+            need = self._needs.get(key)
+        except TypeError:  # unhashable values (lists): parse every time
+            return parse_need(kind, raw)
+        if need is None:
+            need = parse_need(kind, raw)
+            if len(self._needs) >= self.size:
+                self._needs.clear()
+            self._needs[key] = need
+        return need
+
+
+@dataclass(slots=True)
+class Request:
+    """A checked REQUEST (PROTOCOL.md §4.1), past its id."""
+
+    kind: str
+    need: Need  # as declared: the broker may put the authenticated tenant in
+    body: dict[str, Any]  # what DISPATCH forwards besides the grant (a job's spec)
+    retryable: bool  # may run again after a worker loss (echo, session; a job only if idempotent)
+    deadline_ms: int
+    replaces: bytes | None  # a session: the id of the lost session it replaces
+
+
+def parse_request(header: dict[str, Any], nframes: int, needs: NeedCache, default_deadline_ms: int) -> Request:
+    """The REQUEST ``header`` (with ``nframes`` payload frames) checked; InvalidRequest on any bad
+    field. Its id is the caller's to read first (``get_id``): a retry is judged by the id alone."""
+    kind = header.get("kind")
+    if kind not in KINDS:
+        raise InvalidRequest(f"unknown request kind {kind!r}; known: {', '.join(KINDS)}")
+    need = needs.parse(kind, header.get("need"))
+    body: dict[str, Any]
+    retryable = True
+    if kind == "job":
+        spec = parse_job(header, nframes)
+        body = job_to_wire(spec)
+        retryable = spec.idempotent
+    else:
+        body = {}
+    deadline_ms = opt(header, "deadline_ms", int, default_deadline_ms)
+    if not 0 <= deadline_ms <= MAX_DEADLINE_MS:
+        raise InvalidRequest(f"field 'deadline_ms' must be in 0..{MAX_DEADLINE_MS}")
+    replaces = header.get("replaces") if kind == "session" else None
+    return Request(kind, need, body, retryable, deadline_ms, replaces if type(replaces) is bytes else None)
+
+
+@dataclass(slots=True)
+class Call:
+    """A checked CALL on a session (PROTOCOL.md §5.4), past its id."""
+
+    session: bytes
+    op: str
+    args: dict[str, Any]
+
+
+def parse_call(header: dict[str, Any]) -> Call:
+    """The CALL ``header`` checked; InvalidRequest on any bad field."""
+    try:
+        sid = get_id(header, "session")
+    except ProtocolError as exc:
+        raise InvalidRequest(exc.message) from None
+    op = header.get("op")
+    if op not in SESSION_OPS:
+        raise InvalidRequest(f"unknown session op {op!r}; known: {', '.join(SESSION_OPS)}")
+    return Call(sid, op, opt(header, "args", dict, {}))
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """A checked READY (PROTOCOL.md §4.2): what a worker announces."""
+
+    name: str
+    gpus: list[GpuInfo]
+    cpu_milli: int
+    host_mem: int
+    slots: int
+    heartbeat_ms: int  # 0: the broker's
+    liveness: int  # 0: the broker's
+    hostname: str
+    instance_id: str
+    replica_of: str
+    simulated: bool
+
+
+def parse_ready(header: dict[str, Any]) -> Ready:
+    """The READY ``header`` checked. A READY with any bad field is malformed (PROTOCOL.md §2):
+    ProtocolError, whatever the check."""
+    try:
+        name = header.get("name")
+        if type(name) is not str or not 0 < len(name) <= 128:
+            raise ProtocolError("READY needs 'name' (1-128 characters)")
+        raw_gpus = header.get("gpus")
+        if type(raw_gpus) is not list or len(raw_gpus) > 64:
+            raise ProtocolError("READY needs 'gpus', a list of at most 64 GPUs")
+        gpus = [parse_gpu_info(g) for g in raw_gpus]
+        if len({g.uuid for g in gpus}) != len(gpus):
+            raise ProtocolError("READY names a GPU uuid twice")
+        ready = Ready(
+            name=name,
+            gpus=gpus,
+            cpu_milli=opt(header, "cpu_milli", int, 0),
+            host_mem=opt(header, "host_mem", int, 0),
+            slots=opt(header, "slots", int, 64),
+            heartbeat_ms=opt(header, "heartbeat_ms", int, 0),
+            liveness=opt(header, "liveness", int, 0),
+            hostname=opt(header, "hostname", str, "")[:255],
+            instance_id=opt(header, "instance_id", str, "")[:64],
+            replica_of=opt(header, "replica_of", str, "")[:128],
+            simulated=bool(header.get("simulated", False)),
+        )
+    except InvalidRequest as exc:
+        raise ProtocolError(exc.message) from None
+    if not (0 <= ready.cpu_milli and 0 <= ready.host_mem and 1 <= ready.slots <= MAX_SLOTS
+            and 0 <= ready.heartbeat_ms <= 600_000 and 0 <= ready.liveness <= 100):
+        raise ProtocolError("READY has a value out of range")
+    return ready
+
+
 def parse_dims(value: Any, key: str) -> tuple[int, int, int]:
     if type(value) is not list or not 1 <= len(value) <= 3:
         raise InvalidRequest(f"field {key!r} must be a list of 1 to 3 positive ints")

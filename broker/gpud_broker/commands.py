@@ -51,7 +51,7 @@ def _gpu_work(core: BrokerCore) -> dict[str, dict[str, int]]:
     work: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for w in core.registry:
         for t in w.assigned.values():
-            if isinstance(t, Task) and t.state is State.RUNNING and t.grant is not None:
+            if t.state is State.RUNNING and t.grant is not None:
                 for uuid in t.grant.gpus:
                     work[uuid][t.kind] += 1
     for s in core.sessions.values():

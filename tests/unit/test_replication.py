@@ -11,14 +11,15 @@ from typing import Any
 
 from gpud import protocol as P
 from gpud.protocol import Command
+from gpud.resources import TenantLimits
 from gpud_broker.replication import Journal
 from gpud_broker.tasks import State
 from tests.unit.test_broker_core import C1, C2, W1, W2, W3, Harness, rid
 
 
-def pair() -> tuple[Harness, Harness]:
+def pair(**config: Any) -> tuple[Harness, Harness]:
     """An active core with a journal, and a passive core loaded from its (empty) snapshot."""
-    a, b = Harness(), Harness()
+    a, b = Harness(**config), Harness(**config)
     a.core.journal = Journal()
     a.core.acking = True  # as the pair shell sets (join_pair)
     b.core.join_pair()
@@ -86,6 +87,26 @@ def test_takeover_rebuilds_the_ledger_settles_then_redispatches_what_ran() -> No
     b.result(W1, rid(1), exit_code=0)
     b.client(C1, Command.REQUEST, {"id": rid(1), "kind": "job", "argv": ["true"]})  # the client's retry
     assert b.one_reply(C1).header["ok"] is True
+
+
+def test_tenant_limits_count_what_a_takeover_restores() -> None:
+    a, b = pair(tenant_limits={"alice": TenantLimits(max_sessions=1)})
+    for h in (a, b):
+        h.ready(W1, "w1")
+    a.request(C1, rid(1), kind="session", need={"tenant": "alice"})
+    a.take_worker()
+    a.result(W1, rid(1), session=rid(1))
+    ship(a, b)
+    take_over(b)
+    confirm(b, W1, running=[{"id": rid(1), "kind": "session"}])
+    assert b.core.accounts.usage["alice"].sessions == 1  # her session, granted by the other broker
+    b.take_worker()
+    b.request(C1, rid(2), kind="session", need={"tenant": "alice"})
+    assert b.take_worker() == [] and b.take_client() == []  # over her limit: it waits
+    b.client(C1, Command.CALL, {"id": rid(3), "session": rid(1), "op": "close"})
+    b.one_dispatch(W1)
+    b.result(W1, rid(3))
+    assert b.one_dispatch(W1).header["id"] == rid(2)  # her first closed: the second opens
 
 
 def test_a_result_for_work_the_new_broker_never_heard_of_is_kept_for_the_retry() -> None:

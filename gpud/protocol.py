@@ -794,10 +794,10 @@ def peek_id(frames: Sequence[Any]) -> bytes | None:
         raw = as_bytes(frames[2])
         if len(raw) > MAX_HEADER_BYTES:
             return None
-        h = unpackb(raw)
+        header = unpackb(raw)
     except Exception:  # garbage msgpack raises many types
         return None
-    rid = h.get("id") if type(h) is dict else None
+    rid = header.get("id") if type(header) is dict else None
     return rid if type(rid) is bytes and len(rid) == ID_BYTES else None
 
 

@@ -20,8 +20,7 @@ from typing import Any
 import zmq
 import zmq.utils.z85
 
-from gpud import notify
-from gpud import protocol as P
+from gpud import notify, protocol
 from gpud.errors import ConfigError, GpudError, InternalError, ShuttingDown, UnknownCommand
 from gpud.protocol import Command, Peer
 from gpud.security import (
@@ -46,7 +45,7 @@ log = logging.getLogger(__name__)
 
 BATCH = 256  # messages drained from one socket before looking at the others
 TICK_S = 0.05  # how often timers run (heartbeats, expiries)
-_NEW_WORK = (P.CMD_BYTES[Command.REQUEST], P.CMD_BYTES[Command.CALL])
+_NEW_WORK = (protocol.CMD_BYTES[Command.REQUEST], protocol.CMD_BYTES[Command.CALL])
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +65,7 @@ def bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
 
 
 class Broker:
-    openstack: Any = None  # openstack (issue 7): its Controller when [openstack] is enabled (serve)
+    openstack: Any = None  # its OpenStack Controller when [openstack] is enabled (serve)
 
     def __init__(self, config: BrokerConfig, endpoints: Endpoints, ctx: zmq.Context[Any] | None = None,
                  security: SecuritySettings | None = None, pair: PairConfig | None = None) -> None:
@@ -149,7 +148,7 @@ class Broker:
         """Serving: the message goes to the core."""
         ident = frames[0]
         try:
-            msg = P.decode(frames[1:], Peer.CLIENT, self.config.max_message_bytes)
+            msg = protocol.decode(frames[1:], Peer.CLIENT, self.config.max_message_bytes)
             self.core.on_client(ident, msg, tenant)
         except GpudError as exc:
             self._bad(self.frontend, Peer.CLIENT, ident, frames, exc)
@@ -189,12 +188,12 @@ class Broker:
     def _refused_as_new_work(self, frames: list[bytes]) -> bool:
         """While draining: answer a new REQUEST or CALL SHUTTING_DOWN; False for anything else."""
         if len(frames) > 3 and frames[2] in _NEW_WORK:
-            rid = P.peek_id(frames[1:])
+            rid = protocol.peek_id(frames[1:])
             if rid is not None and rid not in self.core.tasks.tasks:
                 exc = ShuttingDown(f"broker {self.config.name} is stopping and takes no new work")
                 self.core.counters["errors"] += 1
                 self.core.stats.error(exc.code)
-                send_frames(self.frontend, [frames[0], *P.error_reply(rid, exc)])
+                send_frames(self.frontend, [frames[0], *protocol.error_reply(rid, exc)])
                 return True
         return False
 
@@ -374,14 +373,14 @@ class Broker:
                 self._flush()
             if core.unacked:
                 for ident, ids in core.take_acks().items():
-                    send_frames(back, [ident, *P.encode(Peer.WORKER, Command.ACK, {"ids": ids})])
+                    send_frames(back, [ident, *protocol.encode(Peer.WORKER, Command.ACK, {"ids": ids})])
             if now >= next_tick:
                 if side:
                     self._serve_security()
                 if admin is not None:
                     self._drain(admin, self._on_admin)
                 core.tick(now)
-                if self.openstack is not None:  # openstack (issue 7): results in, decisions out; never waits
+                if self.openstack is not None:  # OpenStack: results in, decisions out; never waits
                     self.openstack.on_tick(core, now)
                 if pair is not None:
                     pair.tick(now)
@@ -419,7 +418,7 @@ class Broker:
         """Send what the core queued: each peer's messages in order, runs of small ones as BATCHes."""
         for sock, box in self._outboxes:
             for ident, msgs in box.items():
-                for frames in P.batched(msgs):
+                for frames in protocol.batched(msgs):
                     sock.send(ident, SNDMORE)
                     send_frames(sock, frames)
             box.clear()
@@ -446,9 +445,9 @@ class Broker:
     def _on_worker(self, frames: list[bytes]) -> None:
         ident = frames[0]
         try:
-            msg = P.decode(frames[1:], Peer.WORKER, self.config.max_message_bytes)
+            msg = protocol.decode(frames[1:], Peer.WORKER, self.config.max_message_bytes)
             if msg.command is Command.BATCH:
-                inner = P.unbatch(msg)  # all of it checked before any of it is handled
+                inner = protocol.unbatch(msg)  # all of it checked before any of it is handled
         except GpudError as exc:
             self._bad(self.backend, Peer.WORKER, ident, frames, exc)
             return
@@ -462,13 +461,13 @@ class Broker:
         for one, raw in inner:
             self._from_worker(ident, one, raw, None)
 
-    def _from_worker(self, ident: bytes, msg: P.Message, raw: bytes, frames: list[bytes] | None) -> None:
+    def _from_worker(self, ident: bytes, msg: protocol.Message, raw: bytes, frames: list[bytes] | None) -> None:
         """One message of a worker, alone or out of a BATCH (``frames`` None: rebuilt when needed)."""
         try:
             self.core.on_worker(ident, msg, raw)
         except Exception as exc:
             if frames is None:
-                frames = [ident, *P.encode_raw(Peer.WORKER, msg.command, raw)]
+                frames = [ident, *protocol.encode_raw(Peer.WORKER, msg.command, raw)]
             if isinstance(exc, GpudError):
                 self._bad(self.backend, Peer.WORKER, ident, frames, exc)
             else:
@@ -478,10 +477,10 @@ class Broker:
     def _on_admin(self, frames: list[bytes]) -> None:
         ident = frames[0]
         try:
-            msg = P.decode(frames[1:], Peer.ADMIN, self.config.max_message_bytes)
+            msg = protocol.decode(frames[1:], Peer.ADMIN, self.config.max_message_bytes)
             if msg.command is not Command.ADMIN:
                 raise UnknownCommand(f"command {msg.command.name} is not valid on the admin socket")
-            rid = P.get_id(msg.header)
+            rid = protocol.get_id(msg.header)
         except GpudError as exc:
             assert self.admin is not None
             self._bad(self.admin, Peer.ADMIN, ident, frames, exc)
@@ -494,22 +493,22 @@ class Broker:
             header = {"id": rid, "ok": True, "result": result}
         except GpudError as exc:
             log.info("admin request refused: %s %s", exc.code, exc.message)
-            header = P.error_header(rid, exc)
+            header = protocol.error_header(rid, exc)
         except Exception:
             log.exception("bug in an admin command")
-            header = P.error_header(rid, InternalError("internal error in the broker"))
+            header = protocol.error_header(rid, InternalError("internal error in the broker"))
         assert self.admin is not None
-        self.admin.send_multipart([ident, *P.encode(Peer.ADMIN, Command.REPLY, header)])
+        self.admin.send_multipart([ident, *protocol.encode(Peer.ADMIN, Command.REPLY, header)])
 
     def _bad(self, sock: zmq.Socket[bytes], peer: Peer, ident: bytes, frames: list[bytes], exc: GpudError) -> None:
         """Log a message we could not use and answer it where the sender can be addressed."""
         self.core.counters["bad_messages"] += 1
         log.warning("bad message from %s %s: %s %s", peer.name.lower(), ident.hex()[:16], exc.code, exc.message)
         header: dict[str, Any] = {"code": exc.code, "message": exc.message}
-        rid = P.peek_id(frames[1:])
+        rid = protocol.peek_id(frames[1:])
         if rid is not None:
             header["id"] = rid
-        sock.send_multipart([ident, *P.encode(peer, Command.ERROR, header)])
+        sock.send_multipart([ident, *protocol.encode(peer, Command.ERROR, header)])
 
 
 def _queue_in(box: dict[bytes, list[list[Any]]]) -> Callable[[bytes, list[Any]], None]:
@@ -523,9 +522,9 @@ def _queue_in(box: dict[bytes, list[list[Any]]]) -> Callable[[bytes, list[Any]],
     return send
 
 
-def _admin_who(h: dict[str, Any]) -> str:
+def _admin_who(header: dict[str, Any]) -> str:
     """``user pid N`` as an ADMIN header declares them (``?`` for what is missing or odd)."""
-    user, pid = h.get("user"), h.get("pid")
+    user, pid = header.get("user"), header.get("pid")
     shown = user if type(user) is str and 0 < len(user) <= 64 and user.isprintable() and " " not in user else "?"
     return f"{shown} pid {pid if type(pid) is int else '?'}"
 
@@ -587,7 +586,7 @@ def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = N
                        "metrics": metrics_url, "peer": broker.pair.bound if broker.pair else None}, f)
         os.replace(tmp, ready_file)
     notify.ready(f"serving: frontend {ep.frontend}, backend {ep.backend}")
-    # openstack (issue 7): with [openstack] enabled, a controller whose threads make the Nova calls
+    # With [openstack] enabled, a controller whose threads make the Nova calls
     # (imported only then: a broker without OpenStack never loads novaclient).
     if openstack is not None and getattr(openstack, "enabled", False):
         from gpud_broker.openstack.controller import start as start_openstack

@@ -437,7 +437,7 @@ def reload(target: Any, args: dict[str, Any]) -> dict[str, Any]:
     return {"reloaded": True, "result": result, "message": message}
 
 
-# openstack (issue 7) ------------------------------------------------------------------------------
+# openstack ------------------------------------------------------------------------------------------
 
 
 @ADMIN.command("openstack")

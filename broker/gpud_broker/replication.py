@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from gpud import protocol as P
+from gpud import protocol
 from gpud.errors import ProtocolError
 from gpud.resources import Grant
 from gpud_broker.tasks import Session, State, Task
@@ -119,10 +119,10 @@ def _fields(raw: Any, n: int, what: str) -> list[Any]:
     return raw
 
 
-def grant_to_wire(g: Grant | None) -> list[Any] | None:
-    if g is None:
+def grant_to_wire(grant: Grant | None) -> list[Any] | None:
+    if grant is None:
         return None
-    return [g.worker, list(g.gpus), g.gpu_milli, g.mem, g.cpu_milli, g.host_mem, g.exclusive]
+    return [grant.worker, list(grant.gpus), grant.gpu_milli, grant.mem, grant.cpu_milli, grant.host_mem, grant.exclusive]
 
 
 def grant_from_wire(raw: Any) -> Grant | None:
@@ -135,12 +135,12 @@ def grant_from_wire(raw: Any) -> Grant | None:
 
 def frames_bytes(frames: list[Any]) -> list[bytes]:
     """Frames (bytes or zmq.Frame) as bytes, for msgpack."""
-    return [f if type(f) is bytes else P.as_bytes(f) for f in frames]
+    return [f if type(f) is bytes else protocol.as_bytes(f) for f in frames]
 
 
 def task_to_wire(t: Task, now: float) -> list[Any]:
     return [
-        t.id, t.kind, P.need_to_wire(t.need) if t.need is not None else None, t.body, frames_bytes(t.frames),
+        t.id, t.kind, protocol.need_to_wire(t.need) if t.need is not None else None, t.body, frames_bytes(t.frames),
         now - t.created, t.deadline - now, t.tenant, t.retryable, t.attempts, sorted(t.avoid), t.session,
         t.state.value, t.worker, grant_to_wire(t.grant), frames_bytes(t.reply) if t.reply is not None else None,
     ]
@@ -149,7 +149,7 @@ def task_to_wire(t: Task, now: float) -> list[Any]:
 def task_from_wire(raw: Any, now: float) -> Task:
     (rid, kind, need, body, frames, age, left, tenant, retryable, attempts, avoid, session,
      state, worker, grant, reply) = _fields(raw, 16, "task")
-    parsed = P.parse_need(kind, need) if need is not None else None
+    parsed = protocol.parse_need(kind, need) if need is not None else None
     return Task(
         id=rid, kind=kind, need=parsed, body=body, frames=frames, route=None,
         created=now - age, deadline=now + left, state=State(state),
@@ -164,10 +164,10 @@ def session_to_wire(s: Session) -> list[Any]:
 
 def session_from_wire(raw: Any, now: float) -> Session:
     sid, worker, gpu, grant, tenant, closing = _fields(raw, 6, "session")
-    g = grant_from_wire(grant)
-    if g is None:
+    granted = grant_from_wire(grant)
+    if granted is None:
         raise ProtocolError("a replicated session must have a grant")
-    return Session(id=sid, worker=worker, gpu=gpu, grant=g, tenant=tenant, route=b"", last_seen=now,
+    return Session(id=sid, worker=worker, gpu=gpu, grant=granted, tenant=tenant, route=b"", last_seen=now,
                    closing=bool(closing), opened=now)
 
 
@@ -234,7 +234,7 @@ def apply(core: BrokerCore, update: Any) -> None:
         tasks.finish(t, reply, now)
         return
     if t is None:
-        log.debug("update %s for unknown task %s ignored", tag, P.id_text(update[1]))
+        log.debug("update %s for unknown task %s ignored", tag, protocol.id_text(update[1]))
         return
     if tag == RUN:
         _, _, worker, grant = _fields(update, 4, "run update")

@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from gpud import protocol as P
+from gpud import protocol
 from gpud.clock import Clock, SystemClock
 from gpud.errors import ConflictError, GpudError, NotActive
 from gpud.protocol import Command, Peer
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 DEFAULT_HEARTBEAT_S = 0.25
 DEFAULT_EXPIRY_S = 0.75
 HANDOVER_BEATS = 8  # STATEs that carry ``handover`` after the operator's failover
-_REQ, _CALL, _PING = (P.CMD_BYTES[c] for c in (Command.REQUEST, Command.CALL, Command.PING))
+_REQ, _CALL, _PING = (protocol.CMD_BYTES[c] for c in (Command.REQUEST, Command.CALL, Command.PING))
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,53 +181,53 @@ class Pair:
         """Answer a client as a broker that is not active: PONG to a PING, NOT_ACTIVE to the rest."""
         ident = frames[0]
         if frames[2] == _PING:
-            self.send_client([ident, *P.pong()])
+            self.send_client([ident, *protocol.pong()])
             return
-        rid = P.peek_id(frames[1:])
+        rid = protocol.peek_id(frames[1:])
         if rid is not None:
             exc = NotActive(f"broker {self.core.name} is passive; its peer is active")
-            self.send_client([ident, *P.error_reply(rid, exc)])
+            self.send_client([ident, *protocol.error_reply(rid, exc)])
 
     # ------------------------------------------------------------------ the peer link
 
     def on_peer(self, frames: list[Any]) -> None:
         try:
-            msg = P.decode(frames[1:], Peer.BROKER, P.DEFAULT_MAX_MESSAGE_BYTES)
+            msg = protocol.decode(frames[1:], Peer.BROKER, protocol.DEFAULT_MAX_MESSAGE_BYTES)
         except GpudError as exc:
             log.warning("bad message on the peer link: %s %s", exc.code, exc.message)
             return
         now = self.clock.monotonic()
         self.peer_heard = now
-        h = msg.header
+        header = msg.header
         try:
             if msg.command is Command.STATE:
-                self._on_state(h, now)
+                self._on_state(header, now)
             elif msg.command is Command.SYNC:
                 self._on_sync()
             elif msg.command is Command.SNAPSHOT:
-                self._on_snapshot(h, msg.frames, now)
+                self._on_snapshot(header, msg.frames, now)
             elif msg.command is Command.UPDATES:
-                self._on_updates(h, msg.frames, now)
+                self._on_updates(header, msg.frames, now)
         except Exception as exc:  # never trust the wire, not even the peer's: log, re-sync, serve on
             log.error("unusable %s from the peer (%s: %s); re-syncing", msg.command.name, exc.__class__.__name__, exc)
             if self.state is State.PASSIVE:
                 self._sync(now)
 
-    def _on_state(self, h: dict[str, Any], now: float) -> None:
+    def _on_state(self, header: dict[str, Any], now: float) -> None:
         try:
-            peer_state = State(h.get("state"))
+            peer_state = State(header.get("state"))
         except ValueError:
-            log.warning("peer STATE names no state: %r", h.get("state"))
+            log.warning("peer STATE names no state: %r", header.get("state"))
             return
-        epoch, applied = h.get("epoch"), h.get("applied")
+        epoch, applied = header.get("epoch"), header.get("applied")
         if type(epoch) is int:
             self.peer_epoch = epoch
             self.core.saw_epoch(epoch)
         if type(applied) is int:
             self.peer_applied = applied
-        self.peer_streaming = h.get("streaming") is True
+        self.peer_streaming = header.get("streaming") is True
         self.peer_state = peer_state
-        if h.get("handover") is True and peer_state is State.PASSIVE and self.state is State.PASSIVE and self.synced:
+        if header.get("handover") is True and peer_state is State.PASSIVE and self.state is State.PASSIVE and self.synced:
             self.event(Event.HANDOVER, now)
         elif self.handover_beats > 0 and peer_state is State.PASSIVE:
             pass  # we handed over; the peer's next STATE says it is active
@@ -242,41 +242,41 @@ class Pair:
         if self.state is not State.ACTIVE:
             return
         snap = core.snapshot()
-        ok = self._send(Command.SNAPSHOT, {"seq": core.seq, "epoch": core.epoch}, [P.packb(snap)])
+        ok = self._send(Command.SNAPSHOT, {"seq": core.seq, "epoch": core.epoch}, [protocol.packb(snap)])
         self.streaming = ok
         self.peer_applied = 0
         log.info("pair: snapshot of %d task(s), %d session(s) sent to the peer (seq %d)",
                  len(snap["tasks"]), len(snap["sessions"]), core.seq)
 
-    def _on_snapshot(self, h: dict[str, Any], frames: list[Any], now: float) -> None:
+    def _on_snapshot(self, header: dict[str, Any], frames: list[Any], now: float) -> None:
         if self.state is not State.PASSIVE:
             return
-        snap = P.unpackb(P.as_bytes(frames[0]))
+        snap = protocol.unpackb(protocol.as_bytes(frames[0]))
         self.core.load(snap, now)
-        self.applied = h["seq"]
+        self.applied = header["seq"]
         self.synced = True
         self.snapshots += 1
         self.state_due = True
         log.info("pair: snapshot loaded: %d task(s), %d session(s) at seq %d",
                  len(snap["tasks"]), len(snap["sessions"]), self.applied)
 
-    def _on_updates(self, h: dict[str, Any], frames: list[Any], now: float) -> None:
+    def _on_updates(self, header: dict[str, Any], frames: list[Any], now: float) -> None:
         if self.state is not State.PASSIVE or not self.synced:
             return
-        seq, count = h["seq"], h["count"]
+        seq, count = header["seq"], header["count"]
         if seq + count - 1 <= self.applied:
             return  # seen already
         if seq != self.applied + 1:
             log.warning("pair: updates from seq %d, expected %d: re-syncing", seq, self.applied + 1)
             self._sync(now)
             return
-        self.core.apply(P.unpackb(P.as_bytes(frames[0])), now)
+        self.core.apply(protocol.unpackb(protocol.as_bytes(frames[0])), now)
         self.applied = seq + count - 1
         self.state_due = True
 
     def _send(self, cmd: Command, header: dict[str, Any], frames: list[Any] | None = None) -> bool:
         try:
-            send_frames(self.outbound, P.encode(Peer.BROKER, cmd, header, frames or ()), NOBLOCK)
+            send_frames(self.outbound, protocol.encode(Peer.BROKER, cmd, header, frames or ()), NOBLOCK)
             return True
         except zmq.Again:
             return False
@@ -325,7 +325,7 @@ class Pair:
         updates = core.take_updates()
         if updates and self.streaming:
             first = core.seq - len(updates) + 1
-            if not self._send(Command.UPDATES, {"seq": first, "count": len(updates)}, [P.packb(updates)]):
+            if not self._send(Command.UPDATES, {"seq": first, "count": len(updates)}, [protocol.packb(updates)]):
                 log.warning("pair: the peer link is full; the passive peer will re-sync")
                 self.streaming = False
         core.set_durable(self.peer_applied if self.streaming else core.seq)

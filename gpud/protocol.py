@@ -104,8 +104,11 @@ def packb(obj: Any) -> bytes:
     return _packb(obj)
 
 
+_unpackb = msgpack.unpackb
+
+
 def unpackb(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    return _unpackb(data, raw=False, strict_map_key=True, use_list=True)
 
 
 def id_text(rid: bytes) -> str:
@@ -184,7 +187,10 @@ def decode(
         raise ProtocolError(f"message has {n} frames; at least 3 are required")
     if n - 3 > MAX_PAYLOAD_FRAMES:
         raise TooLarge(f"message has {n - 3} payload frames; the limit is {MAX_PAYLOAD_FRAMES}")
-    sig = as_bytes(frames[0])
+    # Frames are bytes but for zmq.Frame payloads: the common case costs no call.
+    sig = frames[0]
+    if type(sig) is not bytes:
+        sig = as_bytes(sig)
     peer = _PEER_BY_SIG.get(sig)
     if peer is None:
         if len(sig) == 6 and sig[:4] == SIGNATURE_PREFIX and sig[4:5] in b"CWAB":
@@ -194,15 +200,20 @@ def decode(
         raise ProtocolError(f"bad signature frame {sig[:16]!r}")
     if expect is not None and peer is not expect:
         raise UnknownCommand(f"a {peer.name.lower()} peer may not talk to this socket")
-    command = _CMD_BY_BYTE.get(as_bytes(frames[1]))
+    cmd = frames[1]
+    if type(cmd) is not bytes:
+        cmd = as_bytes(cmd)
+    command = _CMD_BY_BYTE.get(cmd)
     if command is None:
-        raise UnknownCommand(f"unknown command {as_bytes(frames[1])[:4]!r}")
-    raw = as_bytes(frames[2])
+        raise UnknownCommand(f"unknown command {cmd[:4]!r}")
+    raw = frames[2]
+    if type(raw) is not bytes:
+        raw = as_bytes(raw)
     if len(raw) > MAX_HEADER_BYTES:
         raise TooLarge(f"header is {len(raw)} bytes; the limit is {MAX_HEADER_BYTES}")
     total = len(raw)
     if n > 3:
-        total += sum([f.nbytes if type(f) is memoryview else _nbytes(f) for f in frames[3:]])
+        total += sum([len(f) if type(f) is bytes else _nbytes(f) for f in frames[3:]])
     if total > max_bytes:
         raise TooLarge(f"message is {total} bytes; the limit is {max_bytes}")
     return Message(peer, command, _header(raw), list(frames[3:]))
@@ -210,7 +221,7 @@ def decode(
 
 def _header(raw: bytes) -> dict[str, Any]:
     try:
-        header = unpackb(raw)
+        header = _unpackb(raw, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises many types on garbage
         raise ProtocolError(f"header is not valid msgpack: {exc.__class__.__name__}") from None
     if type(header) is not dict:
@@ -567,7 +578,11 @@ def parse_request(header: dict[str, Any], nframes: int, needs: NeedCache, defaul
         retryable = spec.idempotent
     else:
         body = {}
-    deadline_ms = opt(header, "deadline_ms", int, default_deadline_ms)
+    deadline_ms = header.get("deadline_ms")
+    if deadline_ms is None:
+        deadline_ms = default_deadline_ms
+    elif type(deadline_ms) is not int:
+        deadline_ms = opt(header, "deadline_ms", int, default_deadline_ms)  # refused with the reason
     if not 0 <= deadline_ms <= MAX_DEADLINE_MS:
         raise InvalidRequest(f"field 'deadline_ms' must be in 0..{MAX_DEADLINE_MS}")
     replaces = header.get("replaces") if kind == "session" else None

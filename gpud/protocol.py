@@ -188,9 +188,7 @@ def decode(
     if n - 3 > MAX_PAYLOAD_FRAMES:
         raise TooLarge(f"message has {n - 3} payload frames; the limit is {MAX_PAYLOAD_FRAMES}")
     # Frames are bytes but for zmq.Frame payloads: the common case costs no call.
-    sig = frames[0]
-    if type(sig) is not bytes:
-        sig = as_bytes(sig)
+    sig = frames[0] if type(frames[0]) is bytes else as_bytes(frames[0])
     peer = _PEER_BY_SIG.get(sig)
     if peer is None:
         if len(sig) == 6 and sig[:4] == SIGNATURE_PREFIX and sig[4:5] in b"CWAB":
@@ -200,15 +198,11 @@ def decode(
         raise ProtocolError(f"bad signature frame {sig[:16]!r}")
     if expect is not None and peer is not expect:
         raise UnknownCommand(f"a {peer.name.lower()} peer may not talk to this socket")
-    cmd = frames[1]
-    if type(cmd) is not bytes:
-        cmd = as_bytes(cmd)
+    cmd = frames[1] if type(frames[1]) is bytes else as_bytes(frames[1])
     command = _CMD_BY_BYTE.get(cmd)
     if command is None:
         raise UnknownCommand(f"unknown command {cmd[:4]!r}")
-    raw = frames[2]
-    if type(raw) is not bytes:
-        raw = as_bytes(raw)
+    raw = frames[2] if type(frames[2]) is bytes else as_bytes(frames[2])
     if len(raw) > MAX_HEADER_BYTES:
         raise TooLarge(f"header is {len(raw)} bytes; the limit is {MAX_HEADER_BYTES}")
     total = len(raw)

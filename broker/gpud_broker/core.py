@@ -249,19 +249,9 @@ class BrokerCore:
         if self._observe is not None:
             self._observe(need)
         now = self.now
-        task = Task(
-            id=rid,
-            kind=kind,
-            need=need,
-            body=request.body,
-            frames=msg.frames,
-            route=identity,
-            created=now,
-            deadline=now + request.deadline_ms / 1000.0,
-            priority=need.priority,
-            tenant=need.tenant,
-            retryable=request.retryable,
-        )
+        task = Task(id=rid, kind=kind, need=need, body=request.body, frames=msg.frames, route=identity, created=now,
+                    deadline=now + request.deadline_ms / 1000.0, priority=need.priority, tenant=need.tenant,
+                    retryable=request.retryable)
         self.tasks.add(task)
         self.journal.task(task, now)
         lost = None

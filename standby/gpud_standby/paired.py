@@ -13,29 +13,18 @@ from typing import Any, Protocol
 class PairedBroker(Protocol):
     """The broker's tables and role, as the pair reads and changes them (PROTOCOL.md §9)."""
 
-    @property
-    def name(self) -> str:
-        """The broker's name (its STATE says it)."""
+    epoch: int  # the epoch it is (or was last) active at
+    max_epoch_seen: int  # the largest epoch any worker or the peer has shown it
+    fenced: bool  # active, and a worker showed a later epoch: another broker is active
 
+    # Read only: the broker's name (its STATE says it); active, the seq of the last update
+    # journalled (0 before any); settling after a takeover (waiting for its workers, placing nothing).
     @property
-    def epoch(self) -> int:
-        """The epoch it is (or was last) active at."""
-
+    def name(self) -> str: ...
     @property
-    def seq(self) -> int:
-        """Active: the seq of the last update journalled (0 before any)."""
-
+    def seq(self) -> int: ...
     @property
-    def max_epoch_seen(self) -> int:
-        """The largest epoch any worker or the peer has shown it."""
-
-    @property
-    def fenced(self) -> bool:
-        """Active, and a worker showed a later epoch: another broker is active."""
-
-    @property
-    def settling(self) -> bool:
-        """Active after a takeover and not yet placing (waiting for its workers)."""
+    def settling(self) -> bool: ...
 
     def join_pair(self) -> None:
         """Start as a broker of a pair: passive, and a worker's result is ACKed once durable."""

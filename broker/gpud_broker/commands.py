@@ -204,7 +204,7 @@ def _wait_facts(core: BrokerCore, t: Task, ahead: list[tuple[float, str]], reser
     fits_now = need is not None and balanced(need, workers, t.avoid) is not None
     return WaitFacts(
         held=held,
-        within_limits=need is None or not core.limits or core._within_limits(t, need),
+        within_limits=need is None or core.accounts.within_limits(t.tenant, need, t.kind == "session"),
         ever_fits=need is not None and could_ever_fit(need, workers),
         fits_now=fits_now,
         fits_unreserved=fits_now and need is not None and balanced(need, workers, t.avoid | others) is not None,

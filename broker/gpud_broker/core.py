@@ -110,6 +110,7 @@ class BrokerCore:
     def __init__(self, config: BrokerConfig, now: float, send_client: Send, send_worker: Send,
                  rng: random.Random | None = None) -> None:
         self.config = config
+        self.name = config.name  # not reloadable: it stays
         self.started = now
         self.now = now
         self.send_client = send_client
@@ -152,18 +153,6 @@ class BrokerCore:
     # ------------------------------------------------------------------ what the pair asks of its broker
     # (gpud_standby.paired.PairedBroker)
 
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    @property
-    def seq(self) -> int:
-        return self.journal.seq
-
-    @property
-    def settling(self) -> bool:
-        return self.takeover.settling_until is not None
-
     def join_pair(self) -> None:
         self.become_passive()
         self.acking = True
@@ -200,6 +189,10 @@ class BrokerCore:
     def take_over(self, epoch: int, settle: float, now: float) -> None:
         self.takeover.take_over(epoch, settle, now)
 
+    @property
+    def settling(self) -> bool:
+        return self.takeover.settling_until is not None
+
     def step_down(self) -> int:
         return self.takeover.step_down()
 
@@ -208,6 +201,10 @@ class BrokerCore:
 
     def set_durable(self, seq: int) -> None:
         self.journal.durable = seq
+
+    @property
+    def seq(self) -> int:
+        return self.journal.seq
 
     # ------------------------------------------------------------------ client dialog
 

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,26 @@ def run(tree: Path, dispatch_args: list[str]) -> dict[str, Any]:
     return result
 
 
+def alternate(rev: str, pairs: int, measure: Callable[[Path], dict[str, Any]], keys: tuple[str, ...]) -> dict[str, list[dict[str, Any]]]:
+    """``measure`` of the commit ``rev`` (a temporary ``git worktree``), then of the working tree,
+    ``pairs`` times; each run printed as one line. Returns the runs by side."""
+    sides: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory(prefix="gpud-before-") as tmp:
+        before = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", str(before), rev], cwd=HERE, check=True,
+                       capture_output=True)
+        try:
+            for _ in range(pairs):
+                for side, tree in (("before", before), ("after", HERE)):
+                    r = measure(tree)
+                    sides[side].append(r)
+                    print(f"{side:6s} " + "  ".join(f"{k} {r.get(k)}" for k in keys), flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=HERE, check=False,
+                           capture_output=True)
+    return sides
+
+
 def main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else argv
     own, rest = (args_in[:args_in.index("--")], args_in[args_in.index("--") + 1:]) if "--" in args_in else (args_in, [])
@@ -48,20 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(own)
     if args.pairs < 1:
         p.error("--pairs must be at least 1")
-    sides: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
-    with tempfile.TemporaryDirectory(prefix="gpud-before-") as tmp:
-        before = Path(tmp) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", str(before), args.rev], cwd=HERE, check=True,
-                       capture_output=True)
-        try:
-            for _ in range(args.pairs):
-                for side, tree in (("before", before), ("after", HERE)):
-                    r = run(tree, rest)
-                    sides[side].append(r)
-                    print(f"{side:6s} " + "  ".join(f"{k} {r.get(k)}" for k in KEYS), flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=HERE, check=False,
-                           capture_output=True)
+    sides = alternate(args.rev, args.pairs, lambda tree: run(tree, rest), KEYS)
     means = {side: {k: round(statistics.fmean(r[k] for r in runs), 3) for k in KEYS if all(r.get(k) is not None for r in runs)}
              for side, runs in sides.items()}
     for side in ("before", "after"):

@@ -65,6 +65,8 @@ class Command(enum.IntEnum):
     RESULT = 0x14
     DISCONNECT = 0x15
     ACK = 0x16
+    START = 0x17
+    GO = 0x18
     ADMIN = 0x20
     STATE = 0x30
     SYNC = 0x31
@@ -78,7 +80,7 @@ class Command(enum.IntEnum):
 SENDABLE: dict[Peer, frozenset[Command]] = {
     Peer.CLIENT: frozenset({Command.REQUEST, Command.CANCEL, Command.CALL, Command.PING}),
     Peer.WORKER: frozenset(
-        {Command.READY, Command.HEARTBEAT, Command.RESULT, Command.DISCONNECT, Command.BATCH}
+        {Command.READY, Command.HEARTBEAT, Command.RESULT, Command.START, Command.DISCONNECT, Command.BATCH}
     ),
     Peer.ADMIN: frozenset({Command.ADMIN}),
     Peer.BROKER: frozenset({Command.STATE, Command.SYNC, Command.SNAPSHOT, Command.UPDATES}),

@@ -374,6 +374,9 @@ class Broker:
             if core.unacked:
                 for ident, ids in core.take_acks().items():
                     send_frames(back, [ident, *protocol.encode(Peer.WORKER, Command.ACK, {"ids": ids})])
+            if core.starts.pending:
+                for ident, go in core.take_go().items():
+                    send_frames(back, [ident, *go])
             if now >= next_tick:
                 if side:
                     self._serve_security()

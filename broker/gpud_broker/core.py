@@ -54,6 +54,7 @@ from gpud_broker.policies import FACTORIES, could_ever_fit, make_policy
 from gpud_broker.queue import DEFAULT_AGING_S, DEFAULT_RESERVE_AFTER_S, PendingQueue
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
 from gpud_broker.replication import NULL_JOURNAL, Journal
+from gpud_broker.starts import Loss, StartGate, on_loss
 from gpud_broker.stats import PlacementTimes, RequestStats
 from gpud_broker.takeover import Takeover
 from gpud_broker.tasks import Session, State, Task, TaskTable
@@ -144,6 +145,7 @@ class BrokerCore:
         self.journal: Journal = NULL_JOURNAL  # replication updates not yet sent (a pair's active broker)
         self.acking = False  # in a pair: workers keep results until ACKed (standalone: no ACKs)
         self.unacked: deque[tuple[int, bytes, bytes]] = deque()  # (seq, worker, RESULT id) to ACK once durable
+        self.starts = StartGate()  # jobs' STARTs: which may have begun, and the GOs waiting to be durable
 
     @property
     def sessions(self) -> dict[bytes, Session]:
@@ -434,6 +436,7 @@ class BrokerCore:
         that can take it now); fail it when that is not possible."""
         task.grant = None
         task.state = State.QUEUED
+        task.started = False
         task.avoid.add(worker_name)
         if task.attempts >= self.config.max_attempts:
             self.fail(task, WorkerLost(f"worker {worker_name} failed it ({why}) after {task.attempts} attempts"))
@@ -578,6 +581,9 @@ class BrokerCore:
                 self.unacked.append((self.journal.seq, identity, protocol.get_id(msg.header)))
         elif cmd is Command.HEARTBEAT:
             self._on_heartbeat(worker, msg.header)
+        elif cmd is Command.START:
+            if self.active:  # a passive broker leaves STARTs to the active one (the worker asks it again)
+                self._on_start(worker, msg.header)
         elif cmd is Command.DISCONNECT:
             reason = msg.header.get("reason")
             log.info("worker %s said goodbye (%s)", worker.name, reason if type(reason) is str else "")
@@ -667,6 +673,43 @@ class BrokerCore:
                 log.error("worker %s has seen epoch %d, later than ours (%d): another broker is active", worker.name, epoch, self.epoch)
                 self.fenced = True
         self.takeover.heard(worker, epoch, running)
+
+    def _on_start(self, worker: WorkerRecord, header: dict[str, Any]) -> None:
+        """A START (PROTOCOL.md §4.4): GO at once without a peer; with one, once the marks are
+        durable (``take_go``). Refusals go at once: not starting is always safe."""
+        go, refused = self.starts.on_start(worker, header.get("ids"), self._mark_started, self.journal.seq, not self.acking)
+        if go or refused:
+            self._log_go(worker.name, go, refused)
+            self.send_worker(worker.identity, self._go_message(go, refused))
+
+    @staticmethod
+    def _log_go(name: str, go: list[bytes], refused: list[bytes] | None = None) -> None:
+        """One line per job told GO (it may have begun from here on: chaos tests read these)."""
+        if log.isEnabledFor(logging.DEBUG):
+            for rid in go:
+                log.debug("GO %s to %s", rid.hex(), name)
+        for rid in refused or ():
+            log.info("START of %s refused to %s: it does not run there", protocol.id_text(rid), name)
+
+    def _mark_started(self, task: Task) -> int:
+        self.journal.start(task.id)
+        return self.journal.seq
+
+    @staticmethod
+    def _go_message(go: list[bytes], refused: list[bytes] | None = None) -> list[Any]:
+        header: dict[str, Any] = {"ids": go}
+        if refused:
+            header["refused"] = refused
+        return protocol.encode(Peer.WORKER, Command.GO, header)
+
+    def take_go(self) -> dict[bytes, list[Any]]:
+        """The GO messages due now (their START marks are held by the peer, ``journal.durable``),
+        by worker identity."""
+        due = self.starts.due(self.journal.durable, self.registry)
+        by_identity = self.registry.by_identity
+        for ident, ids in due.items():
+            self._log_go(by_identity[ident].name, ids)
+        return {ident: self._go_message(ids) for ident, ids in due.items()}
 
     def take_acks(self) -> dict[bytes, list[bytes]]:
         """The ACKs due now (their RESULTs' updates are held by the peer, ``journal.durable``), by
@@ -815,9 +858,10 @@ class BrokerCore:
                 continue
             if task.grant is not None:  # its ledger went with the worker's record
                 self.accounts.refund(task.grant, task.tenant, task.kind == "session", self.now, None)
-            if task.kind == "call":
+            loss = on_loss(self.starts, task)
+            if loss is Loss.SESSION_LOST:
                 self.fail(task, SessionLost(f"the session's worker {worker.name} was lost ({why})"))
-            elif task.retryable:
+            elif loss is Loss.REPLACE:
                 retry.append(task)
             else:
                 self.fail(task, WorkerLost(f"worker {worker.name} was lost ({why}) while running it"))
@@ -862,6 +906,7 @@ class BrokerCore:
         self.queue = PendingQueue(self.config.max_queue, self.accounts.fair, self.config.aging_s, self.config.reserve_after)
         self.leases.clear()
         self.unacked.clear()
+        self.starts.clear()
         for w in self.registry.by_identity.values():
             w.assigned.clear()
             w.inflight = 0

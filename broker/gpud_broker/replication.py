@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Update tags (the first item of each update).
-TASK, RUN, QUEUE, DONE, FORGET, SESSION, END, MARKS = "task", "run", "queue", "done", "forget", "session", "end", "marks"
+TASK, RUN, QUEUE, DONE, FORGET, SESSION, END, MARKS, START = ("task", "run", "queue", "done", "forget", "session",
+                                                            "end", "marks", "start")
 
 
 class Journal:
@@ -70,6 +71,9 @@ class Journal:
     def marks(self, drained: set[str], cordoned: set[str]) -> None:
         self._add([MARKS, sorted(drained), sorted(cordoned)])
 
+    def start(self, rid: bytes) -> None:
+        self._add([START, rid])
+
     def take(self) -> list[list[Any]]:
         """The updates journalled since the last ``take`` (the pair sends them as one UPDATES)."""
         updates, self.updates = self.updates, []
@@ -104,6 +108,9 @@ class _NullJournal(Journal):
         pass
 
     def marks(self, drained: set[str], cordoned: set[str]) -> None:
+        pass
+
+    def start(self, rid: bytes) -> None:
         pass
 
 
@@ -143,18 +150,22 @@ def task_to_wire(t: Task, now: float) -> list[Any]:
         t.id, t.kind, protocol.need_to_wire(t.need) if t.need is not None else None, t.body, frames_bytes(t.frames),
         now - t.created, t.deadline - now, t.tenant, t.retryable, t.attempts, sorted(t.avoid), t.session,
         t.state.value, t.worker, grant_to_wire(t.grant), frames_bytes(t.reply) if t.reply is not None else None,
+        t.started,
     ]
 
 
 def task_from_wire(raw: Any, now: float) -> Task:
+    if type(raw) is not list or len(raw) not in (16, 17):
+        raise ProtocolError("a replicated task must be a list of 16 or 17 items")
     (rid, kind, need, body, frames, age, left, tenant, retryable, attempts, avoid, session,
-     state, worker, grant, reply) = _fields(raw, 16, "task")
+     state, worker, grant, reply) = raw[:16]
     parsed = protocol.parse_need(kind, need) if need is not None else None
     return Task(
         id=rid, kind=kind, need=parsed, body=body, frames=frames, route=None,
         created=now - age, deadline=now + left, state=State(state),
         priority=parsed.priority if parsed is not None else 0, tenant=tenant, grant=grant_from_wire(grant),
         worker=worker, attempts=attempts, avoid=set(avoid), retryable=retryable, session=session, reply=reply,
+        started=len(raw) > 16 and raw[16] is True,
     )
 
 
@@ -238,10 +249,12 @@ def apply(core: BrokerCore, update: Any) -> None:
         return
     if tag == RUN:
         _, _, worker, grant = _fields(update, 4, "run update")
-        t.state, t.worker, t.grant = State.RUNNING, worker, grant_from_wire(grant)
+        t.state, t.worker, t.grant, t.started = State.RUNNING, worker, grant_from_wire(grant), False
+    elif tag == START:
+        t.started = True
     elif tag == QUEUE:
         _, _, avoid = _fields(update, 3, "queue update")
-        t.state, t.worker, t.grant, t.avoid = State.QUEUED, None, None, set(avoid)
+        t.state, t.worker, t.grant, t.avoid, t.started = State.QUEUED, None, None, set(avoid), False
     elif tag == FORGET:
         tasks.forget(t)
     else:

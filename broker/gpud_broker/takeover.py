@@ -15,6 +15,7 @@ from gpud import protocol
 from gpud.errors import Busy, NotActive, SessionLost, WorkerLost
 from gpud_broker.registry import WorkerRecord
 from gpud_broker.replication import NULL_JOURNAL, Journal
+from gpud_broker.starts import Loss, on_loss
 from gpud_broker.tasks import State, Task
 
 if TYPE_CHECKING:
@@ -86,9 +87,10 @@ class Takeover:
         core.beat_workers()
         for task in lost:
             name = task.worker or "?"
-            if task.kind == "call":
+            loss = on_loss(core.starts, task)
+            if loss is Loss.SESSION_LOST:
                 core.fail(task, SessionLost(f"the session's worker {name} is gone"))
-            elif task.retryable:
+            elif loss is Loss.REPLACE:
                 core.place_again(task, name, "not connected after the failover")
             else:
                 core.fail(task, WorkerLost(f"worker {name} was lost during a broker failover while running it"))

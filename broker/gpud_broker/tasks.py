@@ -44,6 +44,7 @@ class Task:
     reply: list[Any] | None = None  # [signature, command, header, *payload] once DONE
     reply_bytes: int = 0  # what keeping ``reply`` costs, counted against the table's budget
     dispatched_at: float = 0.0
+    started: bool = False  # marked started: its worker asked START and may have been told GO (starts.py)
 
 
 @dataclass(slots=True, eq=False)

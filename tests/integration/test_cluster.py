@@ -217,7 +217,9 @@ def test_non_idempotent_job_on_killed_worker_gets_worker_lost(small_cluster: Loc
     c = small_cluster
     with Client(c.frontend, timeout=60) as client:
         jobs = [client.submit(["sleep", "20"], gpu_milli=1000, time_limit=30) for _ in range(2)]
-        wait_for(lambda: c.status()["counts"]["running"] == 2, what="both jobs running")
+        wait_for(lambda: c.status()["counts"]["running"] == 2, what="both jobs dispatched")
+        # Begun, not only dispatched: a job its worker had not started yet would be placed again.
+        wait_for(lambda: " started as " in c.log_tail("w1", 200), what="w1's job started")
         c.kill_worker("w1", signal.SIGKILL)
         outcomes = []
         for j in jobs:

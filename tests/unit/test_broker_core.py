@@ -415,6 +415,8 @@ def test_worker_lost_fails_plain_jobs_and_replaces_idempotent_ones(h: Harness) -
     d2 = out[1][1]
     assert d2.header["argv"] == ["render.py"] and d2.header["idempotent"] is True
     assert d2.header["grant"]["gpu_milli"] == 1000 and d2.frames == [b"input"]
+    h.worker(W1, Command.START, {"ids": [rid(1), rid(2)]})  # both may have begun (PROTOCOL.md §4.4)
+    assert [(m.command, m.header["ids"]) for _, m, _ in h.take_worker()] == [(Command.GO, [rid(1), rid(2)])]
     h.advance(3.0)
     h.heartbeat(W2, 1)
     h.tick(0.5)

@@ -689,6 +689,9 @@ def test_worker_passes_the_grant_to_sessions_and_jobs(make_worker: Callable[...,
     jid = os.urandom(16)
     dispatch = {"id": jid, "kind": "job", "tenant": "t", "grant": grant, "argv": ["/usr/bin/env"], "time_limit": 10.0}
     worker._on_dispatch(0, worker.links[0], dispatch, [], time.monotonic())
+    assert worker._start_asks.get(timeout=30) == jid  # it starts only on the broker's GO
+    worker.active_idx = 0
+    worker._on_go(0, worker.links[0], {"ids": [jid]})
     _, rid, frames = worker.results.get(timeout=30)
     result = P.unpackb(frames[2])
     assert rid == jid and result["ok"] is True and result["exit_code"] == 0
@@ -707,6 +710,77 @@ def test_worker_without_mps_sets_no_mps_values(make_worker: Callable[..., Worker
     assert rid == sid and P.unpackb(frames[2])["ok"] is True
     header, _ = worker._session_op(worker.sessions[sid], "info", {}, [])
     assert "mps" not in header
+
+
+# -- the start gate: a job starts only on the broker's GO (PROTOCOL.md §4.4) -------------------------
+
+def _dispatch_job(worker: Worker, jid: bytes) -> None:
+    uuid = next(iter(worker.gpus))
+    dispatch = {"id": jid, "kind": "job", "tenant": "t", "grant": {"gpus": [uuid], "gpu_milli": 1000, "mem": 0},
+                "argv": ["/bin/sh", "-c", "echo ran > mark; cat mark"], "outputs": ["mark"], "time_limit": 10.0}
+    worker._on_dispatch(0, worker.links[0], dispatch, [], time.monotonic())
+
+
+def _wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_worker_runs_a_job_only_on_the_active_brokers_go(make_worker: Callable[..., Any]) -> None:
+    worker = make_worker()
+    worker.active_idx = 0
+    jid = os.urandom(16)
+    _dispatch_job(worker, jid)
+    assert worker._start_asks.get(timeout=30) == jid
+    worker._on_go(1, worker.links[0], {"ids": [jid]})  # from a broker that is not the active one
+    time.sleep(0.3)
+    assert worker.results.empty() and jid in worker.start_waits
+    worker._on_go(0, worker.links[0], {"ids": [jid]})
+    _, got, frames = worker.results.get(timeout=30)
+    result = P.unpackb(frames[2])
+    assert got == jid and result["ok"] is True and bytes(frames[3]) == b"ran\n"
+
+
+def test_a_refused_job_never_runs_and_gets_no_result(make_worker: Callable[..., Any]) -> None:
+    worker = make_worker()
+    worker.active_idx = 0
+    jid = os.urandom(16)
+    _dispatch_job(worker, jid)
+    assert worker._start_asks.get(timeout=30) == jid
+    assert jid in worker.running
+    worker._on_go(0, worker.links[0], {"ids": [], "refused": [jid]})
+    item = worker.results.get(timeout=30)
+    assert item[1:] == (jid, [])  # no RESULT: the loop only forgets it
+    worker.results.put(item)
+    worker._flush_results()
+    assert jid not in worker.running and worker.unacked == {}
+    _wait_until(lambda: not worker.start_waits)
+    assert not any(worker.runner.workroot.iterdir())  # its directory is gone; it never started
+
+
+def test_a_job_waiting_for_go_is_asked_for_again_after_a_heartbeat_interval(make_worker: Callable[..., Any]) -> None:
+    worker = make_worker()
+    link = worker.links[0]
+    link.sock = object()  # type: ignore[assignment]  # what _ask_starts looks for; nothing is sent
+    worker.active_idx = 0
+    jid = os.urandom(16)
+    _dispatch_job(worker, jid)
+    assert worker._start_asks.get(timeout=30) == jid
+    now = time.monotonic()
+    worker._start_asks.put(jid)
+    worker._ask_starts(now, fresh=True)
+    assert [P.unpackb(m[2]) for m in link.out] == [{"ids": [jid]}]
+    link.out.clear()
+    worker._ask_starts(now + link.liveness.policy.interval / 2)
+    assert link.out == []
+    worker._ask_starts(now + link.liveness.policy.interval * 1.5)
+    assert [P.unpackb(m[2]) for m in link.out] == [{"ids": [jid]}]
+    link.out.clear()
+    link.sock = None
+    worker._on_go(0, link, {"ids": [], "refused": [jid]})
+    worker.results.get(timeout=30)
 
 
 # -- cgroups: failures never stop a job ------------------------------------------------------

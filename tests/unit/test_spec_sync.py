@@ -304,6 +304,9 @@ def updates_of_every_kind() -> list[list[Any]]:
         h.result(W1, rid(1))  # done
         h.request(C1, rid(2), kind="session")
         h.result(W1, rid(2), session=rid(2))  # session
+        h.request(C1, rid(5), kind="job", argv=["x"], need={"gpu_milli": 100})  # task, run
+        h.worker(W1, Command.START, {"ids": [rid(5)]})  # start
+        h.result(W1, rid(5))  # done
         h.request(C1, rid(3), kind="job", argv=["x"], idempotent=True, need={"gpu_milli": 100})
         h.worker(W1, Command.DISCONNECT, {})  # end (the session), queue (the idempotent job: it fills the queue)
         h.request(C1, rid(4), kind="job", argv=["x"])  # task, then forget: no room in the queue
@@ -321,7 +324,7 @@ def test_every_replicated_update_has_the_documented_items(lines: list[str]) -> N
     rows = table_rows(lines, after_marker(lines, "updates"))
     documented = {row[0].strip("`"): [i.strip() for i in row[1].split(",")] for row in rows}
     assert set(documented) == {replication.TASK, replication.RUN, replication.QUEUE, replication.DONE, replication.FORGET,
-                               replication.SESSION, replication.END, replication.MARKS}
+                               replication.SESSION, replication.END, replication.MARKS, replication.START}
     seen: dict[str, set[int]] = {}
     for update in updates_of_every_kind():
         seen.setdefault(update[0], set()).add(len(update) - 1)

@@ -550,6 +550,7 @@ class JobRunner:
         tenant: str,
         cancel: threading.Event | None = None,
         grant: JobGrant | None = None,
+        begin: Callable[[], None] | None = None,
     ) -> JobOutcome:
         """Run one job to completion and return its outcome.
 
@@ -562,6 +563,10 @@ class JobRunner:
             cancel: when set, the job is killed like at its time limit (``timed_out`` stays False).
             grant: what the broker granted (MPS limits, cgroup limits); None: a whole GPU, no
                 memory or CPU figures.
+            begin: called once everything is ready and the job's turn to start has come, just
+                before its program starts; it returns when the program may start (the broker's
+                GO, PROTOCOL.md §4.4) and raises when it must not (the runner then cleans up and
+                lets that exception through).
 
         Raises:
             InvalidRequest: the spec or inputs are malformed (reserved env key, count mismatch).
@@ -580,7 +585,7 @@ class JobRunner:
                     try:
                         return self._execute(
                             hexid, spec, workdir, dfd, user, visible_devices, cancel,
-                            grant if grant is not None else JobGrant(),
+                            grant if grant is not None else JobGrant(), begin,
                         )
                     finally:
                         os.close(dfd)
@@ -777,10 +782,11 @@ class JobRunner:
         devices: str,
         cancel: threading.Event | None,
         grant: JobGrant,
+        begin: Callable[[], None] | None = None,
     ) -> JobOutcome:
         cgroup = self._make_cgroup(hexid, grant)
         try:
-            return self._execute_in(hexid, spec, workdir, dfd, user, devices, cancel, grant, cgroup)
+            return self._execute_in(hexid, spec, workdir, dfd, user, devices, cancel, grant, cgroup, begin)
         finally:
             if cgroup is not None:
                 oom = cgroup.oom_kills()
@@ -805,10 +811,14 @@ class JobRunner:
         cancel: threading.Event | None,
         grant: JobGrant,
         cgroup: JobCgroup | None,
+        begin: Callable[[], None] | None = None,
     ) -> JobOutcome:
         started = time.monotonic()
         try:
             with _STARTS:
+                if begin is not None:  # its turn has come: only now may it have begun
+                    begin()
+                    started = time.monotonic()  # its time limit counts from its GO
                 proc = subprocess.Popen(
                     list(spec.argv),
                     stdin=subprocess.DEVNULL,

@@ -51,6 +51,23 @@ HOUSEKEEPING_S = 0.02  # how often liveness, heartbeats and idle sessions are lo
 UNACKED_TTL_S = 600.0  # seconds a RESULT is kept for a broker that never ACKs it
 _SIG = Peer.WORKER.value
 _RESULT = P.CMD_BYTES[Command.RESULT]
+_START = P.CMD_BYTES[Command.START]
+
+
+class JobNotStarted(Exception):
+    """A job that must never start here: the broker refused its START (it was placed again
+    elsewhere, or answered already), or the worker stopped before its GO. It gets no RESULT."""
+
+
+class StartWait:
+    """One job's wait for its GO (PROTOCOL.md §4.4), between its job thread and the loop."""
+
+    __slots__ = ("answered", "go", "asked_at")
+
+    def __init__(self) -> None:
+        self.answered = threading.Event()
+        self.go = False
+        self.asked_at = 0.0  # when its START last went out (0: not yet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +210,10 @@ class Worker:
         self.active_idx: int | None = None  # index in links of the active broker
         self.max_epoch = 0
         self._alive_at = 0.0  # the next time a long drain looks at queued sends and heartbeats
+        # Jobs ready to start, waiting for the active broker's GO (PROTOCOL.md §4.4): job threads
+        # add and remove entries, the loop asks START for them and answers them.
+        self.start_waits: dict[bytes, StartWait] = {}
+        self._start_asks: queue.SimpleQueue[bytes] = queue.SimpleQueue()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -300,6 +321,8 @@ class Worker:
             if not self.results.empty():
                 self._flush_results()
                 busy = True
+            if not self._start_asks.empty():
+                self._ask_starts(now, fresh=True)
             for i, link in enumerate(self.links):
                 sock = link.sock
                 if sock is not None and self._drain(i, link, sock, poller):
@@ -328,6 +351,8 @@ class Worker:
             self._reclaim_idle_sessions()
             if self.unacked:
                 self._drop_old_unacked(now)
+            if self.start_waits:
+                self._ask_starts(now)
             self._fail_work_on_failed_gpus()
 
     def _reconnect(self, link: BrokerLink, poller: zmq.Poller, now: float) -> None:
@@ -341,6 +366,8 @@ class Worker:
         link.retry_at = now + link.backoff * (0.5 + random.random() / 2)
 
     def _shutdown(self) -> None:
+        for wait in list(self.start_waits.values()):  # never started: the broker places them again
+            wait.answered.set()
         for s in list(self.sessions.values()):  # a session process ends at once: its memory with it
             self._close_session(s, kill="the worker is stopping")
         for link in self.links:
@@ -458,6 +485,8 @@ class Worker:
                 for rid in ids:
                     if type(rid) is bytes:
                         self.unacked.pop(rid, None)
+        elif cmd is Command.GO:
+            self._on_go(idx, link, h)
         elif cmd is Command.WELCOME:
             hb = h.get("heartbeat_ms")
             lv = h.get("liveness")
@@ -508,6 +537,8 @@ class Worker:
             for frames, _ in list(self.unacked.values()):
                 link.send(frames)
             self._beat(link, now)
+            if self.start_waits:
+                self._ask_starts(now, again=True)
 
     def _deliver(self, idx: int, rid: bytes, frames: list[Any]) -> None:
         """Send a RESULT to the active broker (or the one that dispatched it, while none is
@@ -536,7 +567,11 @@ class Worker:
                 idx, rid, frames = self.results.get_nowait()
             except queue.Empty:
                 return
-            self._deliver(idx, rid, frames)
+            if frames:
+                self._deliver(idx, rid, frames)
+            else:  # a job that never started (its START refused): no longer ours, and no RESULT
+                self.running.pop(rid, None)
+                self.owner.pop(rid, None)
 
     # ---------------------------------------------------------------- work
 
@@ -627,7 +662,7 @@ class Worker:
             spec = P.parse_job(h, len(frames))
             visible = ",".join(self._visible_name(u) for u in uuids)
             out = self.runner.run(rid, spec, [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames], visible, tenant, cancel,
-                                  JobGrant.from_wire(h.get("grant")))
+                                  JobGrant.from_wire(h.get("grant")), lambda: self._await_go(rid, cancel))
             if cancel.is_set():
                 failed = next((u for u in uuids if u in self.gpu_faults), uuids[0])
                 raise GpuFault(f"GPU {failed} failed ({self.gpu_faults.get(failed, 'health check')}) while the job ran; the job was killed")
@@ -642,6 +677,10 @@ class Worker:
                 "user": out.user,
             }
             self._result(idx, rid, header, [out.stdout, out.stderr, *(data for _, data in out.files)])
+        except JobNotStarted:
+            log.info("job %s: not started (%s)", P.id_text(rid), "the worker is stopping" if self._stop.is_set() else "START refused")
+            self.results.put((idx, rid, []))  # no RESULT: the loop only forgets it
+            self._wake()
         except GpudError as exc:
             self._error(idx, rid, exc)
         except Exception as exc:
@@ -649,6 +688,67 @@ class Worker:
             self._error(idx, rid, InternalError(f"the worker failed to run the job: {exc.__class__.__name__}"))
         finally:
             self._job_cancels.pop(rid, None)
+
+    def _await_go(self, rid: bytes, cancel: threading.Event) -> None:
+        """(Job thread) Ask the active broker whether job ``rid`` may start and wait for its
+        answer (PROTOCOL.md §4.4): return on GO, raise JobNotStarted when refused, GpuFault
+        when its GPU fails meanwhile."""
+        wait = self.start_waits[rid] = StartWait()
+        self._start_asks.put(rid)
+        self._wake()
+        try:
+            while not wait.answered.wait(0.1):
+                if cancel.is_set():
+                    raise GpuFault("the job's GPU failed before the job started; it was not started")
+        finally:
+            self.start_waits.pop(rid, None)
+        if not wait.go:
+            raise JobNotStarted(P.id_text(rid))
+        log.debug("job %s: GO", P.id_text(rid))
+
+    def _ask_starts(self, now: float, fresh: bool = False, again: bool = False) -> None:
+        """Send START for the jobs waiting for their GO to the active broker: ``fresh``, those
+        just ready; ``again``, all of them (the active broker changed); otherwise those asked more
+        than a heartbeat interval ago."""
+        ids: list[bytes] = []
+        if fresh:
+            while True:
+                try:
+                    ids.append(self._start_asks.get_nowait())
+                except queue.Empty:
+                    break
+        idx = self.active_idx
+        link = self.links[idx] if idx is not None else None
+        if link is None or link.sock is None:
+            return  # asked again once a broker is active (``_choose_active``)
+        if not fresh:
+            limit = now if again else now - link.liveness.policy.interval
+            ids = [rid for rid, w in list(self.start_waits.items()) if w.asked_at <= limit]
+        asked = []
+        for rid in ids:
+            wait = self.start_waits.get(rid)
+            if wait is not None and not wait.answered.is_set():
+                wait.asked_at = now
+                asked.append(rid)
+        if asked:
+            link.send([_SIG, _START, P.packb({"ids": asked})])
+
+    def _on_go(self, idx: int, link: BrokerLink, h: dict[str, Any]) -> None:
+        """The active broker's answer to STARTs: each job named in ``ids`` may start, none named
+        in ``refused`` ever may. A GO from a broker we do not regard as active is ignored (its
+        jobs are asked for again from the active one)."""
+        if idx != self.active_idx:
+            log.info("GO from broker %s, which is not the active one; ignored", link.endpoint)
+            return
+        for key, go in (("ids", True), ("refused", False)):
+            ids = h.get(key)
+            if type(ids) is not list:
+                continue
+            for rid in ids:
+                wait = self.start_waits.get(rid) if type(rid) is bytes else None
+                if wait is not None and not wait.answered.is_set():
+                    wait.go = go
+                    wait.answered.set()
 
     def _visible_name(self, uuid: str) -> str:
         g = self.gpus[uuid]

@@ -1,0 +1,97 @@
+"""Chaos: workers SIGKILLed at random moments under bursts of non-idempotent jobs, round after round.
+
+Each job's first command leaves a mark file (named by its job id and its shell's pid) in a
+directory that outlives the workers, so the marks say which jobs began, and how often. A job may
+fail (WORKER_LOST) only if it may have begun: the broker told its worker GO (PROTOCOL.md §4.4,
+one broker DEBUG line per GO). Between a GO and the job's first command lies the fork and exec of
+its shell, which a kill can hit: such a job failed with no mark, and is counted apart. A job that
+never began, waiting for its turn to start behind the others or for its GO, is placed again on a
+live worker and ends with its result. No job ever begins twice.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import threading
+from collections import Counter
+from pathlib import Path
+
+from gpud.errors import GpudError
+from gpud_cli.cluster import LocalCluster
+from gpud_client import Client
+
+ROUNDS = 12
+JOBS = 30  # per round, all submitted at once over three workers
+KILL_WITHIN_S = 1.2
+UID_BASE = 62_000  # as root, worker k runs jobs as uids UID_BASE + 16k.. (apart from other tests' 61184..)  # the kill lands at a random moment this long after the burst is submitted
+_GO = re.compile(r"GO ([0-9a-f]{32}) to ")
+_LOST = re.compile(r"worker w\d+ lost \(.*?\): (\d+) task")
+
+
+def marks_by_job(marks: Path) -> Counter[str]:
+    return Counter(p.name.split(".")[0] for p in marks.iterdir())
+
+
+def test_jobs_that_never_began_survive_workers_killed_at_random() -> None:
+    rng = random.Random()
+    with LocalCluster(workers=0, heartbeat_ms=200, log_level="DEBUG", dynamic_uid_base=UID_BASE) as c:
+        assert c.rundir is not None
+        marks = c.rundir / "marks"
+        marks.mkdir()
+        marks.chmod(0o1777)  # the jobs' pool users write there
+        names = ["w0", "w1", "w2"]
+        c.add_worker("w0")
+        c.add_worker("w1", extra=["--replica-of", "w0"])
+        c.add_worker("w2")
+        c.wait_workers(3)
+        outcomes: dict[str, str] = {}  # job id (hex) -> "ok" or the error code
+        wrong: list[str] = []
+        with Client(c.frontend, timeout=90) as client:
+            for rnd in range(ROUNDS):
+                victim = rng.choice(names)
+                pend = []
+                for i in range(JOBS):
+                    tag = f"{rnd}-{i}"
+                    script = f': > {marks}/"$GPUD_JOB_ID".$$; sleep {rng.uniform(0.05, 0.4):.2f}; echo {tag}'
+                    pend.append((tag, client.submit(["sh", "-c", script], gpu_milli=10, time_limit=30)))
+                killer = threading.Timer(rng.uniform(0.0, KILL_WITHIN_S),
+                                         lambda v=victim: c.kill_worker(v, signal.SIGKILL))  # type: ignore[misc]
+                killer.start()
+                for tag, p in pend:
+                    try:
+                        got = p.wait()
+                    except GpudError as exc:
+                        outcomes[p.id.hex()] = exc.code
+                        continue
+                    outcomes[p.id.hex()] = "ok"
+                    if got.exit_code != 0 or got.stdout.decode().strip() != tag:
+                        wrong.append(f"{tag}: {got!r}")
+                killer.join()
+                # A new worker in its place, under a new name: its pool uids are its own (a
+                # worker kills whatever runs as its pool users after each job).
+                c.worker_procs.pop(victim)
+                names[names.index(victim)] = fresh = f"w{3 + rnd}"
+                first = UID_BASE + 16 * (3 + rnd)
+                c.add_worker(fresh, extra=["--job-uids", f"{first}-{first + 15}"] if os.geteuid() == 0 else None)
+                c.wait_workers(3)
+        broker_log = (c.rundir / "broker.log").read_text(errors="replace")
+        told_go = set(_GO.findall(broker_log))
+        lost_with_work = sum(int(n) for n in _LOST.findall(broker_log))
+        began = marks_by_job(marks)
+
+    assert len(outcomes) == ROUNDS * JOBS
+    assert wrong == []
+    twice = {j: n for j, n in began.items() if n > 1}
+    assert twice == {}, f"jobs that began twice: {twice}"
+    failed = {j: code for j, code in outcomes.items() if code != "ok"}
+    assert set(failed.values()) <= {"WORKER_LOST"}, failed
+    never_told = [j for j in failed if j not in told_go]
+    assert never_told == [], f"{len(never_told)} job(s) failed that the broker had never told GO"
+    unmarked = [j for j in failed if j not in began]  # told GO; the kill hit their fork and exec
+    assert all(began[j] == 1 for j, code in outcomes.items() if code == "ok")
+    print(f"{ROUNDS} rounds of {JOBS} jobs: {len(failed)} failed (may have begun), of which "
+          f"{len(unmarked)} were killed between GO and their first command; 0 began twice")
+    assert lost_with_work > 0, "no kill hit a worker with jobs on it"

@@ -99,14 +99,18 @@ ARG_TYPES = ("ptr", "i32", "u32", "i64", "u64", "f32", "f64")
 BUILTIN_MODULE = "builtin"
 
 _packb: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
+_EMPTY_MAP = _packb({})
 
 
 def packb(obj: Any) -> bytes:
     return _packb(obj)
 
 
+_unpackb = msgpack.unpackb
+
+
 def unpackb(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    return _unpackb(data, raw=False, strict_map_key=True, use_list=True)
 
 
 def id_text(rid: bytes) -> str:
@@ -124,9 +128,50 @@ class Message:
     frames: list[Any] = field(default_factory=list)
 
 
+# --------------------------------------------------------------------------- building messages
+# Every message is built by ``encode`` or, for the ones each request sends, by a builder below
+# whose ``[signature, command]`` frames are made once, here. ``frames`` (payload) are passed
+# through untouched (no copies).
+
+_CLIENT_SIG = Peer.CLIENT.value
+_WORKER_SIG = Peer.WORKER.value
+_REPLY = CMD_BYTES[Command.REPLY]
+_DISPATCH = CMD_BYTES[Command.DISPATCH]
+_PONG = CMD_BYTES[Command.PONG]
+
+
+_PREFIXES: dict[tuple[Peer, Command], tuple[bytes, bytes]] = {(p, c): (p.value, CMD_BYTES[c]) for p in Peer for c in Command}
+
+
 def encode(peer: Peer, command: Command, header: dict[str, Any], frames: Sequence[Any] = ()) -> list[Any]:
-    """Frames for one message. ``frames`` are passed through untouched (no copies)."""
-    return [peer.value, CMD_BYTES[command], _packb(header), *frames]
+    """Frames for one message."""
+    sig, cmd = _PREFIXES[peer, command]
+    return [sig, cmd, _packb(header), *frames]
+
+
+def encode_raw(peer: Peer, command: Command, raw_header: bytes, frames: Sequence[Any] = ()) -> list[Any]:
+    """Frames for one message whose header is packed already."""
+    sig, cmd = _PREFIXES[peer, command]
+    return [sig, cmd, raw_header, *frames]
+
+
+def reply(raw_header: bytes, frames: Sequence[Any] = ()) -> list[Any]:
+    """A REPLY to a client whose header is packed already (a worker's RESULT header, as it came)."""
+    return [_CLIENT_SIG, _REPLY, raw_header, *frames]
+
+
+def error_reply(rid: bytes | None, exc: GpudError) -> list[Any]:
+    """The REPLY that ends request ``rid`` with ``exc``."""
+    return [_CLIENT_SIG, _REPLY, _packb(error_header(rid, exc))]
+
+
+def pong() -> list[Any]:
+    return [_CLIENT_SIG, _PONG, _EMPTY_MAP]
+
+
+def dispatch(header: dict[str, Any], frames: Sequence[Any] = ()) -> list[Any]:
+    """A DISPATCH to a worker."""
+    return [_WORKER_SIG, _DISPATCH, _packb(header), *frames]
 
 
 def decode(
@@ -144,7 +189,8 @@ def decode(
         raise ProtocolError(f"message has {n} frames; at least 3 are required")
     if n - 3 > MAX_PAYLOAD_FRAMES:
         raise TooLarge(f"message has {n - 3} payload frames; the limit is {MAX_PAYLOAD_FRAMES}")
-    sig = _as_bytes(frames[0])
+    # Frames are bytes but for zmq.Frame payloads: the common case costs no call.
+    sig = frames[0] if type(frames[0]) is bytes else as_bytes(frames[0])
     peer = _PEER_BY_SIG.get(sig)
     if peer is None:
         if len(sig) == 6 and sig[:4] == SIGNATURE_PREFIX and sig[4:5] in b"CWAB":
@@ -154,15 +200,16 @@ def decode(
         raise ProtocolError(f"bad signature frame {sig[:16]!r}")
     if expect is not None and peer is not expect:
         raise UnknownCommand(f"a {peer.name.lower()} peer may not talk to this socket")
-    command = _CMD_BY_BYTE.get(_as_bytes(frames[1]))
+    cmd = frames[1] if type(frames[1]) is bytes else as_bytes(frames[1])
+    command = _CMD_BY_BYTE.get(cmd)
     if command is None:
-        raise UnknownCommand(f"unknown command {_as_bytes(frames[1])[:4]!r}")
-    raw = _as_bytes(frames[2])
+        raise UnknownCommand(f"unknown command {cmd[:4]!r}")
+    raw = frames[2] if type(frames[2]) is bytes else as_bytes(frames[2])
     if len(raw) > MAX_HEADER_BYTES:
         raise TooLarge(f"header is {len(raw)} bytes; the limit is {MAX_HEADER_BYTES}")
     total = len(raw)
     if n > 3:
-        total += sum([f.nbytes if type(f) is memoryview else _nbytes(f) for f in frames[3:]])
+        total += sum([len(f) if type(f) is bytes else _nbytes(f) for f in frames[3:]])
     if total > max_bytes:
         raise TooLarge(f"message is {total} bytes; the limit is {max_bytes}")
     return Message(peer, command, _header(raw), list(frames[3:]))
@@ -170,7 +217,7 @@ def decode(
 
 def _header(raw: bytes) -> dict[str, Any]:
     try:
-        header = unpackb(raw)
+        header = _unpackb(raw, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises many types on garbage
         raise ProtocolError(f"header is not valid msgpack: {exc.__class__.__name__}") from None
     if type(header) is not dict:
@@ -259,7 +306,8 @@ def messages(msg: Message) -> list[Message]:
     return [m for m, _ in unbatch(msg)] if msg.command is Command.BATCH else [msg]
 
 
-def _as_bytes(frame: Any) -> bytes:
+def as_bytes(frame: Any) -> bytes:
+    """A frame (bytes, zmq.Frame or any buffer) as bytes: the one conversion every component uses."""
     if type(frame) is bytes:
         return frame
     b = getattr(frame, "bytes", None)  # zmq.Frame
@@ -469,6 +517,146 @@ def job_to_wire(spec: JobSpec) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------- typed requests
+# What a handler needs of a client's REQUEST or CALL and of a worker's READY, checked in one pass:
+# handlers get these objects, never raw header fields.
+
+MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
+MAX_SLOTS = 100_000
+
+
+class NeedCache:
+    """``parse_need``, memoized: clients send the same few need maps over and over."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._needs: dict[Any, Need] = {}
+
+    def parse(self, kind: str, raw: Any) -> Need:
+        try:
+            # Types are part of the key: True == 1 and 1.0 == 1, but parse_need refuses them.
+            key = (kind, tuple([(k, v.__class__, v) for k, v in raw.items()])) if type(raw) is dict else (kind, raw)
+            need = self._needs.get(key)
+        except TypeError:  # unhashable values (lists): parse every time
+            return parse_need(kind, raw)
+        if need is None:
+            need = parse_need(kind, raw)
+            if len(self._needs) >= self.size:
+                self._needs.clear()
+            self._needs[key] = need
+        return need
+
+
+@dataclass(slots=True)
+class Request:
+    """A checked REQUEST (PROTOCOL.md §4.1), past its id."""
+
+    kind: str
+    need: Need  # as declared: the broker may put the authenticated tenant in
+    body: dict[str, Any]  # what DISPATCH forwards besides the grant (a job's spec)
+    retryable: bool  # may run again after a worker loss (echo, session; a job only if idempotent)
+    deadline_ms: int
+    replaces: bytes | None  # a session: the id of the lost session it replaces
+
+
+def parse_request(header: dict[str, Any], nframes: int, needs: NeedCache, default_deadline_ms: int) -> Request:
+    """The REQUEST ``header`` (with ``nframes`` payload frames) checked; InvalidRequest on any bad
+    field. Its id is the caller's to read first (``get_id``): a retry is judged by the id alone."""
+    kind = header.get("kind")
+    if kind not in KINDS:
+        raise InvalidRequest(f"unknown request kind {kind!r}; known: {', '.join(KINDS)}")
+    need = needs.parse(kind, header.get("need"))
+    body: dict[str, Any]
+    retryable = True
+    if kind == "job":
+        spec = parse_job(header, nframes)
+        body = job_to_wire(spec)
+        retryable = spec.idempotent
+    else:
+        body = {}
+    deadline_ms = header.get("deadline_ms")
+    if deadline_ms is None:
+        deadline_ms = default_deadline_ms
+    elif type(deadline_ms) is not int:
+        deadline_ms = opt(header, "deadline_ms", int, default_deadline_ms)  # refused with the reason
+    if not 0 <= deadline_ms <= MAX_DEADLINE_MS:
+        raise InvalidRequest(f"field 'deadline_ms' must be in 0..{MAX_DEADLINE_MS}")
+    replaces = header.get("replaces") if kind == "session" else None
+    return Request(kind, need, body, retryable, deadline_ms, replaces if type(replaces) is bytes else None)
+
+
+@dataclass(slots=True)
+class Call:
+    """A checked CALL on a session (PROTOCOL.md §5.4), past its id."""
+
+    session: bytes
+    op: str
+    args: dict[str, Any]
+
+
+def parse_call(header: dict[str, Any]) -> Call:
+    """The CALL ``header`` checked; InvalidRequest on any bad field."""
+    try:
+        sid = get_id(header, "session")
+    except ProtocolError as exc:
+        raise InvalidRequest(exc.message) from None
+    op = header.get("op")
+    if op not in SESSION_OPS:
+        raise InvalidRequest(f"unknown session op {op!r}; known: {', '.join(SESSION_OPS)}")
+    return Call(sid, op, opt(header, "args", dict, {}))
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """A checked READY (PROTOCOL.md §4.2): what a worker announces."""
+
+    name: str
+    gpus: list[GpuInfo]
+    cpu_milli: int
+    host_mem: int
+    slots: int
+    heartbeat_ms: int  # 0: the broker's
+    liveness: int  # 0: the broker's
+    hostname: str
+    instance_id: str
+    replica_of: str
+    simulated: bool
+
+
+def parse_ready(header: dict[str, Any]) -> Ready:
+    """The READY ``header`` checked. A READY with any bad field is malformed (PROTOCOL.md §2):
+    ProtocolError, whatever the check."""
+    try:
+        name = header.get("name")
+        if type(name) is not str or not 0 < len(name) <= 128:
+            raise ProtocolError("READY needs 'name' (1-128 characters)")
+        raw_gpus = header.get("gpus")
+        if type(raw_gpus) is not list or len(raw_gpus) > 64:
+            raise ProtocolError("READY needs 'gpus', a list of at most 64 GPUs")
+        gpus = [parse_gpu_info(g) for g in raw_gpus]
+        if len({g.uuid for g in gpus}) != len(gpus):
+            raise ProtocolError("READY names a GPU uuid twice")
+        ready = Ready(
+            name=name,
+            gpus=gpus,
+            cpu_milli=opt(header, "cpu_milli", int, 0),
+            host_mem=opt(header, "host_mem", int, 0),
+            slots=opt(header, "slots", int, 64),
+            heartbeat_ms=opt(header, "heartbeat_ms", int, 0),
+            liveness=opt(header, "liveness", int, 0),
+            hostname=opt(header, "hostname", str, "")[:255],
+            instance_id=opt(header, "instance_id", str, "")[:64],
+            replica_of=opt(header, "replica_of", str, "")[:128],
+            simulated=bool(header.get("simulated", False)),
+        )
+    except InvalidRequest as exc:
+        raise ProtocolError(exc.message) from None
+    if not (0 <= ready.cpu_milli and 0 <= ready.host_mem and 1 <= ready.slots <= MAX_SLOTS
+            and 0 <= ready.heartbeat_ms <= 600_000 and 0 <= ready.liveness <= 100):
+        raise ProtocolError("READY has a value out of range")
+    return ready
+
+
 def parse_dims(value: Any, key: str) -> tuple[int, int, int]:
     if type(value) is not list or not 1 <= len(value) <= 3:
         raise InvalidRequest(f"field {key!r} must be a list of 1 to 3 positive ints")
@@ -606,6 +794,22 @@ def _int_field(raw: dict[str, Any], key: str, lo: int, hi: int) -> int:
     if type(v) is not int or isinstance(v, bool):
         raise InvalidRequest(f"field {key!r} must be an int")
     return _int_in(v, key, lo, hi)
+
+
+def peek_id(frames: Sequence[Any]) -> bytes | None:
+    """The request id in the header of message ``frames`` (``[signature, command, header, ...]``)
+    that was refused or could not be decoded, when the header is readable enough to have one."""
+    if len(frames) < 3:
+        return None
+    try:
+        raw = as_bytes(frames[2])
+        if len(raw) > MAX_HEADER_BYTES:
+            return None
+        header = unpackb(raw)
+    except Exception:  # garbage msgpack raises many types
+        return None
+    rid = header.get("id") if type(header) is dict else None
+    return rid if type(rid) is bytes and len(rid) == ID_BYTES else None
 
 
 def error_header(rid: bytes | None, exc: GpudError) -> dict[str, Any]:

@@ -14,13 +14,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import MethodType
 from typing import Any
 
 import zmq
 import zmq.utils.z85
 
-from gpud import notify
-from gpud import protocol as P
+from gpud import notify, protocol
 from gpud.errors import ConfigError, GpudError, InternalError, ShuttingDown, UnknownCommand
 from gpud.protocol import Command, Peer
 from gpud.security import (
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 BATCH = 256  # messages drained from one socket before looking at the others
 TICK_S = 0.05  # how often timers run (heartbeats, expiries)
-_NEW_WORK = (P.CMD_BYTES[Command.REQUEST], P.CMD_BYTES[Command.CALL])
+_NEW_WORK = (protocol.CMD_BYTES[Command.REQUEST], protocol.CMD_BYTES[Command.CALL])
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +65,7 @@ def bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
 
 
 class Broker:
-    openstack: Any = None  # openstack (issue 7): its Controller when [openstack] is enabled (serve)
+    openstack: Any = None  # its OpenStack Controller when [openstack] is enabled (serve)
 
     def __init__(self, config: BrokerConfig, endpoints: Endpoints, ctx: zmq.Context[Any] | None = None,
                  security: SecuritySettings | None = None, pair: PairConfig | None = None) -> None:
@@ -121,23 +121,81 @@ class Broker:
             self.admin = self._router(ADMIN_DOMAIN, keys if admin_tcp else None)
             self.endpoints = Endpoints(self.endpoints.frontend, self.endpoints.backend, bind(self.admin, endpoints.admin))
         self._stop = threading.Event()
-        self._draining = False
+        self._draining = False  # drain() was called (SIGTERM)
+        self._refusing = False  # the drain has begun: new work is refused (``_start_drain``)
         self._reload_requested = False
         self.pair: Pair | None = None
         if pair is not None:
             if not self.security.curve:
                 check_bind(pair.bind, self.security, "peer")
-            self.pair = Pair(self.core, pair, self.ctx, keys, serve=lambda frames, tenant: Broker._on_client(self, frames, tenant),
+            self.pair = Pair(self.core, pair, self.ctx, keys, serve=self._serve_as_active,
                              set_serving=self._set_serving, send_client=lambda frames: to_client(frames[0], frames[1:]))
-            self._set_serving(False)
+        self._set_serving(pair is None)
+
+    # ------------------------------------------------------------------ the client handler
 
     def _set_serving(self, serving: bool) -> None:
-        """Serve clients (the active broker of a pair) or hand them to the pair's vote."""
-        if serving:
-            self.__dict__.pop("_on_client", None)
-        else:
+        """Serve clients (standalone, or the active broker of a pair) or hand them to the pair."""
+        self._serving = serving
+        self._choose_client_handler()
+
+    def _choose_client_handler(self) -> None:
+        """``_on_client``, what both frontend paths (plain and CURVE) call for each message, from
+        one table by (serving, draining): chosen when either changes, never tested per message."""
+        self._on_client = MethodType(self._CLIENT_HANDLERS[(self._serving, self._refusing)], self)
+
+    def _serve_client(self, frames: list[bytes], tenant: str | None = None) -> None:
+        """Serving: the message goes to the core."""
+        ident = frames[0]
+        try:
+            msg = protocol.decode(frames[1:], Peer.CLIENT, self.config.max_message_bytes)
+            self.core.on_client(ident, msg, tenant)
+        except GpudError as exc:
+            self._bad(self.frontend, Peer.CLIENT, ident, frames, exc)
+        except Exception:
+            log.exception("bug while handling a client message")
+            self._bad(self.frontend, Peer.CLIENT, ident, frames, InternalError("internal error in the broker"))
+
+    def _serve_client_draining(self, frames: list[bytes], tenant: str | None = None) -> None:
+        """Serving while draining: new requests and session calls are answered SHUTTING_DOWN (the
+        client may go to the other broker); retries of known ids, pings and cancels are served."""
+        if not self._refused_as_new_work(frames):
+            self._serve_client(frames, tenant)
+
+    def _vote_client(self, frames: list[bytes], tenant: str | None = None) -> None:
+        """Not serving (the passive broker of a pair): the pair's vote decides."""
+        assert self.pair is not None
+        self.pair.on_client(frames, tenant)
+
+    def _vote_client_draining(self, frames: list[bytes], tenant: str | None = None) -> None:
+        """Not serving while draining: new work is answered SHUTTING_DOWN, the rest is sent to the
+        peer as a passive broker's answer is (a stopping broker never takes over on a vote)."""
+        if not self._refused_as_new_work(frames):
             assert self.pair is not None
-            self._on_client = self.pair.on_client  # type: ignore[method-assign]
+            self.pair.reject(frames)
+
+    _CLIENT_HANDLERS: dict[tuple[bool, bool], Callable[..., None]] = {
+        (True, False): _serve_client,
+        (True, True): _serve_client_draining,
+        (False, False): _vote_client,
+        (False, True): _vote_client_draining,
+    }
+
+    def _serve_as_active(self, frames: list[Any], tenant: str | None) -> None:
+        """What the pair hands over once this broker is active (a vote's message, held ones)."""
+        self._CLIENT_HANDLERS[(True, self._refusing)](self, frames, tenant)
+
+    def _refused_as_new_work(self, frames: list[bytes]) -> bool:
+        """While draining: answer a new REQUEST or CALL SHUTTING_DOWN; False for anything else."""
+        if len(frames) > 3 and frames[2] in _NEW_WORK:
+            rid = protocol.peek_id(frames[1:])
+            if rid is not None and rid not in self.core.tasks.tasks:
+                exc = ShuttingDown(f"broker {self.config.name} is stopping and takes no new work")
+                self.core.counters["errors"] += 1
+                self.core.stats.error(exc.code)
+                send_frames(self.frontend, [frames[0], *protocol.error_reply(rid, exc)])
+                return True
+        return False
 
     def failover(self) -> dict[str, Any]:
         """``gpudctl failover``: hand the active role to the passive peer.
@@ -272,7 +330,6 @@ class Broker:
         pair = self.pair
         if pair is not None:
             poller.register(pair.inbound, zmq.POLLIN)
-        ack = [Peer.WORKER.value, P.CMD_BYTES[Command.ACK]]
         curve = self.zap is not None
         core = self.core
         front, back, admin = self.frontend, self.backend, self.admin
@@ -316,7 +373,7 @@ class Broker:
                 self._flush()
             if core.unacked:
                 for ident, ids in core.take_acks().items():
-                    send_frames(back, [ident, *ack, P.packb({"ids": ids})])
+                    send_frames(back, [ident, *protocol.encode(Peer.WORKER, Command.ACK, {"ids": ids})])
             if core.starts.pending:
                 for ident, go in core.take_go().items():
                     send_frames(back, [ident, *go])
@@ -326,7 +383,7 @@ class Broker:
                 if admin is not None:
                     self._drain(admin, self._on_admin)
                 core.tick(now)
-                if self.openstack is not None:  # openstack (issue 7): results in, decisions out; never waits
+                if self.openstack is not None:  # OpenStack: results in, decisions out; never waits
                     self.openstack.on_tick(core, now)
                 if pair is not None:
                     pair.tick(now)
@@ -364,35 +421,19 @@ class Broker:
         """Send what the core queued: each peer's messages in order, runs of small ones as BATCHes."""
         for sock, box in self._outboxes:
             for ident, msgs in box.items():
-                for frames in P.batched(msgs):
+                for frames in protocol.batched(msgs):
                     sock.send(ident, SNDMORE)
                     send_frames(sock, frames)
             box.clear()
 
     def _start_drain(self) -> None:
-        """Answer the queue SHUTTING_DOWN and from now on refuse new work (``_on_client_draining``)."""
+        """Answer the queue SHUTTING_DOWN and from now on refuse new work."""
         core = self.core
         failed = core.fail_queued(ShuttingDown(f"broker {self.config.name} is stopping"))
-        # Both frontend paths (plain and CURVE) call ``self._on_client``: shadow it on the instance
-        # rather than test a flag per message on the hot path.
-        self._on_client = self._on_client_draining  # type: ignore[method-assign]
+        self._refusing = True
+        self._choose_client_handler()
         log.info("stopping: %d queued request(s) answered SHUTTING_DOWN; waiting up to %gs for %d dispatched",
                  failed, self.config.drain_timeout, core.dispatched())
-
-    def _on_client_draining(self, frames: list[bytes], tenant: str | None = None) -> None:
-        """``_on_client`` while draining: new requests and session calls are answered
-        SHUTTING_DOWN (the client may go to the other broker); retries of known ids, pings and
-        cancels are served as usual."""
-        if len(frames) > 3 and frames[2] in _NEW_WORK:
-            rid = _peek_id(frames)
-            if rid is not None and rid not in self.core.tasks.tasks:
-                exc = ShuttingDown(f"broker {self.config.name} is stopping and takes no new work")
-                self.core.counters["errors"] += 1
-                self.core.stats.error(exc.code)
-                send_frames(self.frontend, [frames[0], Peer.CLIENT.value, P.CMD_BYTES[Command.REPLY],
-                                            P.packb(P.error_header(rid, exc))])
-                return
-        Broker._on_client(self, frames, tenant)
 
     def _drain(self, sock: zmq.Socket[bytes], handle: Any) -> int:
         """Handle up to BATCH queued messages of ``sock``; returns how many there were."""
@@ -404,23 +445,12 @@ class Broker:
             handle(frames)
         return BATCH
 
-    def _on_client(self, frames: list[bytes], tenant: str | None = None) -> None:
-        ident = frames[0]
-        try:
-            msg = P.decode(frames[1:], Peer.CLIENT, self.config.max_message_bytes)
-            self.core.on_client(ident, msg, tenant)
-        except GpudError as exc:
-            self._bad(self.frontend, Peer.CLIENT, ident, frames, exc)
-        except Exception:
-            log.exception("bug while handling a client message")
-            self._bad(self.frontend, Peer.CLIENT, ident, frames, InternalError("internal error in the broker"))
-
     def _on_worker(self, frames: list[bytes]) -> None:
         ident = frames[0]
         try:
-            msg = P.decode(frames[1:], Peer.WORKER, self.config.max_message_bytes)
+            msg = protocol.decode(frames[1:], Peer.WORKER, self.config.max_message_bytes)
             if msg.command is Command.BATCH:
-                inner = P.unbatch(msg)  # all of it checked before any of it is handled
+                inner = protocol.unbatch(msg)  # all of it checked before any of it is handled
         except GpudError as exc:
             self._bad(self.backend, Peer.WORKER, ident, frames, exc)
             return
@@ -434,13 +464,13 @@ class Broker:
         for one, raw in inner:
             self._from_worker(ident, one, raw, None)
 
-    def _from_worker(self, ident: bytes, msg: P.Message, raw: bytes, frames: list[bytes] | None) -> None:
+    def _from_worker(self, ident: bytes, msg: protocol.Message, raw: bytes, frames: list[bytes] | None) -> None:
         """One message of a worker, alone or out of a BATCH (``frames`` None: rebuilt when needed)."""
         try:
             self.core.on_worker(ident, msg, raw)
         except Exception as exc:
             if frames is None:
-                frames = [ident, Peer.WORKER.value, P.CMD_BYTES[msg.command], raw]
+                frames = [ident, *protocol.encode_raw(Peer.WORKER, msg.command, raw)]
             if isinstance(exc, GpudError):
                 self._bad(self.backend, Peer.WORKER, ident, frames, exc)
             else:
@@ -450,10 +480,10 @@ class Broker:
     def _on_admin(self, frames: list[bytes]) -> None:
         ident = frames[0]
         try:
-            msg = P.decode(frames[1:], Peer.ADMIN, self.config.max_message_bytes)
+            msg = protocol.decode(frames[1:], Peer.ADMIN, self.config.max_message_bytes)
             if msg.command is not Command.ADMIN:
                 raise UnknownCommand(f"command {msg.command.name} is not valid on the admin socket")
-            rid = P.get_id(msg.header)
+            rid = protocol.get_id(msg.header)
         except GpudError as exc:
             assert self.admin is not None
             self._bad(self.admin, Peer.ADMIN, ident, frames, exc)
@@ -463,25 +493,25 @@ class Broker:
             # ``reload`` on the shell. ``who`` is what gpudctl declares (user, pid): the admin
             # socket's file permissions (0600 IPC) decide who may ask at all.
             result = ADMIN.dispatch(self, msg.header.get("cmd"), msg.header.get("args"), who=_admin_who(msg.header))
-            packed = P.packb({"id": rid, "ok": True, "result": result})
+            header = {"id": rid, "ok": True, "result": result}
         except GpudError as exc:
             log.info("admin request refused: %s %s", exc.code, exc.message)
-            packed = P.packb(P.error_header(rid, exc))
+            header = protocol.error_header(rid, exc)
         except Exception:
             log.exception("bug in an admin command")
-            packed = P.packb(P.error_header(rid, InternalError("internal error in the broker")))
+            header = protocol.error_header(rid, InternalError("internal error in the broker"))
         assert self.admin is not None
-        self.admin.send_multipart([ident, Peer.ADMIN.value, P.CMD_BYTES[Command.REPLY], packed])
+        self.admin.send_multipart([ident, *protocol.encode(Peer.ADMIN, Command.REPLY, header)])
 
     def _bad(self, sock: zmq.Socket[bytes], peer: Peer, ident: bytes, frames: list[bytes], exc: GpudError) -> None:
         """Log a message we could not use and answer it where the sender can be addressed."""
         self.core.counters["bad_messages"] += 1
         log.warning("bad message from %s %s: %s %s", peer.name.lower(), ident.hex()[:16], exc.code, exc.message)
         header: dict[str, Any] = {"code": exc.code, "message": exc.message}
-        rid = _peek_id(frames)
+        rid = protocol.peek_id(frames[1:])
         if rid is not None:
             header["id"] = rid
-        sock.send_multipart([ident, peer.value, P.CMD_BYTES[Command.ERROR], P.packb(header)])
+        sock.send_multipart([ident, *protocol.encode(peer, Command.ERROR, header)])
 
 
 def _queue_in(box: dict[bytes, list[list[Any]]]) -> Callable[[bytes, list[Any]], None]:
@@ -495,23 +525,11 @@ def _queue_in(box: dict[bytes, list[list[Any]]]) -> Callable[[bytes, list[Any]],
     return send
 
 
-def _admin_who(h: dict[str, Any]) -> str:
+def _admin_who(header: dict[str, Any]) -> str:
     """``user pid N`` as an ADMIN header declares them (``?`` for what is missing or odd)."""
-    user, pid = h.get("user"), h.get("pid")
+    user, pid = header.get("user"), header.get("pid")
     shown = user if type(user) is str and 0 < len(user) <= 64 and user.isprintable() and " " not in user else "?"
     return f"{shown} pid {pid if type(pid) is int else '?'}"
-
-
-def _peek_id(frames: list[bytes]) -> bytes | None:
-    """The request id of a rejected message, when its header is readable enough to have one."""
-    if len(frames) < 4 or len(frames[3]) > P.MAX_HEADER_BYTES:
-        return None
-    try:
-        h = P.unpackb(frames[3])
-        rid = h.get("id") if type(h) is dict else None
-    except Exception:
-        return None
-    return rid if type(rid) is bytes and len(rid) == P.ID_BYTES else None
 
 
 def _on_stop_signal(broker: Broker) -> None:
@@ -571,7 +589,7 @@ def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = N
                        "metrics": metrics_url, "peer": broker.pair.bound if broker.pair else None}, f)
         os.replace(tmp, ready_file)
     notify.ready(f"serving: frontend {ep.frontend}, backend {ep.backend}")
-    # openstack (issue 7): with [openstack] enabled, a controller whose threads make the Nova calls
+    # With [openstack] enabled, a controller whose threads make the Nova calls
     # (imported only then: a broker without OpenStack never loads novaclient).
     if openstack is not None and getattr(openstack, "enabled", False):
         from gpud_broker.openstack.controller import start as start_openstack

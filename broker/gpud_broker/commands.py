@@ -51,7 +51,7 @@ def _gpu_work(core: BrokerCore) -> dict[str, dict[str, int]]:
     work: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for w in core.registry:
         for t in w.assigned.values():
-            if isinstance(t, Task) and t.state is State.RUNNING and t.grant is not None:
+            if t.state is State.RUNNING and t.grant is not None:
                 for uuid in t.grant.gpus:
                     work[uuid][t.kind] += 1
     for s in core.sessions.values():
@@ -204,7 +204,7 @@ def _wait_facts(core: BrokerCore, t: Task, ahead: list[tuple[float, str]], reser
     fits_now = need is not None and balanced(need, workers, t.avoid) is not None
     return WaitFacts(
         held=held,
-        within_limits=need is None or not core.limits or core._within_limits(t, need),
+        within_limits=need is None or core.accounts.within_limits(t.tenant, need, t.kind == "session"),
         ever_fits=need is not None and could_ever_fit(need, workers),
         fits_now=fits_now,
         fits_unreserved=fits_now and need is not None and balanced(need, workers, t.avoid | others) is not None,
@@ -437,7 +437,7 @@ def reload(target: Any, args: dict[str, Any]) -> dict[str, Any]:
     return {"reloaded": True, "result": result, "message": message}
 
 
-# openstack (issue 7) ------------------------------------------------------------------------------
+# openstack ------------------------------------------------------------------------------------------
 
 
 @ADMIN.command("openstack")

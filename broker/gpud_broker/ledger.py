@@ -79,3 +79,12 @@ def release(worker: WorkerRecord, gpus: list[GpuRecord], g: Grant) -> None:
             raise LedgerError(f"GPU {rec.uuid} released more than was granted")
     worker.granted_cpu -= g.cpu_milli
     worker.granted_host_mem -= g.host_mem
+
+
+def clear(worker: WorkerRecord) -> None:
+    """Forget every grant on ``worker``: its records and its GPUs' back to nothing granted."""
+    worker.grants.clear()
+    worker.granted_cpu = worker.granted_host_mem = 0
+    for g in worker.gpus:
+        g.granted_milli = g.granted_mem = g.tasks = 0
+        g.exclusive = False

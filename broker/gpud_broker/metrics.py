@@ -124,7 +124,7 @@ class BrokerCollector(Collector):
         out.append(sessions)
         tenant_now = GaugeMetricFamily("gpud_tenant_granted_gpus", "GPUs (in whole-GPU units) granted to a tenant now.", labels=["tenant"])
         tenant_sec = CounterMetricFamily("gpud_tenant_gpu_seconds", "GPU-seconds granted to a tenant (a half GPU for 2 s is 1).", labels=["tenant"])
-        fair = core.fair
+        fair = core.accounts.fair
         for tenant in sorted(list(fair.tenants)):
             seconds = max(fair.served(tenant, now) / 1000.0, self._gpu_seconds.get(tenant, 0.0))
             self._gpu_seconds[tenant] = seconds
@@ -189,7 +189,7 @@ class BrokerCollector(Collector):
                               value=1 if core.active else 0),
             GaugeMetricFamily("gpud_replication_lag_updates",
                               "Replication updates sent to the passive peer and not yet applied by it (0 without one).",
-                              value=core.seq - core.durable_seq if core.journal is not None else 0),
+                              value=core.journal.lag),
         ]
         return out
 

@@ -79,14 +79,18 @@ class FairShare:
             s.served += used
             s.since = now
 
+    # grant and release run for every request: a known tenant costs no lookup call.
+
     def grant(self, tenant: str, milli: int, now: float) -> None:
-        s = self._get(tenant, now)
-        self._advance(s, now)
+        s = self.tenants.get(tenant) or self._get(tenant, now)
+        if now > s.since:
+            self._advance(s, now)
         s.granted += milli
 
     def release(self, tenant: str, milli: int, now: float) -> None:
-        s = self._get(tenant, now)
-        self._advance(s, now)
+        s = self.tenants.get(tenant) or self._get(tenant, now)
+        if now > s.since:
+            self._advance(s, now)
         s.granted = max(0, s.granted - milli)
 
     def usage(self, tenant: str, now: float) -> float:

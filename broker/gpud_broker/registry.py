@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpud.heartbeat import HeartbeatPolicy, Liveness
-from gpud.resources import GpuInfo, GpuState
+from gpud.resources import GpuInfo, GpuState, Grant
+from gpud_broker.tasks import Task
 
 
 @dataclass(slots=True, eq=False)
@@ -71,8 +72,8 @@ class WorkerRecord:
     draining: bool = False
     running: list[dict[str, Any]] = field(default_factory=list)  # as its last heartbeat said
     running_at: float = 0.0  # when that heartbeat came (0: none yet, or its list was cut short)
-    assigned: dict[bytes, object] = field(default_factory=dict)  # task id -> task dispatched to it
-    grants: dict[int, object] = field(default_factory=dict)  # id(grant) -> live grant (the ledger's)
+    assigned: dict[bytes, Task] = field(default_factory=dict)  # task id -> task dispatched to it
+    grants: dict[int, Grant] = field(default_factory=dict)  # id(grant) -> live grant (the ledger's)
     connected_at: float = 0.0
     pos: int = -1  # index in WorkerRegistry.workers while registered (O(1) removal)
 

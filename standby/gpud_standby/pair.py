@@ -16,23 +16,21 @@ from typing import Any
 
 import zmq
 
-from gpud import protocol as P
+from gpud import protocol
 from gpud.clock import Clock, SystemClock
 from gpud.errors import ConflictError, GpudError, NotActive
 from gpud.protocol import Command, Peer
 from gpud.security import PEER_DOMAIN, CurveKeys, apply_client_keys, server_socket_options
 from gpud.sockets import NOBLOCK, send_frames
-from gpud_standby import replica
 from gpud_standby.bstar import PEER_EVENTS, Action, Event, Facts, State, step
+from gpud_standby.paired import PairedBroker
 
 log = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_S = 0.25
 DEFAULT_EXPIRY_S = 0.75
 HANDOVER_BEATS = 8  # STATEs that carry ``handover`` after the operator's failover
-_SIG = Peer.BROKER.value
-_CLIENT_SIG = Peer.CLIENT.value
-_REQ, _CALL, _PING = (P.CMD_BYTES[c] for c in (Command.REQUEST, Command.CALL, Command.PING))
+_REQ, _CALL, _PING = (protocol.CMD_BYTES[c] for c in (Command.REQUEST, Command.CALL, Command.PING))
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +54,7 @@ class Pair:
     handler; ``set_serving(bool)`` switches the shell between it and ``on_client``. ``clock`` is
     what the pair reads when a message comes (the broker's loop passes ``now`` to ``tick``)."""
 
-    def __init__(self, core: Any, cfg: PairConfig, ctx: zmq.Context[Any], keys: CurveKeys | None,
+    def __init__(self, core: PairedBroker, cfg: PairConfig, ctx: zmq.Context[Any], keys: CurveKeys | None,
                  serve: Callable[[list[Any], str | None], None], set_serving: Callable[[bool], None],
                  send_client: Callable[[list[Any]], None], clock: Clock | None = None) -> None:
         self.clock: Clock = clock if clock is not None else SystemClock()
@@ -97,8 +95,7 @@ class Pair:
         self.held: list[tuple[list[Any], str | None, float]] = []
         self.state_due = False
         self.misconfigured = False  # the peer has the same role (logged once)
-        core.become_passive()
-        core.acking = True
+        core.join_pair()
 
     # ------------------------------------------------------------------ facts and events
 
@@ -138,9 +135,8 @@ class Pair:
     def _take_over(self, now: float) -> None:
         core = self.core
         epoch = next_epoch(max(core.epoch, self.peer_epoch, core.max_epoch_seen), self.cfg.role == "primary")
-        core.now = now
         self.streaming = False
-        core.take_over(epoch, self.cfg.settle)
+        core.take_over(epoch, self.cfg.settle, now)
         self.set_serving(True)
         held, self.held = self.held, []
         for frames, tenant, _ in held:
@@ -179,58 +175,59 @@ class Pair:
         elif action is Action.HOLD:
             self.held.append((frames, tenant, now))
         else:
-            self._reject(frames)
+            self.reject(frames)
 
-    def _reject(self, frames: list[Any]) -> None:
+    def reject(self, frames: list[Any]) -> None:
+        """Answer a client as a broker that is not active: PONG to a PING, NOT_ACTIVE to the rest."""
         ident = frames[0]
         if frames[2] == _PING:
-            self.send_client([ident, _CLIENT_SIG, P.CMD_BYTES[Command.PONG], P.packb({})])
+            self.send_client([ident, *protocol.pong()])
             return
-        rid = _peek_id(frames)
+        rid = protocol.peek_id(frames[1:])
         if rid is not None:
-            exc = NotActive(f"broker {self.core.config.name} is passive; its peer is active")
-            self.send_client([ident, _CLIENT_SIG, P.CMD_BYTES[Command.REPLY], P.packb(P.error_header(rid, exc))])
+            exc = NotActive(f"broker {self.core.name} is passive; its peer is active")
+            self.send_client([ident, *protocol.error_reply(rid, exc)])
 
     # ------------------------------------------------------------------ the peer link
 
     def on_peer(self, frames: list[Any]) -> None:
         try:
-            msg = P.decode(frames[1:], Peer.BROKER, P.DEFAULT_MAX_MESSAGE_BYTES)
+            msg = protocol.decode(frames[1:], Peer.BROKER, protocol.DEFAULT_MAX_MESSAGE_BYTES)
         except GpudError as exc:
             log.warning("bad message on the peer link: %s %s", exc.code, exc.message)
             return
         now = self.clock.monotonic()
         self.peer_heard = now
-        h = msg.header
+        header = msg.header
         try:
             if msg.command is Command.STATE:
-                self._on_state(h, now)
+                self._on_state(header, now)
             elif msg.command is Command.SYNC:
                 self._on_sync()
             elif msg.command is Command.SNAPSHOT:
-                self._on_snapshot(h, msg.frames, now)
+                self._on_snapshot(header, msg.frames, now)
             elif msg.command is Command.UPDATES:
-                self._on_updates(h, msg.frames, now)
+                self._on_updates(header, msg.frames, now)
         except Exception as exc:  # never trust the wire, not even the peer's: log, re-sync, serve on
             log.error("unusable %s from the peer (%s: %s); re-syncing", msg.command.name, exc.__class__.__name__, exc)
             if self.state is State.PASSIVE:
                 self._sync(now)
 
-    def _on_state(self, h: dict[str, Any], now: float) -> None:
+    def _on_state(self, header: dict[str, Any], now: float) -> None:
         try:
-            peer_state = State(h.get("state"))
+            peer_state = State(header.get("state"))
         except ValueError:
-            log.warning("peer STATE names no state: %r", h.get("state"))
+            log.warning("peer STATE names no state: %r", header.get("state"))
             return
-        epoch, applied = h.get("epoch"), h.get("applied")
+        epoch, applied = header.get("epoch"), header.get("applied")
         if type(epoch) is int:
             self.peer_epoch = epoch
-            self.core.max_epoch_seen = max(self.core.max_epoch_seen, epoch)
+            self.core.saw_epoch(epoch)
         if type(applied) is int:
             self.peer_applied = applied
-        self.peer_streaming = h.get("streaming") is True
+        self.peer_streaming = header.get("streaming") is True
         self.peer_state = peer_state
-        if h.get("handover") is True and peer_state is State.PASSIVE and self.state is State.PASSIVE and self.synced:
+        if header.get("handover") is True and peer_state is State.PASSIVE and self.state is State.PASSIVE and self.synced:
             self.event(Event.HANDOVER, now)
         elif self.handover_beats > 0 and peer_state is State.PASSIVE:
             pass  # we handed over; the peer's next STATE says it is active
@@ -244,47 +241,42 @@ class Pair:
         core = self.core
         if self.state is not State.ACTIVE:
             return
-        snap = replica.snapshot(core)
-        if core.journal is not None:
-            core.journal.clear()  # their effects are in the snapshot
-        ok = self._send(Command.SNAPSHOT, {"seq": core.seq, "epoch": core.epoch}, [P.packb(snap)])
+        snap = core.snapshot()
+        ok = self._send(Command.SNAPSHOT, {"seq": core.seq, "epoch": core.epoch}, [protocol.packb(snap)])
         self.streaming = ok
         self.peer_applied = 0
         log.info("pair: snapshot of %d task(s), %d session(s) sent to the peer (seq %d)",
                  len(snap["tasks"]), len(snap["sessions"]), core.seq)
 
-    def _on_snapshot(self, h: dict[str, Any], frames: list[Any], now: float) -> None:
+    def _on_snapshot(self, header: dict[str, Any], frames: list[Any], now: float) -> None:
         if self.state is not State.PASSIVE:
             return
-        snap = P.unpackb(bytes(frames[0]))
-        self.core.now = now
-        replica.load(self.core, snap)
-        self.applied = h["seq"]
+        snap = protocol.unpackb(protocol.as_bytes(frames[0]))
+        self.core.load(snap, now)
+        self.applied = header["seq"]
         self.synced = True
         self.snapshots += 1
         self.state_due = True
         log.info("pair: snapshot loaded: %d task(s), %d session(s) at seq %d",
                  len(snap["tasks"]), len(snap["sessions"]), self.applied)
 
-    def _on_updates(self, h: dict[str, Any], frames: list[Any], now: float) -> None:
+    def _on_updates(self, header: dict[str, Any], frames: list[Any], now: float) -> None:
         if self.state is not State.PASSIVE or not self.synced:
             return
-        seq, count = h["seq"], h["count"]
+        seq, count = header["seq"], header["count"]
         if seq + count - 1 <= self.applied:
             return  # seen already
         if seq != self.applied + 1:
             log.warning("pair: updates from seq %d, expected %d: re-syncing", seq, self.applied + 1)
             self._sync(now)
             return
-        self.core.now = now
-        for update in P.unpackb(bytes(frames[0])):
-            replica.apply(self.core, update)
+        self.core.apply(protocol.unpackb(protocol.as_bytes(frames[0])), now)
         self.applied = seq + count - 1
         self.state_due = True
 
     def _send(self, cmd: Command, header: dict[str, Any], frames: list[Any] | None = None) -> bool:
         try:
-            send_frames(self.outbound, [_SIG, P.CMD_BYTES[cmd], P.packb(header), *(frames or [])], NOBLOCK)
+            send_frames(self.outbound, protocol.encode(Peer.BROKER, cmd, header, frames or ()), NOBLOCK)
             return True
         except zmq.Again:
             return False
@@ -292,7 +284,7 @@ class Pair:
     def _send_state(self) -> None:
         core = self.core
         applied = self.applied if self.state is State.PASSIVE else core.seq
-        header = {"state": self.state.value, "epoch": core.epoch, "applied": applied, "name": core.config.name,
+        header = {"state": self.state.value, "epoch": core.epoch, "applied": applied, "name": core.name,
                   "streaming": self.streaming}
         if self.handover_beats > 0:
             header["handover"] = True
@@ -318,7 +310,7 @@ class Pair:
                     elif f.peer_expired:
                         self.on_client(frames, tenant)  # the vote again: take over, or reject
                     else:
-                        self._reject(frames)
+                        self.reject(frames)
         if self.state is State.ACTIVE and self.streaming and now - self.peer_heard > self.cfg.expiry:
             log.warning("pair: the passive peer is silent; results are acknowledged without it")
             self.streaming = False
@@ -330,15 +322,13 @@ class Pair:
     def flush(self) -> None:
         """Once per loop turn: send the journal as one UPDATES, and advance what is durable."""
         core = self.core
-        journal = core.journal
-        if journal:
-            if self.streaming:
-                first = core.seq - len(journal) + 1
-                if not self._send(Command.UPDATES, {"seq": first, "count": len(journal)}, [P.packb(journal)]):
-                    log.warning("pair: the peer link is full; the passive peer will re-sync")
-                    self.streaming = False
-            journal.clear()
-        core.durable_seq = self.peer_applied if self.streaming else core.seq
+        updates = core.take_updates()
+        if updates and self.streaming:
+            first = core.seq - len(updates) + 1
+            if not self._send(Command.UPDATES, {"seq": first, "count": len(updates)}, [protocol.packb(updates)]):
+                log.warning("pair: the peer link is full; the passive peer will re-sync")
+                self.streaming = False
+        core.set_durable(self.peer_applied if self.streaming else core.seq)
         if self.state_due and self.state is State.PASSIVE:
             self._send_state()
             self.state_due = False
@@ -363,7 +353,7 @@ class Pair:
             "peer_silent_s": round(now - self.peer_heard, 3), "applied": self.applied if self.state is State.PASSIVE else self.core.seq,
             "peer_applied": self.peer_applied, "streaming": self.streaming, "synced": self.synced,
             "snapshots": self.snapshots,
-            "settling": self.core.settling_until is not None,
+            "settling": self.core.settling,
         }
 
     def close(self) -> None:
@@ -386,13 +376,3 @@ def next_epoch(seen: int, primary: bool) -> int:
     if (epoch % 2 == 0) != primary:
         epoch += 1
     return epoch
-
-
-def _peek_id(frames: list[Any]) -> bytes | None:
-    try:
-        h = P.unpackb(bytes(frames[3]))
-        rid = h.get("id") if type(h) is dict else None
-    except Exception:
-        return None
-    return rid if type(rid) is bytes and len(rid) == P.ID_BYTES else None
-

@@ -721,7 +721,7 @@ def test_weighted_fair_share_in_gpu_time() -> None:
     ratio = usage["b"] / usage["a"]
     assert 3 * 0.9 <= ratio <= 3 * 1.1, usage
     # Charged in GPU-time, not in request counts: half-GPU jobs of b count half.
-    assert h.core.fair.usage("b", h.clock.monotonic()) == pytest.approx(usage["b"], rel=0.05)
+    assert h.core.accounts.fair.usage("b", h.clock.monotonic()) == pytest.approx(usage["b"], rel=0.05)
 
 
 def test_fair_share_counts_gpu_time_not_requests() -> None:

@@ -11,35 +11,32 @@ from typing import Any
 
 from gpud import protocol as P
 from gpud.protocol import Command
+from gpud.resources import TenantLimits
+from gpud_broker.replication import Journal
 from gpud_broker.tasks import State
-from gpud_standby import replica
 from tests.unit.test_broker_core import C1, C2, W1, W2, W3, Harness, rid
 
 
-def pair() -> tuple[Harness, Harness]:
+def pair(**config: Any) -> tuple[Harness, Harness]:
     """An active core with a journal, and a passive core loaded from its (empty) snapshot."""
-    a, b = Harness(), Harness()
-    a.core.journal = []
-    a.core.acking = b.core.acking = True  # as the pair shell sets
-    b.core.become_passive()
-    replica.load(b.core, P.unpackb(P.packb(replica.snapshot(a.core))))
+    a, b = Harness(**config), Harness(**config)
+    a.core.journal = Journal()
+    a.core.acking = True  # as the pair shell sets (join_pair)
+    b.core.join_pair()
+    b.core.load(P.unpackb(P.packb(a.core.snapshot())), b.clock.monotonic())
     return a, b
 
 
 def ship(a: Harness, b: Harness) -> int:
     """Send a's journal to b as one UPDATES batch (through msgpack); returns how many updates."""
-    journal = P.unpackb(P.packb(a.core.journal))
-    a.core.journal.clear()
-    b.core.now = b.clock.monotonic()
-    for update in journal:
-        replica.apply(b.core, update)
-    return len(journal)
+    updates = P.unpackb(P.packb(a.core.take_updates()))
+    b.core.apply(updates, b.clock.monotonic())
+    return len(updates)
 
 
 def take_over(b: Harness, epoch: int = 3) -> None:
     b.to_worker.clear()  # WELCOMEs and heartbeats of the passive days
-    b.core.now = b.clock.monotonic()
-    b.core.take_over(epoch, settle=2.0)
+    b.core.take_over(epoch, 2.0, b.clock.monotonic())
 
 
 def confirm(b: Harness, ident: bytes, running: list[dict[str, Any]] | None = None, epoch: int = 3) -> None:
@@ -92,16 +89,36 @@ def test_takeover_rebuilds_the_ledger_settles_then_redispatches_what_ran() -> No
     assert b.one_reply(C1).header["ok"] is True
 
 
+def test_tenant_limits_count_what_a_takeover_restores() -> None:
+    a, b = pair(tenant_limits={"alice": TenantLimits(max_sessions=1)})
+    for h in (a, b):
+        h.ready(W1, "w1")
+    a.request(C1, rid(1), kind="session", need={"tenant": "alice"})
+    a.take_worker()
+    a.result(W1, rid(1), session=rid(1))
+    ship(a, b)
+    take_over(b)
+    confirm(b, W1, running=[{"id": rid(1), "kind": "session"}])
+    assert b.core.accounts.usage["alice"].sessions == 1  # her session, granted by the other broker
+    b.take_worker()
+    b.request(C1, rid(2), kind="session", need={"tenant": "alice"})
+    assert b.take_worker() == [] and b.take_client() == []  # over her limit: it waits
+    b.client(C1, Command.CALL, {"id": rid(3), "session": rid(1), "op": "close"})
+    b.one_dispatch(W1)
+    b.result(W1, rid(3))
+    assert b.one_dispatch(W1).header["id"] == rid(2)  # her first closed: the second opens
+
+
 def test_a_result_for_work_the_new_broker_never_heard_of_is_kept_for_the_retry() -> None:
     a, b = pair()
     for h in (a, b):
         h.ready(W1, "w1")
     a.request(C1, rid(1), frames=[b"x"])  # the active dies before replicating this one
-    a.core.journal.clear()
+    a.core.take_updates()
     take_over(b)
     confirm(b, W1)
     b.result(W1, rid(1), frames=[b"x"], tenant="default")
-    b.core.durable_seq = b.core.seq  # no passive peer: all is durable (the pair shell's rule)
+    b.core.set_durable(b.core.seq)  # no passive peer: all is durable (the pair shell's rule)
     assert b.core.take_acks() == {W1: [rid(1)]}  # kept, so the worker may drop it
     b.request(C1, rid(1), frames=[b"x"])  # the client's retry, same id: not run again
     reply = b.one_reply(C1)
@@ -131,9 +148,9 @@ def test_results_are_acked_only_once_the_passive_holds_them() -> None:
     a.take_worker()
     a.result(W1, rid(1))
     assert a.core.take_acks() == {}  # the DONE update is not yet applied by the peer
-    a.core.durable_seq = a.core.seq - 1
+    a.core.set_durable(a.core.seq - 1)
     assert a.core.take_acks() == {}
-    a.core.durable_seq = a.core.seq
+    a.core.set_durable(a.core.seq)
     assert a.core.take_acks() == {W1: [rid(1)]}
 
 
@@ -239,12 +256,12 @@ def test_the_operators_marks_travel_with_the_tables() -> None:
     ADMIN.dispatch(Target(), "cordon", {"gpu": "GPU-w2-0"}, who="test")
     ship(a, b)
     assert b.core.registry.by_name["w1"].draining and b.core.registry.gpus["GPU-w2-0"].cordoned
-    snap = P.unpackb(P.packb(replica.snapshot(a.core)))
+    snap = P.unpackb(P.packb(a.core.snapshot()))
     c = Harness()
     c.core.become_passive()
     c.ready(W1, "w1")
     c.ready(W2, "w2")
-    replica.load(c.core, snap)
+    c.core.load(snap, c.clock.monotonic())
     assert c.core.registry.by_name["w1"].draining and c.core.registry.gpus["GPU-w2-0"].cordoned
 
     class Passive:

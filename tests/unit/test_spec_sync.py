@@ -15,9 +15,9 @@ from gpud import errors, protocol
 from gpud.clock import FakeClock
 from gpud.protocol import Command, Peer
 from gpud.resources import Grant
+from gpud_broker import replication
 from gpud_broker.tasks import Session, Task
 from gpud_broker.tasks import State as TaskState
-from gpud_standby import replica
 from gpud_standby.bstar import (
     HOLDS,
     TRANSITIONS,
@@ -269,13 +269,13 @@ def test_a_replicated_grant_session_and_task_are_the_documented_items_in_order(l
     """Each item the spec names is the record's field of that name (as the wire carries it), in the
     spec's order. A name the record lacks yields KeyError, which no wire item equals."""
     names = layout(lines, "grant")
-    assert replica.grant_to_wire(GRANT) == [list(v) if type(v) is tuple else v for v in (getattr(GRANT, n) for n in names)]
+    assert replication.grant_to_wire(GRANT) == [list(v) if type(v) is tuple else v for v in (getattr(GRANT, n) for n in names)]
 
     s = Session(id=b"s" * 16, worker="w2", gpu="GPU-2", grant=GRANT, tenant="acme", route=b"r", last_seen=5.0,
                 closing=True)
     names = layout(lines, "session")
-    wire = {"grant": replica.grant_to_wire(GRANT)}
-    assert replica.session_to_wire(s) == [wire.get(n, getattr(s, n, KeyError)) for n in names]
+    wire = {"grant": replication.grant_to_wire(GRANT)}
+    assert replication.session_to_wire(s) == [wire.get(n, getattr(s, n, KeyError)) for n in names]
 
     now = 100.0
     need = protocol.parse_need("job", {"gpu_milli": 500})
@@ -284,8 +284,8 @@ def test_a_replicated_grant_session_and_task_are_the_documented_items_in_order(l
              avoid={"w3", "w0"}, retryable=True, session=b"s" * 16, reply=[b"sig", b"cmd"])
     names = layout(lines, "task")
     wire = {"need": protocol.need_to_wire(need), "created": 10.0, "deadline": 30.0,  # age and time left
-            "avoid": ["w0", "w3"], "state": "running", "grant": replica.grant_to_wire(GRANT)}
-    assert replica.task_to_wire(t, now) == [wire.get(n, getattr(t, n, KeyError)) for n in names]
+            "avoid": ["w0", "w3"], "state": "running", "grant": replication.grant_to_wire(GRANT)}
+    assert replication.task_to_wire(t, now) == [wire.get(n, getattr(t, n, KeyError)) for n in names]
 
 
 def updates_of_every_kind() -> list[list[Any]]:
@@ -323,8 +323,8 @@ def updates_of_every_kind() -> list[list[Any]]:
 def test_every_replicated_update_has_the_documented_items(lines: list[str]) -> None:
     rows = table_rows(lines, after_marker(lines, "updates"))
     documented = {row[0].strip("`"): [i.strip() for i in row[1].split(",")] for row in rows}
-    assert set(documented) == {replica.TASK, replica.RUN, replica.QUEUE, replica.DONE, replica.FORGET,
-                               replica.SESSION, replica.END, replica.MARKS, replica.START}
+    assert set(documented) == {replication.TASK, replication.RUN, replication.QUEUE, replication.DONE, replication.FORGET,
+                               replication.SESSION, replication.END, replication.MARKS, replication.START}
     seen: dict[str, set[int]] = {}
     for update in updates_of_every_kind():
         seen.setdefault(update[0], set()).add(len(update) - 1)

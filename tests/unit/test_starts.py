@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from gpud import protocol as P
 from gpud.protocol import Command
+from gpud_broker import replication
 from gpud_broker.tasks import State
-from gpud_standby import replica
 from tests.unit.test_broker_core import C1, W1, W2, W3, Harness, error_code, rid
 from tests.unit.test_replication import confirm, pair, ship, take_over
 
@@ -125,8 +125,8 @@ def test_a_job_asked_again_gets_go_again_and_is_marked_once() -> None:
     a.take_worker()
     start(a, W1, rid(1))
     start(a, W1, rid(1))
-    assert [u[0] for u in a.core.journal or []].count(replica.START) == 1
-    a.core.durable_seq = a.core.seq
+    assert [u[0] for u in a.core.journal.updates].count(replication.START) == 1
+    a.core.set_durable(a.core.seq)
     assert a.core.take_go() and a.core.take_go() == {}
 
 
@@ -149,7 +149,7 @@ def test_go_waits_until_the_passive_holds_the_mark() -> None:
     assert gos(a) == [] and a.core.take_go() == {}  # journalled, not yet held by the peer
     ship(a, b)
     assert b.core.tasks.tasks[rid(1)].started is True
-    a.core.durable_seq = a.core.seq
+    a.core.set_durable(a.core.seq)
     go = a.core.take_go()
     assert list(go) == [W1] and P.unpackb(go[W1][2]) == {"ids": [rid(1)]}
     assert a.core.take_go() == {}
@@ -168,7 +168,7 @@ def test_a_worker_lost_after_asking_and_before_the_go_loses_nothing() -> None:
     lose(a, W1)  # ... but w1 dies before the GO went out
     assert a.take_client() == []
     assert dispatched(a) == [(W2, rid(1))]  # placed again: it never began
-    a.core.durable_seq = a.core.seq
+    a.core.set_durable(a.core.seq)
     assert a.core.take_go() == {}  # no GO for the lost worker's old ask
     ship(a, b)
     assert b.core.tasks.tasks[rid(1)].started is False  # the 'run' update cleared the mark
@@ -187,10 +187,10 @@ def test_after_a_failover_marked_jobs_may_have_begun_the_others_never_did() -> N
     assert [i for i, _ in dispatched(a)] == [W1, W1, W1]
     start(a, W1, rid(1))  # marked and durable: its GO went out (or was about to)
     ship(a, b)
-    a.core.durable_seq = a.core.seq
+    a.core.set_durable(a.core.seq)
     assert list(a.core.take_go()) == [W1]
     start(a, W1, rid(2))  # marked, but the active dies before it reaches the peer: no GO was sent
-    a.core.journal.clear()
+    a.core.take_updates()
     take_over(b)
     b.core.worker_lost(b.core.registry.by_name["w1"], "not connected after the failover")
     done = b.core.tasks.tasks[rid(1)]  # kept for the client's retry (routes do not travel)
@@ -207,11 +207,11 @@ def test_after_a_failover_marked_jobs_may_have_begun_the_others_never_did() -> N
 def test_a_go_lost_in_a_failover_is_given_again_by_the_new_active_broker() -> None:
     a, b = asked_in_a_pair()
     ship(a, b)
-    a.core.durable_seq = a.core.seq  # the GO is due; the active dies before sending it
+    a.core.set_durable(a.core.seq)  # the GO is due; the active dies before sending it
     take_over(b)
     b.take_worker()
     start(b, W1, rid(1))  # the worker asks the new active broker (after its first heartbeat)
-    b.core.durable_seq = b.core.seq
+    b.core.set_durable(b.core.seq)
     go = b.core.take_go()
     assert list(go) == [W1] and P.unpackb(go[W1][2]) == {"ids": [rid(1)]}
     confirm(b, W1, running=[{"id": rid(1), "kind": "job"}])
@@ -233,7 +233,7 @@ def test_a_passive_broker_ignores_start_and_the_mark_travels_in_the_snapshot() -
     start(a, W1, rid(1))
     c = Harness()
     c.core.become_passive()
-    replica.load(c.core, P.unpackb(P.packb(replica.snapshot(a.core))))
+    c.core.load(P.unpackb(P.packb(a.core.snapshot())), c.clock.monotonic())
     assert c.core.tasks.tasks[rid(1)].started is True
 
 

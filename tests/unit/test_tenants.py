@@ -187,7 +187,7 @@ def test_max_sessions_makes_the_next_session_wait() -> None:
     h.dispatched()
     h.result(rid(4))
     assert [d["id"] for d in h.dispatched()] == [rid(2)]
-    assert h.core.usage["alice"].sessions == 1
+    assert h.core.accounts.usage["alice"].sessions == 1
 
 
 def test_max_queued_gives_busy_and_max_milli_queues() -> None:
@@ -205,7 +205,7 @@ def test_max_queued_gives_busy_and_max_milli_queues() -> None:
     assert [d["id"] for d in h.dispatched()] == [rid(2)]
     h.result(rid(2))
     h.result(rid(4))
-    assert h.core.usage["alice"].milli == 0 and h.core.usage["bob"].milli == 0
+    assert h.core.accounts.usage["alice"].milli == 0 and h.core.accounts.usage["bob"].milli == 0
 
 
 def test_max_mem_and_a_request_over_the_limit_alone() -> None:
@@ -226,9 +226,9 @@ def test_reload_recounts_usage() -> None:
     h.ready()
     open_session(h, rid(1), A, "alice")
     h.request(A, rid(2), "alice", need={"gpu_milli": 200})
-    assert h.dispatched() and h.core.usage == {}  # no limits: nothing tracked
+    assert h.dispatched() and h.core.accounts.usage == {}  # no limits: nothing tracked
     h.core.set_tenant_limits({"alice": TenantLimits(max_sessions=1)})
-    u = h.core.usage["alice"]
+    u = h.core.accounts.usage["alice"]
     assert (u.sessions, u.milli, u.mem) == (1, 300, GiB)
     h.request(A, rid(3), "alice", kind="session", need={"gpu_milli": 100, "mem": GiB})
     assert h.dispatched() == []

@@ -1,0 +1,66 @@
+"""The broker core's own cost per request: CPU microseconds for one echo REQUEST and its RESULT,
+decoded and handled by a ``BrokerCore`` in this process (no sockets, no client, no worker).
+
+What ``bench/dispatch.py`` measures end to end is mostly sockets and three processes sharing two
+cores; this isolates the core, so a change to its hot path shows even on a noisy VM (CPU time, not
+wall time; the best of ``--repeat`` runs). One worker of 4 GPUs takes every request (slots enough
+for a batch of 500 in flight); requests and results alternate in batches of 500, as the broker's
+loop reads them. Prints one JSON object.
+
+Usage::
+
+    .venv/bin/python bench/core_path.py [--requests 30000] [--repeat 5]
+
+To compare two commits, run it with each tree's packages first on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+from gpud import protocol
+from gpud.protocol import Command, Peer
+from gpud_broker.core import BrokerConfig, BrokerCore
+
+BATCH = 500
+
+
+def run(n: int) -> float:
+    """CPU seconds per request and result over ``n`` of them, on a fresh core."""
+    core = BrokerCore(BrokerConfig(), 0.0, lambda ident, frames: None, lambda ident, frames: None)
+    gpus = [{"uuid": f"GPU-{i}", "index": i, "model": "A100", "mem": 1 << 34, "cc": [8, 0]} for i in range(4)]
+    ready = protocol.encode(Peer.WORKER, Command.READY, {"name": "w1", "gpus": gpus, "cpu_milli": 8000,
+                                                         "host_mem": 1 << 36, "slots": 100_000})
+    core.on_worker(b"w1", protocol.decode(ready, Peer.WORKER), ready[2])
+    ids = [i.to_bytes(16, "big") for i in range(n)]
+    requests = [protocol.encode(Peer.CLIENT, Command.REQUEST, {"id": rid, "kind": "echo", "need": {"gpu_milli": 1}},
+                                [b"x" * 64]) for rid in ids]
+    results = [protocol.encode(Peer.WORKER, Command.RESULT, {"id": rid, "ok": True}, [b"x" * 64]) for rid in ids]
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.process_time()
+        for start in range(0, n, BATCH):
+            for frames in requests[start:start + BATCH]:
+                core.on_client(b"c1", protocol.decode(frames, Peer.CLIENT))
+            for frames in results[start:start + BATCH]:
+                core.on_worker(b"w1", protocol.decode(frames, Peer.WORKER), frames[2])
+        return (time.process_time() - t0) / n
+    finally:
+        gc.enable()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=30_000)
+    p.add_argument("--repeat", type=int, default=5)
+    args = p.parse_args()
+    runs = [run(args.requests) * 1e6 for _ in range(args.repeat)]
+    print(json.dumps({"requests": args.requests, "best_us": round(min(runs), 2), "runs_us": [round(r, 2) for r in runs]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,10 @@ conductor, scheduler and compute services (a fake virt driver with two NVIDIA PC
 placement run on 127.0.0.1 (tests/realnova), and gpudctl.
 
 The broker's credentials are an operator's: a clouds.yaml cloud (``auth_type: admin_token``,
-``auth: {endpoint, token}``) named by ``[openstack] cloud``. The image and network are given by id.
+``auth: {endpoint, token}``) named by ``[openstack] cloud``; the image and network are given by id
+(such a cloud has no catalog). gpud's Nova client is also run with a password, in OS_* and in
+clouds.yaml, through real Keystone, its catalog's Image and Network services finding the image and
+network by name.
 
 The test plays cloud-init: when the broker boots a server, the test reads the server's user data
 from Nova (as admin) and starts the worker it names, with that server's id, as the VM would. The
@@ -31,6 +34,10 @@ from gpud_cli.cluster import LocalCluster, admin_call
 from tests.realnova import ALIAS, GPUS, RealNova
 from tests.realnova.fixture import real_nova  # noqa: F401 (the fixture)
 from tests.waiting import wait_for
+
+# The first test starts Nova: from nothing (no database template yet, a fresh machine) that is a
+# minute or two of migrations on a loaded machine.
+pytestmark = pytest.mark.timeout(600)
 
 GPUDCTL = [sys.executable, "-m", "gpud_client.ctl"]
 WORKER = {"gpud:role": "worker"}
@@ -247,3 +254,58 @@ def test_scaling_boots_up_to_min_workers_recognised_by_tags(cloud: Cloud) -> Non
     s = cloud.user.servers.create("too-big", image=cloud.image, flavor=big, nics=[{"net-id": cloud.network}])
     wait_for(lambda: cloud.status(s.id) == "ERROR", "the unschedulable server to fail")
     assert "No valid host" in cloud.admin.servers.get(s.id).fault["message"]
+
+
+def _config(**over: object) -> Any:
+    import dataclasses
+
+    from gpud.config import OpenStackConfig
+
+    base = dict(enabled=True, flavor=FLAVOR, api_timeout=30.0, api_retries=1)
+    return dataclasses.replace(OpenStackConfig(), **{**base, **over})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("source", ["os_env", "clouds_yaml"])
+def test_keystone_credentials_and_look_ups_by_name(cloud: Cloud, tmp_path: Path, source: str) -> None:
+    """What an operator configures: a password in OS_* (an openrc) or a clouds.yaml cloud, real
+    Keystone issuing the token and the catalog, the image and network by name (found through the
+    catalog's Image and Network services). gpud's Nova boots a server that Nova schedules by the
+    flavor's PCI alias, lists it as a worker, reboots it and deletes it."""
+    from gpud_broker.openstack.nova import Nova, NovaError
+
+    nova = cloud.nova
+    env = nova.os_env()
+    image = "fakeimage7"
+    assert list(nova.images.values()).count(image) == 1
+    if source == "os_env":
+        make = lambda **over: Nova(_config(**over), env, clouds_files=[])  # noqa: E731
+    else:
+        auth = {"auth_url": env["OS_AUTH_URL"], "username": "gpud", "password": env["OS_PASSWORD"], "project_name": "gpu",
+                "user_domain_name": "Default", "project_domain_name": "Default"}
+        (tmp_path / "clouds.yaml").write_text(yaml.safe_dump({"clouds": {"prod": {"auth": auth, "region_name": "RegionOne"}}}))
+        make = lambda **over: Nova(_config(cloud="prod", **over), {}, clouds_files=[str(tmp_path / "clouds.yaml")])  # noqa: E731
+    n = make(image=image, network="private", worker_tags=("gpu-kst",))
+    s = n.boot(f"gpud-kst-{source}", "#cloud-config\n", {"gpud:role": "worker"}, ["gpu-kst"])
+    try:
+        wait_for(lambda: (g := n.get_server(s.id)) is not None and g.status == "ACTIVE", "the server to go ACTIVE", timeout=60)
+        raw = cloud.admin.servers.get(s.id)
+        assert raw.image["id"] == next(i for i, name in nova.images.items() if name == image)
+        assert cloud.network in {p.net_id for p in cloud.admin.servers.interface_list(s.id)}
+        assert raw.tenant_id == nova.keystone_project  # Keystone's project, not the test's
+        listed = n.list_servers()
+        assert [x.id for x in listed] == [s.id] and listed[0].pci_alias == f"{ALIAS}:1"
+        n.reboot(s.id)
+        wait_for(lambda: "reboot" in cloud.actions(s.id), "Nova to record the reboot")
+        wait_for(lambda: (g := n.get_server(s.id)) is not None and g.status == "ACTIVE", "the reboot", timeout=60)
+    finally:
+        assert n.delete(s.id) is True
+    wait_for(lambda: n.get_server(s.id) is None, "the server to be deleted", timeout=60)
+    # A name that more than one image has is refused with a clear message, not guessed.
+    with pytest.raises(NovaError, match="fakeimage123456") as exc:
+        make(image="fakeimage123456").boot("gpud-kst-ambiguous", "", {}, [])
+    assert exc.value.kind == "config"
+    # Wrong password: Keystone refuses, and gpud says so.
+    bad = {**env, "OS_PASSWORD": "wrong"}
+    with pytest.raises(NovaError) as exc:
+        Nova(_config(), bad, clouds_files=[]).list_servers()
+    assert exc.value.kind == "auth", exc.value.message

@@ -1,20 +1,22 @@
-"""Real OpenStack for the tests: nova 34 and placement from PyPI (in .venv-nova, which ``make
-test`` makes), run as in a small deployment on 127.0.0.1 (see cloud.py for the processes).
+"""Real OpenStack for the tests: nova 34, placement and keystone from PyPI (in .venv-nova, which
+``make test`` makes), run as in a small deployment on 127.0.0.1 (see cloud.py for the processes).
 
-``RealNova(state_dir).start()`` writes nova.conf, api-paste.ini and placement.conf, makes the
-databases with the operators' commands (``placement-manage db sync``, ``nova-manage api_db sync``,
-``cell_v2 map_cell0``, ``cell_v2 create_cell``, ``db sync``; cached as a template in
-.venv-nova/db-template, keyed by the configuration, so later runs copy them), starts placement and
-nova, and waits until nova's compute service is up. Then:
+``RealNova(state_dir).start()`` writes nova.conf, api-paste.ini, placement.conf and keystone.conf,
+starts MariaDB, makes the databases with the operators' commands (``placement-manage db sync``,
+``nova-manage api_db sync``, ``cell_v2 map_cell0``, ``cell_v2 create_cell``, ``db sync``,
+``keystone-manage db_sync``, ``fernet_setup``, ``bootstrap``; cached as a template in
+.venv-nova/db-template, keyed by the configuration, so later runs copy them), starts keystone,
+placement and nova, and registers compute, image and network in Keystone's catalog. Then:
 
 - ``url``: the Compute API endpoint; ``token(user, project, roles)``: a token the paste filter in
   nova_parts.py accepts (``admin_token`` credentials: endpoint and token, as a clouds.yaml cloud
-  with ``auth_type: admin_token`` says);
+  with ``auth_type: admin_token`` says); ``os_env()``: the OS_* variables of user ``gpud`` of
+  project ``gpu`` in Keystone (password), whose tokens keystonemiddleware validates in nova;
 - ``catalog``: the Image (``/v2/images``) and Network (``/v2.0/networks``) APIs over nova's
   GlanceFixture and NeutronFixture data; ``images`` and ``networks``: id -> name;
 - ``admin()``: a python-novaclient client as admin (flavors, server state changes).
 
-Nova's configuration: eight NVIDIA PCI devices on the one compute host (``[pci] device_spec``),
+Nova's configuration: fifteen NVIDIA PCI devices on the one compute host (``[pci] device_spec``),
 the alias ``gpu`` for them, PciPassthroughFilter on, quota defaults high (``os-quota-sets`` needs
 Keystone), MariaDB databases on a private socket (mariadb.py; sqlite locks).
 """
@@ -38,7 +40,7 @@ VENV = ROOT / ".venv-nova"
 PY = VENV / "bin" / "python"
 CLOUD = Path(__file__).resolve().parent / "cloud.py"
 ALIAS = "gpu"
-GPUS = 8  # NVIDIA PCI devices on the compute host (nova_parts.GPU_ADDRESSES)
+GPUS = 15  # NVIDIA PCI devices on the compute host (nova_parts.GPU_ADDRESSES)
 PCI_SPEC = {"vendor_id": "10de", "product_id": "20b5"}
 ADMIN = "admin:admin:admin,member,reader"
 
@@ -117,6 +119,17 @@ api_servers = http://127.0.0.1:9292
 
 [os_vif_ovs]
 ovsdb_connection = unix:/nonexistent
+
+[keystone_authtoken]
+www_authenticate_uri = {keystone}/v3
+auth_url = {keystone}/v3
+auth_type = password
+username = admin
+password = {admin_password}
+project_name = admin
+user_domain_name = Default
+project_domain_name = Default
+interface = public
 """
 
 API_PASTE = """\
@@ -171,7 +184,33 @@ auth_strategy = noauth2
 connection = {db_placement}
 """
 
-DATABASES = ("nova_api", "nova_cell0", "nova_cell1", "placement")
+KEYSTONE_CONF = """\
+[DEFAULT]
+log_file = {state}/log/keystone.log
+
+[database]
+connection = {db_keystone}
+
+[token]
+provider = fernet
+
+[fernet_tokens]
+key_repository = {state}/fernet-keys
+
+[fernet_receipts]
+key_repository = {state}/fernet-keys
+
+[credential]
+key_repository = {state}/credential-keys
+
+[cache]
+enabled = false
+"""
+
+DATABASES = ("nova_api", "nova_cell0", "nova_cell1", "placement", "keystone")
+KEYS = ("fernet-keys", "credential-keys")
+REGION = "RegionOne"
+ADMIN_PASSWORD = "admin-secret"
 
 
 def token(user: str, project: str, roles: str = "") -> str:
@@ -183,7 +222,8 @@ class RealNova:
         self.state = state
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.db = MariaDB(state / "mysql")
-        self.url = self.catalog = self.project = ""
+        self.url = self.catalog = self.project = self.keystone = self.keystone_project = ""
+        self.user_password = "gpud-secret"
         self.images: dict[str, str] = {}
         self.networks: dict[str, str] = {}
 
@@ -200,24 +240,27 @@ class RealNova:
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(args)} exited {r.returncode}: {r.stdout[-2000:]}{r.stderr[-3000:]}")
 
-    def _configure(self, placement: str) -> None:
+    def _configure(self, placement: str, keystone: str = "http://127.0.0.1:0") -> None:
         (self.state / "log").mkdir(parents=True, exist_ok=True)
         (self.state / "lock").mkdir(exist_ok=True)
         spec = json.dumps(PCI_SPEC)
         alias = json.dumps({**PCI_SPEC, "device_type": "type-PCI", "name": ALIAS})
         (self.state / "nova.conf").write_text(NOVA_CONF.format(
             state=self.state, placement=placement, spec=spec, alias=alias, db_api=self.db.url("nova_api"),
-            db_cell1=self.db.url("nova_cell1")))
+            db_cell1=self.db.url("nova_cell1"), keystone=keystone, admin_password=ADMIN_PASSWORD))
+        (self.state / "keystone.conf").write_text(KEYSTONE_CONF.format(state=self.state, db_keystone=self.db.url("keystone")))
         (self.state / "api-paste.ini").write_text(API_PASTE)
         (self.state / "placement.conf").write_text(PLACEMENT_CONF.format(state=self.state, db_placement=self.db.url("placement")))
 
     def _databases(self) -> None:
         """The databases, from the template when there is one for this nova and configuration."""
         version = (VENV / ".installed").read_text() if (VENV / ".installed").exists() else ""
-        key = hashlib.sha256((version + NOVA_CONF + PLACEMENT_CONF).encode()).hexdigest()[:16]
+        key = hashlib.sha256((version + NOVA_CONF + PLACEMENT_CONF + KEYSTONE_CONF).encode()).hexdigest()[:16]
         template = VENV / "db-template" / key
         if (template / "done").exists():
             shutil.copytree(template / "mysql", self.db.datadir)
+            for keys in KEYS:
+                shutil.copytree(template / keys, self.state / keys)
             self.db.start()
             # The cell mappings name their databases by URL, with the template's socket.
             old = (template / "socket").read_text()
@@ -233,14 +276,24 @@ class RealNova:
         self._manage("nova-manage", *conf, "cell_v2", "create_cell", "--name", "cell1", "--transport-url", "fake://",
                      "--database_connection", self.db.url("nova_cell1"))
         self._manage("nova-manage", *conf, "db", "sync")
+        kconf = ["--config-file", str(self.state / "keystone.conf")]
+        self._manage("keystone-manage", *kconf, "db_sync")
+        for what in ("fernet_setup", "credential_setup"):
+            self._manage("keystone-manage", *kconf, what, "--keystone-user", "root", "--keystone-group", "root")
+        self._manage("keystone-manage", *kconf, "bootstrap", "--bootstrap-password", ADMIN_PASSWORD,
+                     "--bootstrap-region-id", REGION, "--bootstrap-public-url", "http://127.0.0.1:0/v3")
         self.db.stop()
         tmp = template.with_name(key + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         shutil.copytree(self.db.datadir, tmp / "mysql", ignore=shutil.ignore_patterns("mysqld.sock", "*.pid", "server.log"))
+        for keys in KEYS:
+            shutil.copytree(self.state / keys, tmp / keys)
         (tmp / "socket").write_text(str(self.db.socket))
         (tmp / "done").touch()
-        shutil.rmtree(template, ignore_errors=True)
+        for old in template.parent.iterdir():  # templates of other configurations or versions
+            if old != tmp:
+                shutil.rmtree(old, ignore_errors=True)
         tmp.rename(template)
         self.db.start()
 
@@ -266,16 +319,50 @@ class RealNova:
             raise Unavailable(why)
         self.state.mkdir(parents=True, exist_ok=True)
         try:
-            self._configure("http://127.0.0.1:0")  # nova-manage does not call placement
+            self._configure("http://127.0.0.1:0")  # the manage commands call no service
             self._databases()
-            self._configure(self._spawn("placement")["url"])
+            self.keystone = self._spawn("keystone")["url"]
+            self._configure(self._spawn("placement")["url"], self.keystone)
             info = self._spawn("nova", timeout=180)
         except BaseException:
             self.close()
             raise
         self.url, self.catalog, self.project = info["url"], info["catalog"], info["project"]
         self.images, self.networks = info["images"], info["networks"]
+        self._catalog()
         return self
+
+    def _catalog(self) -> None:
+        """Keystone's catalog (identity, compute, image, network on RegionOne) and a project
+        ``gpu`` with a user ``gpud`` (member) in it."""
+        from keystoneauth1 import session
+        from keystoneauth1.identity import v3
+
+        self.db.sql(f"UPDATE keystone.endpoint SET url = '{self.keystone}/v3'")
+        admin = session.Session(auth=v3.Password(auth_url=f"{self.keystone}/v3", username="admin", password=ADMIN_PASSWORD,
+                                                 project_name="admin", user_domain_id="default", project_domain_id="default"))
+
+        def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+            r = admin.post(f"{self.keystone}/v3/{path}", json=body)
+            out: dict[str, Any] = r.json()
+            return out
+
+        for kind, name, url in (("compute", "nova", self.url), ("image", "glance", self.catalog),
+                                ("network", "neutron", self.catalog)):
+            sid = post("services", {"service": {"type": kind, "name": name}})["service"]["id"]
+            post("endpoints", {"endpoint": {"service_id": sid, "interface": "public", "url": url, "region_id": REGION}})
+        project = post("projects", {"project": {"name": "gpu", "domain_id": "default"}})["project"]["id"]
+        user = post("users", {"user": {"name": "gpud", "password": self.user_password, "domain_id": "default",
+                                       "default_project_id": project}})["user"]["id"]
+        roles = admin.get(f"{self.keystone}/v3/roles?name=member").json()["roles"]
+        admin.put(f"{self.keystone}/v3/projects/{project}/users/{user}/roles/{roles[0]['id']}")
+        self.keystone_project = project
+
+    def os_env(self) -> dict[str, str]:
+        """The OS_* variables of an openrc file for user gpud of project gpu."""
+        return {"OS_AUTH_URL": f"{self.keystone}/v3", "OS_USERNAME": "gpud", "OS_PASSWORD": self.user_password,
+                "OS_PROJECT_NAME": "gpu", "OS_USER_DOMAIN_NAME": "Default", "OS_PROJECT_DOMAIN_NAME": "Default",
+                "OS_REGION_NAME": REGION, "OS_IDENTITY_API_VERSION": "3", "OS_INTERFACE": "public"}
 
     def log(self, name: str) -> str:
         out = ""

@@ -78,6 +78,8 @@ def keystone(state: Path) -> None:
     os.environ["OS_KEYSTONE_CONFIG_DIR"] = str(state)
     from keystone.server.wsgi import initialize_public_application
 
+    sys.argv = [sys.argv[0]]  # keystone parses them
+
     ready(state, "keystone", url=serve(initialize_public_application()))
     wait_for_term()
 

@@ -394,13 +394,12 @@ def test_stop_drains_running_work(installed: Installed) -> None:
         while ns.run("pgrep", "-f", "sleep 2", check=False).returncode != 0:
             assert time.monotonic() < wait, "the job did not start"
             time.sleep(0.05)
-        stopping = time.monotonic()
         ns.systemctl("stop", "gpud-worker", timeout=60)  # returns once the worker has exited
-        took = time.monotonic() - stopping
         result = running.wait(30)
     assert result.exit_code == 0 and result.stdout == b"finished\n", result
+    # It exited 0 by itself: not killed at TimeoutStopSec (Result would be "timeout").
     assert ns.show("gpud-worker", "Result") == "success" and ns.show("gpud-worker", "ExecMainStatus") == "0"
-    assert took < 40, "stop waited for the kill timeout instead of the drain"  # TimeoutStopSec=45
+    assert "stopping: draining 1 running task(s)" in ns.journal("gpud-worker")
     ns.systemctl("start", "gpud-worker", timeout=90)
 
 

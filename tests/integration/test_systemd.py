@@ -297,7 +297,7 @@ def test_brokers_and_worker_are_active_only_after_ready(installed: Installed) ->
         env = installed.proc(unit, "environ").read_bytes().split(b"\0")
         assert b"WATCHDOG_USEC=10000000" in env and b"NOTIFY_SOCKET=/run/systemd/notify" in env
     # Sockets are bound at READY: the primary answers at once over its admin socket, as gpud.
-    from gpud.cluster import admin_call
+    from gpud_cli.cluster import admin_call
 
     assert admin_call(installed.admin("primary"), "status", {}, timeout=10)["broker"]["name"] == "primary"
     uid = int(ns.run("id", "-u", "gpud").stdout)
@@ -355,7 +355,7 @@ def test_hardening_holds_and_jobs_run_as_pool_users(installed: Installed) -> Non
 
 
 def test_reload_rereads_the_configuration(installed: Installed) -> None:
-    from gpud.cluster import admin_call
+    from gpud_cli.cluster import admin_call
 
     _worker_ready(installed)
     ns = installed.ns

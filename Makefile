@@ -3,13 +3,14 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+NOVA   := .venv-nova
 
 # `make units`: render systemd/*.in for this installation (make units BINDIR=/opt/gpud/bin).
 BINDIR     ?= /usr/bin
 SYSCONFDIR ?= /etc
 UNITDIR    ?= build/systemd
 
-.PHONY: run test lint typecheck check bench bench-others units clean gpu-check
+.PHONY: run test lint typecheck check bench bench-others units clean gpu-check debian-packages
 
 $(STAMP): setup.cfg pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -20,7 +21,7 @@ $(STAMP): setup.cfg pyproject.toml
 run: $(STAMP)
 	$(BIN)/gpud up --demo
 
-test: $(STAMP)
+test: $(STAMP) $(NOVA)/.installed debian-packages
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
@@ -33,6 +34,28 @@ check: lint typecheck test
 
 bench: $(STAMP)
 	$(BIN)/python bench/dispatch.py
+
+# Real Nova, placement and Keystone for tests/integration/test_openstack.py (tests/realnova), from a
+# venv of their own: gpud depends on none of them. About a minute and 450 MB the first time.
+# The stamp is a copy of the requirements: a checkout that only touched the file reinstalls nothing.
+$(NOVA)/.installed: tests/realnova/requirements.txt
+	@if cmp -s $< $@; then touch $@; else \
+		set -e; rm -rf $(NOVA); $(PYTHON) -m venv $(NOVA); \
+		echo "$(NOVA)/bin/pip install -q -r $<"; $(NOVA)/bin/pip install -q -r $<; cp $< $@; \
+	fi
+
+# Debian packages the tests run for real: systemd (booted in a namespace by test_systemd.py) and
+# mariadb-server (Nova's databases). Installed with apt-get where missing (as root); a quick check
+# when they are there.
+DEBIAN_PACKAGES := systemd mariadb-server
+debian-packages:
+	@missing=$$(for p in $(DEBIAN_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed$$' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" != 0 ]; then echo "not root: cannot install $$missing (the tests that need them skip)"; exit 0; fi; \
+		echo "apt-get install $$missing"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
 
 # gpud against Ray, dask.distributed and ipyparallel on this machine (bench/others.py), from a venv
 # of its own: gpud depends on none of them.
@@ -60,4 +83,4 @@ units:
 	@echo "units in $(UNITDIR): install *.service in /etc/systemd/system, gpud-sysusers.conf as /usr/lib/sysusers.d/gpud.conf, gpud-tmpfiles.conf as /usr/lib/tmpfiles.d/gpud.conf"
 
 clean:
-	rm -rf $(VENV) $(CMP) build *.egg-info
+	rm -rf $(VENV) $(CMP) $(NOVA) build *.egg-info

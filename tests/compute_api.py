@@ -1,6 +1,13 @@
-"""A local OpenStack for tests: the subset of the Compute API (Nova) that gpud uses, a minimal
-Identity v3 (Keystone) so that keystoneauth1 authenticates for real, the image and network look-ups
-python-novaclient makes by name, and the metadata service's ``meta_data.json``.
+"""A hand-written stand-in for OpenStack, kept for what real Nova cannot be made to show on demand:
+429 with Retry-After, 5xx, 409 while busy, slow answers and answers lost to a timeout, servers stuck
+in BUILD or REBOOT. What Nova really answers (policy, scheduling by PCI alias, task states, user
+data, Keystone and its catalog) is tested against real Nova: tests/realnova, used by
+tests/integration/test_openstack.py. The unit tests of gpud's Nova client and OpenStack controller
+(tests/unit/test_openstack_*.py) use this server, in-process and fast, to inject those faults.
+
+It serves the subset of the Compute API (Nova) that gpud uses, a minimal Identity v3 (Keystone) so
+that keystoneauth1 authenticates for real, the image and network look-ups python-novaclient makes by
+name, and the metadata service's ``meta_data.json``.
 
 It is a stateful ``http.server`` on 127.0.0.1 (port chosen by the kernel), run in a thread of the
 test process; the real python-novaclient and keystoneauth1 talk to it over HTTP. Servers have
@@ -9,7 +16,7 @@ and a status that moves on by itself (BUILD -> ACTIVE after ``build_s``, REBOOT 
 ``reboot_s``, or stuck with ``None``). Tests inject errors (``fail``) and slow answers (``slow``),
 change a server's status (``set_status``) and read what was asked (``requests``, ``actions``).
 
-Not a Nova: no scheduling, no policy, one project; only what the tests exercise.
+Not a Nova: no scheduling, no policy, one project.
 """
 
 from __future__ import annotations

@@ -1,16 +1,24 @@
-"""The daemons as systemd services: the unit files, and the sd_notify dialog (READY, WATCHDOG,
-STOPPING, RELOADING) seen from a socket this test binds in place of systemd's.
+"""The daemons as systemd services: the unit files, the units run by a real systemd, and the
+sd_notify dialog (READY, WATCHDOG, STOPPING, RELOADING) seen from a socket this test binds.
 
 - ``systemd-analyze verify`` on every rendered unit (``make units`` with ``BINDIR`` pointing at this
-  virtualenv, so ExecStart= names a real executable), failing on any output at all; skipped where
-  systemd-analyze is not installed (``apt-get install systemd`` provides it; ``make test`` does not
-  install it).
+  virtualenv, so ExecStart= names a real executable), failing on any output at all.
 - ``systemd-sysusers --dry-run`` and ``systemd-tmpfiles --root`` on the sysusers.d/tmpfiles.d files.
-- Under a real service manager (PID 1 is systemd, or a user manager answers), the broker as a
-  transient ``Type=notify`` unit with a watchdog: active after READY, still active after several
-  watchdog periods, killed for a missed watchdog once SIGSTOPped. Skipped, saying why, elsewhere.
+- A real systemd (Debian's 252, as PID 1 of a namespace: tests/systemd_ns.py) with the rendered units
+  installed as docs/OPERATIONS.md says: systemd-sysusers and systemd-tmpfiles create the users and
+  directories; gpud-broker@primary, @backup (a broker pair on one host, each with a drop-in for its
+  ports and role) and gpud-worker (one simulated GPU) start as Type=notify and are active only after
+  READY=1 (a broker that cannot bind never is); the hardening holds (no capabilities, no new
+  privileges, read-only outside the unit's directories, jobs as pool users); ``systemctl reload``
+  re-reads gpud.toml and fails on a bad one; ``systemctl stop`` of the worker lets its running job
+  finish; a hung broker (SIGSTOP) is killed by the watchdog and restarted. Skipped, saying why, only
+  where the namespace cannot be made (not root, no cgroup v2, the kernel refuses).
 - Without systemd: ``gpud broker`` and ``gpud worker`` with ``$NOTIFY_SOCKET`` pointing at a datagram
   socket of this test.
+
+systemd's tools come from Debian's ``systemd`` package, which ``make test`` installs where missing.
+Not checked here: MemoryMax, TasksMax and CPUQuota (this host binds those controllers to cgroup v1,
+so the namespace's cgroup v2 has none of them).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,16 +47,20 @@ WATCHDOG_USEC = 200_000  # pings every 0.1 s
 # ---------------------------------------------------------------------------------- unit files
 
 
-@pytest.fixture(scope="module")
-def units(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The units rendered by ``make units`` for this virtualenv."""
+def _render(bindir: Path | str, out: Path) -> Path:
+    """The units rendered by ``make units`` for ``bindir``, in ``out``."""
     if shutil.which("make") is None:
         pytest.skip("make is not installed: cannot render the units with `make units`")
-    out = tmp_path_factory.mktemp("units")
-    r = subprocess.run(["make", "-s", "-C", str(ROOT), "units", f"BINDIR={BIN}", f"UNITDIR={out}"],
+    r = subprocess.run(["make", "-s", "-C", str(ROOT), "units", f"BINDIR={bindir}", f"UNITDIR={out}"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     return out
+
+
+@pytest.fixture(scope="module")
+def units(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The units rendered by ``make units`` for this virtualenv."""
+    return _render(BIN, tmp_path_factory.mktemp("units"))
 
 
 def test_units_are_rendered_completely(units: Path) -> None:
@@ -122,60 +135,288 @@ def test_tmpfiles_file_creates_the_job_root(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------- a real systemd
 
 
-def _service_manager() -> tuple[list[str], str] | None:
-    """``(["--user"] or [], why)`` for a manager that can run a transient unit, else ``(None, why)``."""
-    if shutil.which("systemd-run") is None or shutil.which("systemctl") is None:
-        return None
-    if os.geteuid() == 0 and Path("/run/systemd/system").is_dir():
-        return [], "system manager"
-    r = subprocess.run(["systemctl", "--user", "is-system-running"], capture_output=True, text=True, timeout=10)
-    if r.stdout.strip() in ("running", "degraded"):
-        return ["--user"], "user manager"
-    return None
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
-def _show(scope: list[str], unit: str, prop: str) -> str:
-    r = subprocess.run(["systemctl", *scope, "show", "-p", prop, "--value", unit], capture_output=True, text=True, timeout=10)
-    return r.stdout.strip()
+CONFIG = """\
+[broker]
+policy = "{policy}"
+heartbeat_ms = 300
+
+[security]
+mode = "none"
+
+[metrics]
+listen = ""
+
+[worker]
+name = "vm-1"
+brokers = ["tcp://127.0.0.1:{primary_backend}", "tcp://127.0.0.1:{backup_backend}"]
+simulate = 1
+heartbeat_ms = 300
+drain_timeout = 20.0
+"""
+
+BROKER_DROPIN = """\
+# The test's pair runs on one host: each instance gets its own ports and role.
+[Service]
+Environment=GPUD_STANDBY_ROLE={role} GPUD_STANDBY_PEER=tcp://127.0.0.1:{peer} GPUD_STANDBY_PEER_BIND=tcp://127.0.0.1:{bind}
+Environment=GPUD_BROKER_FRONTEND=tcp://127.0.0.1:{frontend} GPUD_BROKER_BACKEND=tcp://127.0.0.1:{backend}
+"""
 
 
-def test_broker_under_a_real_service_manager(tmp_path: Path) -> None:
-    manager = _service_manager()
-    if manager is None:
-        why = "systemd-run is not installed" if shutil.which("systemd-run") is None else (
-            "no service manager to start a unit under: PID 1 is "
-            f"{Path('/proc/1/comm').read_text().strip() or '?'}, not systemd, and no user manager answers "
-            "(systemd cannot be started in a private namespace on this machine)")
-        pytest.skip(why)
-    scope, _ = manager
-    unit = f"gpud-test-{uuid.uuid4().hex[:8]}.service"
-    ready = tmp_path / "broker.json"
-    start = subprocess.run(
-        ["systemd-run", *scope, "--quiet", f"--unit={unit}",  # no --collect: keep Result= to read
-         "-p", "Type=notify", "-p", "NotifyAccess=main", "-p", "WatchdogSec=2", "-p", "TimeoutStartSec=30",
-         "-p", f"WorkingDirectory={tmp_path}",
-         str(BIN / "gpud"), "broker", "--security", "none", "--frontend", "tcp://127.0.0.1:*",
-         "--backend", "tcp://127.0.0.1:*", "--ready-file", str(ready)],
-        capture_output=True, text=True, timeout=60)
+UNITS = ("gpud-broker@primary", "gpud-broker@backup", "gpud-worker")
+
+
+class Installed:
+    """The units, sysusers.d and tmpfiles.d files installed as OPERATIONS.md says, in a systemd
+    booted in a namespace; ``ports`` by name; ``config`` writes /etc/gpud/gpud.toml there."""
+
+    def __init__(self, ns: Any, units: Path) -> None:
+        self.ns = ns
+        self.units = units
+        names = ("primary_frontend", "primary_backend", "primary_peer", "backup_frontend", "backup_backend", "backup_peer")
+        self.ports = dict(zip(names, _free_ports(len(names)), strict=True))
+        self.host_passwd = Path("/etc/passwd").read_text()
+        self.sysusers = self.tmpfiles = ""
+
+    def config(self, policy: str = "balanced") -> None:
+        etc = self.ns.root / "etc/gpud"
+        etc.mkdir(exist_ok=True)
+        (etc / "gpud.toml").write_text(CONFIG.format(policy=policy, **self.ports))
+
+    def frontend(self, role: str = "primary") -> str:
+        return f"tcp://127.0.0.1:{self.ports[role + '_frontend']}"
+
+    def admin(self, role: str = "primary") -> str:
+        return f"ipc://{self.ns.root}/run/gpud/{role}/admin.sock"
+
+    def main_pid(self, unit: str) -> int:
+        """The unit's main PID, in the namespace."""
+        return int(self.ns.show(unit, "MainPID"))
+
+    def proc(self, unit: str, name: str) -> Path:
+        """/proc/PID/``name`` of the unit's main process."""
+        return self.ns.root / f"proc/{self.main_pid(unit)}/{name}"
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+    """systemd 252 as PID 1 of a namespace with the rendered units in its unit path, the users
+    made by systemd-sysusers and the directories by systemd-tmpfiles, gpud.toml in its /etc."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from systemd_ns import INSIDE, SystemdNamespace, Unavailable, unit_bindir
+
+    work = tmp_path_factory.mktemp("systemd")
+    unitdir = work / "units"
     try:
-        # systemd-run returns once the start job is done: for Type=notify, once READY=1 came.
-        assert start.returncode == 0, start.stderr
-        assert _show(scope, unit, "ActiveState") == "active" and ready.exists()
-        pid = int(_show(scope, unit, "MainPID"))
-        # Several watchdog periods later it is still there: the pings arrive.
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            assert _show(scope, unit, "ActiveState") == "active", _show(scope, unit, "Result")
-            time.sleep(0.5)
-        # A stopped loop misses its pings: systemd kills the service for it.
-        os.kill(pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 20
-        while _show(scope, unit, "Result") != "watchdog":
-            assert time.monotonic() < deadline, "systemd did not see the missed watchdog"
-            time.sleep(0.2)
+        bindir = unit_bindir(work)
+        _render(f"{INSIDE}/{bindir.relative_to(work)}", unitdir)
+        ns = SystemdNamespace(work, unitdir).start()
+    except Unavailable as exc:
+        pytest.skip(f"cannot boot systemd in a namespace: {exc}")
+    try:
+        inst = Installed(ns, unitdir)
+        p = inst.ports
+        for role, peer in (("primary", "backup"), ("backup", "primary")):
+            d = unitdir / f"gpud-broker@{role}.service.d"
+            d.mkdir()
+            (d / "test-pair.conf").write_text(BROKER_DROPIN.format(
+                role=role, peer=p[f"{peer}_peer"], bind=p[f"{role}_peer"], frontend=p[f"{role}_frontend"],
+                backend=p[f"{role}_backend"]))
+        inst.config()
+        # As OPERATIONS.md installs them (the files given by path instead of copied to /usr/lib).
+        inst.sysusers = ns.run("systemd-sysusers", ns.inside(unitdir / "gpud-sysusers.conf")).stderr
+        inst.tmpfiles = ns.run("systemd-tmpfiles", "--create", ns.inside(unitdir / "gpud-tmpfiles.conf")).stderr
+        ns.systemctl("daemon-reload")
+        yield inst
     finally:
-        subprocess.run(["systemctl", *scope, "stop", unit], capture_output=True, timeout=30)
-        subprocess.run(["systemctl", *scope, "reset-failed", unit], capture_output=True, timeout=30)
+        ns.close()
+
+
+def test_sysusers_and_tmpfiles_create_users_and_directories(installed: Installed) -> None:
+    ns = installed.ns
+    assert "Creating user 'gpud'" in installed.sysusers, installed.sysusers
+    assert not installed.tmpfiles.strip(), installed.tmpfiles
+    users = {}
+    for line in ns.run("getent", "passwd").stdout.splitlines():
+        name, _, uid, gid, gecos, home, shell = line.split(":")
+        users[name] = (int(uid), int(gid), gecos, home, shell)
+    assert users["gpud"][2:4] == ("gpud daemon", "/var/lib/gpud")
+    for i in range(8):
+        uid, gid, gecos, home, shell = users[f"gpud-job{i}"]
+        assert uid < 1000 and uid != 0 and gecos == "gpud job pool user" and home == "/nonexistent", users[f"gpud-job{i}"]
+        assert shell.endswith("nologin")
+    assert len({users[f"gpud-job{i}"][0] for i in range(8)} | {users["gpud"][0]}) == 9
+    group = ns.run("getent", "group", "gpud").stdout.split(":")
+    assert int(group[2]) == users["gpud"][1]
+    # The host's own /etc is untouched: the namespace has an overlay of its own.
+    assert "gpud-job7:" not in Path("/etc/passwd").read_text() or "gpud-job7:" in installed.host_passwd
+    for path, mode in (("var/lib/gpud", 0o755), ("var/lib/gpud/jobs", 0o711)):
+        st = (ns.root / path).stat()
+        assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, 0, 0), path
+
+
+def _state(installed: Installed, unit: str) -> tuple[str, str]:
+    return installed.ns.show(unit, "ActiveState"), installed.ns.show(unit, "SubState")
+
+
+def test_brokers_and_worker_are_active_only_after_ready(installed: Installed) -> None:
+    ns = installed.ns
+    # A broker whose frontend is taken cannot bind, so it never says READY=1: its start fails,
+    # it is not active although its process ran.
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", installed.ports["primary_frontend"]))
+        taken.listen()
+        r = ns.systemctl("start", "gpud-broker@primary", check=False)
+        assert r.returncode != 0, "a broker that could not bind was reported started"
+        assert _state(installed, "gpud-broker@primary") != ("active", "running")
+        ns.systemctl("stop", "gpud-broker@primary")
+        ns.systemctl("reset-failed", "gpud-broker@primary", check=False)
+    for unit in UNITS:
+        assert ns.show(unit, "Type") == "notify" and ns.show(unit, "NotifyAccess") == "main", unit
+        # `systemctl start` waits for the start job, which for Type=notify ends at READY=1.
+        r = ns.systemctl("start", unit, timeout=90, check=False)
+        assert r.returncode == 0 and _state(installed, unit) == ("active", "running"), ns.journal(unit)[-3000:]
+        # STATUS= reached systemd over the notify socket with READY=1.
+        status = ns.show(unit, "StatusText")
+        if unit == "gpud-worker":
+            assert status.startswith(("connecting to", "registered with")), status
+        else:
+            role = unit.split("@")[1]
+            assert status.startswith("serving") and installed.frontend(role) in status, status
+        assert ns.show(unit, "WatchdogUSec") == "10s"
+        env = installed.proc(unit, "environ").read_bytes().split(b"\0")
+        assert b"WATCHDOG_USEC=10000000" in env and b"NOTIFY_SOCKET=/run/systemd/notify" in env
+    # Sockets are bound at READY: the primary answers at once over its admin socket, as gpud.
+    from gpud_cli.cluster import admin_call
+
+    assert admin_call(installed.admin("primary"), "status", {}, timeout=10)["broker"]["name"] == "primary"
+    uid = int(ns.run("id", "-u", "gpud").stdout)
+    status = dict(line.split(":", 1) for line in installed.proc("gpud-broker@primary", "status").read_text().splitlines())
+    assert int(status["Uid"].split()[0]) == uid and int(status["NoNewPrivs"]) == 1
+    assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0
+    _worker_ready(installed)
+
+
+def _worker_ready(installed: Installed) -> None:
+    """The three units started (a no-op when they are), the worker registered."""
+    for unit in UNITS:
+        installed.ns.systemctl("start", unit, timeout=90)
+    wait = time.monotonic() + 30
+    while not installed.ns.show("gpud-worker", "StatusText").startswith("registered with"):
+        assert time.monotonic() < wait, installed.ns.show("gpud-worker", "StatusText")
+        time.sleep(0.2)
+
+
+JOB = ("id -un; grep NoNewPrivs /proc/self/status; touch ./mine && echo wrote-workdir; "
+       "touch /etc/gpud/x 2>/dev/null && echo wrote-etc; touch /var/lib/gpud/x 2>/dev/null && echo wrote-state; "
+       "ls /root >/dev/null 2>&1 && echo saw-root; su -c true root </dev/null >/dev/null 2>&1 && echo became-root; "
+       "exit 0")
+
+
+def test_hardening_holds_and_jobs_run_as_pool_users(installed: Installed) -> None:
+    from gpud_client import Client
+
+    _worker_ready(installed)
+    ns = installed.ns
+    worker = installed.main_pid("gpud-worker")
+    status = dict(line.split(":", 1) for line in installed.proc("gpud-worker", "status").read_text().splitlines())
+    assert int(status["Uid"].split()[0]) == 0 and int(status["NoNewPrivs"]) == 1
+    caps = int(status["CapBnd"], 16)
+    # CAP_CHOWN 0, CAP_DAC_OVERRIDE 1, CAP_FOWNER 3, CAP_KILL 5, CAP_SETGID 6, CAP_SETUID 7
+    assert caps == sum(1 << b for b in (0, 1, 3, 5, 6, 7)), hex(caps)
+    # In the worker's own mount namespace (ProtectSystem=strict), root may write only its
+    # StateDirectory, CacheDirectory and private /tmp.
+    def writes(pid: int, path: str) -> bool:
+        return ns.run("nsenter", "-t", str(pid), "-m", "--", "sh", "-c", f"touch {path} && rm -f {path}", check=False).returncode == 0
+
+    assert not writes(worker, "/etc/gpud/x") and not writes(worker, "/usr/x") and not writes(worker, "/var/lib/x")
+    assert writes(worker, "/var/lib/gpud/jobs/x") and writes(worker, "/tmp/x")
+    assert not writes(worker, "/root/x")  # ProtectHome
+    broker = installed.main_pid("gpud-broker@primary")
+    assert not writes(broker, "/etc/gpud/x") and not writes(broker, "/var/lib/gpud/x")
+    assert writes(broker, "/var/lib/gpud/primary/x") and writes(broker, "/run/gpud/primary/x")
+    with Client(installed.frontend(), timeout=30) as client:
+        result = client.submit(["sh", "-c", JOB], gpu_milli=1000, time_limit=30).wait(60)
+    out = result.stdout.decode().split("\n")
+    assert result.exit_code == 0, result
+    assert out[0].startswith("gpud-job") and out[1].split() == ["NoNewPrivs:", "1"], out
+    assert "wrote-workdir" in out and not {"wrote-etc", "wrote-state", "saw-root", "became-root"} & set(out), out
+    assert not (ns.root / "etc/gpud/x").exists()
+
+
+def test_reload_rereads_the_configuration(installed: Installed) -> None:
+    from gpud_cli.cluster import admin_call
+
+    _worker_ready(installed)
+    ns = installed.ns
+    unit = "gpud-broker@primary"
+    pid = installed.main_pid(unit)
+    assert admin_call(installed.admin(), "status", {}, timeout=10)["broker"]["policy"] == "balanced"
+    try:
+        installed.config(policy="best-fit")
+        ns.systemctl("reload", unit)
+        assert admin_call(installed.admin(), "status", {}, timeout=10)["broker"]["policy"] == "best-fit"
+        assert "configuration re-read: applied" in ns.journal(unit)
+        # A bad file fails the reload (ExecReload waits for the broker's answer); the broker
+        # goes on with what it had.
+        installed.config(policy="no-such-policy")
+        r = ns.systemctl("reload", unit, check=False)
+        assert r.returncode != 0
+        assert "reload refused" in ns.journal(unit)
+        assert admin_call(installed.admin(), "status", {}, timeout=10)["broker"]["policy"] == "best-fit"
+        assert _state(installed, unit) == ("active", "running") and installed.main_pid(unit) == pid
+        # The worker's reload is a SIGHUP: RELOADING=1, then READY=1 again.
+        ns.systemctl("reload", "gpud-worker")
+        assert _state(installed, "gpud-worker") == ("active", "running")
+    finally:
+        installed.config()
+        ns.systemctl("reload", unit, check=False)
+
+
+def test_stop_drains_running_work(installed: Installed) -> None:
+    from gpud_client import Client
+
+    _worker_ready(installed)
+    ns = installed.ns
+    with Client(installed.frontend(), timeout=30) as client:
+        running = client.submit(["sh", "-c", "sleep 2; echo finished"], gpu_milli=1000, time_limit=30)
+        wait = time.monotonic() + 30
+        while ns.run("pgrep", "-f", "sleep 2", check=False).returncode != 0:
+            assert time.monotonic() < wait, "the job did not start"
+            time.sleep(0.05)
+        ns.systemctl("stop", "gpud-worker", timeout=60)  # returns once the worker has exited
+        result = running.wait(30)
+    assert result.exit_code == 0 and result.stdout == b"finished\n", result
+    # It exited 0 by itself: not killed at TimeoutStopSec (Result would be "timeout").
+    assert ns.show("gpud-worker", "Result") == "success" and ns.show("gpud-worker", "ExecMainStatus") == "0"
+    assert "stopping: draining 1 running task(s)" in ns.journal("gpud-worker")
+    ns.systemctl("start", "gpud-worker", timeout=90)
+
+
+def test_watchdog_restarts_a_hung_broker(installed: Installed) -> None:
+    _worker_ready(installed)
+    ns = installed.ns
+    unit = "gpud-broker@backup"
+    pid = installed.main_pid(unit)
+    restarts = int(ns.show(unit, "NRestarts"))
+    ns.run("kill", "-STOP", str(pid))  # its loop stops: no WATCHDOG=1 for WatchdogSec=10
+    wait = time.monotonic() + 60
+    while not (int(ns.show(unit, "NRestarts")) > restarts and _state(installed, unit) == ("active", "running")):
+        assert time.monotonic() < wait, (_state(installed, unit), ns.journal(unit)[-2000:])
+        time.sleep(0.5)
+    assert installed.main_pid(unit) != pid
+    log = ns.journal(unit)
+    assert "Watchdog timeout" in log and "ABRT" in log, log[-2000:]
 
 
 # ---------------------------------------------------------------------------------- sd_notify by hand

@@ -95,6 +95,19 @@ def test_boot_then_list_then_delete(api: ComputeAPI) -> None:
     assert api.count("GET", r"/image/v2/images\?name=") == 1 and api.count("GET", r"/network/v2.0/networks") == 1
 
 
+def test_an_image_and_network_given_by_id_are_not_looked_up(api: ComputeAPI) -> None:
+    """An id is used as it is: a cloud whose catalog has no Image or Network service still boots."""
+    image = next(iter(api.images))
+    network = next(iter(api.networks))
+    s = nova(api, image=image, network=network).boot("gpud-worker-id0001", "", WORKER, [])
+    stored = api.servers[s.id]
+    assert stored.image_id == image and stored.network == "gpu-net"
+    assert api.count("GET", r"/image/") == 0 and api.count("GET", r"/network/") == 0
+    # A name still is looked up.
+    nova(api, network="gpu-net", image=image).boot("gpud-worker-id0002", "", WORKER, [])
+    assert api.count("GET", r"/network/v2.0/networks") == 1 and api.count("GET", r"/image/") == 0
+
+
 def test_a_list_during_a_boot_s_image_look_up_goes_to_nova(api: ComputeAPI) -> None:
     """novaclient switches a client to the image service during the look-up: each thread has its own."""
     import threading

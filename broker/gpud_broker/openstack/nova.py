@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,6 +305,15 @@ def server_info(raw: Mapping[str, Any], flavors: Mapping[str, Mapping[str, str]]
     )
 
 
+def is_uuid(value: str) -> bool:
+    """Whether ``value`` is a UUID, written as Glance and Neutron write ids (with or without dashes)."""
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True
+
+
 class Nova:
     """The Nova calls gpud makes, for the servers it recognises as workers (``worker_metadata``
     and ``worker_tags``). Safe to use from the controller's threads: one keystoneauth1 session,
@@ -385,7 +395,11 @@ class Nova:
     # ------------------------------------------------------------------ references
 
     def _ref(self, kind: str, value: str) -> str:
-        """The id of the configured image, flavor or network (looked up by name once)."""
+        """The id of the configured image, flavor or network (looked up by name once). An image
+        or network given as an id (a UUID, which is what Glance and Neutron ids are) is used as
+        it is: only names are looked up, which needs the Image or Network service in the catalog."""
+        if kind in ("image", "network") and is_uuid(value):
+            return value
         with self._refs_lock:
             if f"{kind}:{value}" in self._refs:
                 return self._refs[f"{kind}:{value}"]

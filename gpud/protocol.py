@@ -510,6 +510,24 @@ def parse_launch_args(value: Any) -> list[tuple[str, int | float]]:
     return out
 
 
+ISOLATION_LEVELS = ("namespaces", "rlimits only")
+JOB_NETWORKS = ("none", "host")
+POOL_KINDS = ("job", "session")
+
+
+def parse_isolation(h: dict[str, Any]) -> tuple[str, str, int, frozenset[str]]:
+    """READY's ``isolation``, ``job_network``, ``pool_users`` and ``pool_kinds`` (§4.2): unknown
+    values of the first two read as "" (not said); InvalidRequest for a wrong type."""
+    isolation = opt(h, "isolation", str, "")
+    network = opt(h, "job_network", str, "")
+    users = opt(h, "pool_users", int, 0)
+    kinds = opt(h, "pool_kinds", list, [])
+    if users < 0 or users > 1_000_000 or len(kinds) > len(POOL_KINDS) or any(k not in POOL_KINDS for k in kinds):
+        raise InvalidRequest("READY: pool_users must be 0 to 1000000 and pool_kinds a list of 'job', 'session'")
+    return (isolation if isolation in ISOLATION_LEVELS else "", network if network in JOB_NETWORKS else "",
+            users, frozenset(kinds))
+
+
 def parse_gpu_info(raw: Any) -> GpuInfo:
     if type(raw) is not dict:
         raise ProtocolError("each GPU in READY must be a map")

@@ -193,6 +193,18 @@ class NvmlProbe:
             return None
         return uuid if self._handles is not None and uuid in self._handles else None
 
+    def minor_numbers(self) -> dict[str, int]:
+        """GPU uuid -> the minor number of its ``/dev/nvidiaN`` (which need not be its index);
+        GPUs whose number NVML cannot tell are left out (they get no device node in a sandbox)."""
+        self.inventory()
+        out: dict[str, int] = {}
+        for uuid, handle in (self._handles or {}).items():
+            try:
+                out[uuid] = int(self._nvml.nvmlDeviceGetMinorNumber(handle))
+            except self._nvml.NVMLError as exc:
+                log.warning("GPU %s: NVML cannot tell its device minor number (%s): jobs get no node for it", uuid, exc)
+        return out
+
     def _discover(self) -> tuple[list[GpuInfo], dict[str, Any]]:
         nv = self._nvml
         gpus: list[GpuInfo] = []

@@ -68,6 +68,7 @@ import psutil
 from gpud.errors import ConfigError, InvalidRequest, RemoteError
 from gpud.protocol import JobSpec, check_file_name
 from gpud_worker.cgroups import JobCgroup, JobCgroups, job_limits
+from gpud_worker.sandbox import Plan, Sandbox, mount_tmpfs, sweep_uid, unmount
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -456,6 +457,14 @@ def _wait_exit(pid: int, deadline: float, cancel: threading.Event | None) -> boo
             os.close(pidfd)
 
 
+def _full(dfd: int) -> bool:
+    """Whether the file system of directory ``dfd`` has no free block left."""
+    try:
+        return os.fstatvfs(dfd).f_bavail == 0
+    except OSError:
+        return False
+
+
 def _clamped(res: int, want: int) -> tuple[int, int]:
     """``(want, want)`` lowered to the current hard limit, so an unprivileged child can set it."""
     hard = resource.getrlimit(res)[1]
@@ -481,6 +490,11 @@ class JobRunner:
         limits: resource limits and timings for every job.
         cgroups: where jobs get cgroups of their own (``JobCgroups.setup``); None: no cgroups.
         mps: CUDA MPS settings where MPS runs on this worker; None: no MPS variables.
+        sandbox: the namespaces jobs and session processes run in (``gpud_worker.sandbox``);
+            None: none ("rlimits only").
+        gpu_minors: GPU uuid -> minor number of its ``/dev/nvidiaN`` (default: its index).
+        dir_size: as root, each job directory is a tmpfs of this many bytes (its size limit);
+            0: a plain directory, not limited.
     """
 
     def __init__(
@@ -492,17 +506,26 @@ class JobRunner:
         limits: JobLimits | None = None,
         cgroups: JobCgroups | None = None,
         mps: MpsSettings | None = None,
+        sandbox: Sandbox | None = None,
+        gpu_minors: Mapping[str, int] | None = None,
+        dir_size: int = 0,
     ) -> None:
         self.workroot = pathlib.Path(workroot).absolute()
+        self.sandbox = sandbox if sandbox is not None and sandbox.active else None
+        self.gpu_minors = dict(gpu_minors or {})
+        self._root = os.geteuid() == 0
+        self.dir_size = dir_size if self._root else 0
         self.pool = pool
         self.max_output_file = max_output_file
         self.limits = limits if limits is not None else JobLimits()
         self.cgroups = cgroups
         self.mps = mps
-        self._root = os.geteuid() == 0
+        self.pooled_sessions = False  # set when session processes take pool users (SessionHosts)
         self._active: set[str] = set()
         self._lock = threading.Lock()
         self._prepare_workroot()
+        if self.dir_size:
+            self._check_dir_size()
         if self._root:
             try:
                 _prctl_set(_PR_SET_CHILD_SUBREAPER, 1)
@@ -516,6 +539,23 @@ class JobRunner:
                           "(systemd/gpud-sysusers.conf), or run jobs under dynamic uids that belong to no "
                           "account with --job-uids FIRST-LAST ([worker] job_uids)",
                           f" (no pool users named {prefix}*)" if prefix else "")
+
+    def _check_dir_size(self) -> None:
+        """Whether job directories can be tmpfs of their own here; if not, say so and do without."""
+        probe = self.workroot / ".gpud-size-probe"
+        try:
+            os.makedirs(probe, 0o700, exist_ok=True)
+            mount_tmpfs(str(probe), "size=4k,mode=0700")
+            unmount(str(probe))
+        except OSError as exc:
+            log.warning("job directories cannot be tmpfs of their own here (%s): job_dir_size %d is not enforced, "
+                        "a job's directory is limited only by its file system", exc, self.dir_size)
+            self.dir_size = 0
+        finally:
+            try:
+                os.rmdir(probe)
+            except OSError:
+                pass
 
     def _prepare_workroot(self) -> None:
         root = self.workroot
@@ -550,6 +590,7 @@ class JobRunner:
         tenant: str,
         cancel: threading.Event | None = None,
         grant: JobGrant | None = None,
+        gpus: Sequence[str] = (),
     ) -> JobOutcome:
         """Run one job to completion and return its outcome.
 
@@ -562,6 +603,8 @@ class JobRunner:
             cancel: when set, the job is killed like at its time limit (``timed_out`` stays False).
             grant: what the broker granted (MPS limits, cgroup limits); None: a whole GPU, no
                 memory or CPU figures.
+            gpus: the uuids of the granted GPUs: their device nodes are the only ones in the
+                sandbox's ``/dev`` (``gpu_minors``).
 
         Raises:
             InvalidRequest: the spec or inputs are malformed (reserved env key, count mismatch).
@@ -578,9 +621,12 @@ class JobRunner:
                 try:
                     dfd = self._make_workdir(workdir, user, spec, inputs)
                     try:
+                        plan = None
+                        if self.sandbox is not None:
+                            plan = self.sandbox.plan(self.minors(gpus), str(workdir), dfd)
                         return self._execute(
                             hexid, spec, workdir, dfd, user, visible_devices, cancel,
-                            grant if grant is not None else JobGrant(),
+                            grant if grant is not None else JobGrant(), plan,
                         )
                     finally:
                         os.close(dfd)
@@ -588,7 +634,37 @@ class JobRunner:
                     self._remove(workdir)
         finally:
             if self._root and self.pool is not None:
-                self.pool.release(user)
+                self._release_user(user)
+
+    def minors(self, gpus: Sequence[str]) -> list[int]:
+        """The minor numbers of GPUs ``gpus`` (uuids) that name their ``/dev/nvidiaN``."""
+        return [self.gpu_minors[u] for u in gpus if u in self.gpu_minors]
+
+    @property
+    def isolation(self) -> str:
+        """The isolation level jobs and session processes run with (``gpud_worker.sandbox``)."""
+        return "namespaces" if self.sandbox is not None else "rlimits only"
+
+    def ready_fields(self) -> dict[str, object]:
+        """What READY says of this runner (PROTOCOL.md §4): ``isolation``, ``job_network`` and,
+        where jobs run as pool users, ``pool_users`` and the kinds of work that hold one."""
+        fields: dict[str, object] = {"isolation": self.isolation,
+                                     "job_network": self.sandbox.network if self.sandbox is not None else "host"}
+        if self._root and self.pool is not None:
+            fields["pool_users"] = len(self.pool)
+            fields["pool_kinds"] = ["job", "session"] if self.pooled_sessions else ["job"]
+        return fields
+
+    def _release_user(self, user: pwd.struct_passwd) -> None:
+        """Give ``user`` back to the pool once nothing it owned is left for the next tenant: its
+        processes are killed already; in a sandbox its files outside the job directory, SysV IPC
+        objects and POSIX message queues died with its namespaces, otherwise they are swept here."""
+        assert self.pool is not None
+        try:
+            if self.sandbox is None:
+                sweep_uid(user.pw_uid)
+        finally:
+            self.pool.release(user)
 
     def _check(
         self, job_id: bytes, spec: JobSpec, inputs: Sequence[Buffer], visible_devices: str
@@ -642,7 +718,7 @@ class JobRunner:
         try:
             self._kill_user_processes(user)
         finally:
-            self.pool.release(user)
+            self._release_user(user)
 
     @contextmanager
     def _claim(self, hexid: str) -> Iterator[None]:
@@ -669,6 +745,8 @@ class JobRunner:
             self._remove(workdir)
         try:
             os.mkdir(workdir, 0o700)
+            if self.dir_size:
+                mount_tmpfs(str(workdir), f"size={self.dir_size},mode=0700,uid={user.pw_uid},gid={user.pw_gid}")
             os.chmod(workdir, 0o700)
             if self._root:
                 os.chown(workdir, user.pw_uid, user.pw_gid)
@@ -680,6 +758,9 @@ class JobRunner:
                 self._write_input(dfd, name, data, user)
         except OSError as exc:
             os.close(dfd)
+            if exc.errno == errno.ENOSPC and self.dir_size:
+                raise RemoteError(f"the job's input files do not fit its directory, limited to {self.dir_size} bytes "
+                                  "(the worker's job_dir_size)") from exc
             raise RemoteError(f"cannot write job input files: {exc}") from exc
         return dfd
 
@@ -724,12 +805,13 @@ class JobRunner:
         return env
 
     def _child_setup(
-        self, spec: JobSpec, user: pwd.struct_passwd, cgroup_fd: int | None
+        self, spec: JobSpec, user: pwd.struct_passwd, cgroup_fd: int | None, plan: Plan | None = None
     ) -> Callable[[], None]:
         """Build the preexec function: it runs in the forked child, before the job's program.
 
         As root it first enters the job's cgroup (writing ``0`` to ``cgroup_fd``, its
-        ``cgroup.procs``: root's right, so before anything else), then becomes the job user itself
+        ``cgroup.procs``: root's right, so before anything else), then enters its sandbox's
+        namespaces (``plan``: only the process that runs the job returns), then becomes the job user itself
         (no supplementary groups), then sets the death signal (which a change of uid would clear),
         ``PR_SET_NO_NEW_PRIVS`` and the resource limits.
         """
@@ -754,6 +836,8 @@ class JobRunner:
                     os.write(cgroup_fd, b"0")
                 except OSError:
                     pass  # the parent finds the job outside its cgroup and logs it
+            if plan is not None:
+                plan.enter()
             if switch:
                 os.setgroups([])
                 os.setresgid(gid, gid, gid)
@@ -777,10 +861,11 @@ class JobRunner:
         devices: str,
         cancel: threading.Event | None,
         grant: JobGrant,
+        plan: Plan | None = None,
     ) -> JobOutcome:
         cgroup = self._make_cgroup(hexid, grant)
         try:
-            return self._execute_in(hexid, spec, workdir, dfd, user, devices, cancel, grant, cgroup)
+            return self._execute_in(hexid, spec, workdir, dfd, user, devices, cancel, grant, cgroup, plan)
         finally:
             if cgroup is not None:
                 oom = cgroup.oom_kills()
@@ -805,6 +890,7 @@ class JobRunner:
         cancel: threading.Event | None,
         grant: JobGrant,
         cgroup: JobCgroup | None,
+        plan: Plan | None = None,
     ) -> JobOutcome:
         started = time.monotonic()
         try:
@@ -820,7 +906,7 @@ class JobRunner:
                     close_fds=True,
                     umask=0o077,
                     preexec_fn=self._child_setup(
-                        spec, user, cgroup.procs_fd if cgroup is not None else None
+                        spec, user, cgroup.procs_fd if cgroup is not None else None, plan
                     ),
                 )
         except OSError as exc:
@@ -868,6 +954,10 @@ class JobRunner:
             if self._root:  # also what left the group (setsid) and would hold the pipes open
                 self._kill_user_processes(user)
         stdout, stderr = out.finish(), err.finish()
+        if self.dir_size and _full(dfd):
+            log.info("job %s filled its directory (%d bytes)", hexid, self.dir_size)
+            note = f"gpud: the job directory is full: it is limited to {self.dir_size} bytes (job_dir_size)\n".encode()
+            stderr = stderr[: max(0, spec.output_cap - len(note))] + note
         files = self._collect_outputs(hexid, spec, dfd, user)
         log.info(
             "job %s finished: exit %d%s after %.2f s",
@@ -1001,6 +1091,8 @@ class JobRunner:
             time.sleep(0.02)
 
     def _remove(self, path: pathlib.Path) -> None:
+        if self._root and os.path.isdir(path) and not os.path.islink(path):
+            unmount(str(path))  # a job directory of its own size (dir_size), or not mounted at all
         if os.path.islink(path) or not os.path.isdir(path):
             try:
                 os.unlink(path)

@@ -248,6 +248,7 @@ class Worker:
             "simulated": self.probe.simulated,
             "instance_id": self.config.instance_id,
             "replica_of": self.config.replica_of,
+            **self.runner.ready_fields(),
         }
 
     def run(self) -> None:
@@ -627,7 +628,7 @@ class Worker:
             spec = P.parse_job(h, len(frames))
             visible = ",".join(self._visible_name(u) for u in uuids)
             out = self.runner.run(rid, spec, [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames], visible, tenant, cancel,
-                                  JobGrant.from_wire(h.get("grant")))
+                                  JobGrant.from_wire(h.get("grant")), gpus=uuids)
             if cancel.is_set():
                 failed = next((u for u in uuids if u in self.gpu_faults), uuids[0])
                 raise GpuFault(f"GPU {failed} failed ({self.gpu_faults.get(failed, 'health check')}) while the job ran; the job was killed")

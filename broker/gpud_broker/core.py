@@ -45,7 +45,7 @@ from gpud.protocol import Command, Message, Peer
 from gpud.resources import GpuInfo, Grant, Need, TenantLimits
 from gpud_broker import ledger
 from gpud_broker.mix import TaskMix
-from gpud_broker.policies import FACTORIES, could_ever_fit, make_policy
+from gpud_broker.policies import FACTORIES, could_ever_fit, make_policy, pool_blocked
 from gpud_broker.queue import DEFAULT_AGING_S, DEFAULT_RESERVE_AFTER_S, FairShare, PendingQueue
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
 from gpud_broker.stats import PlacementTimes, RequestStats
@@ -80,6 +80,7 @@ class BrokerConfig:
     aging_s: float = DEFAULT_AGING_S  # seconds of waiting worth one priority level
     reserve_after: float = DEFAULT_RESERVE_AFTER_S  # seconds before a blocked request reserves a worker
     drain_timeout: float = 10.0  # seconds dispatched work may take to finish after SIGTERM (the shell's)
+    tenant_pool_share: float = 0.5  # most of a worker's pool users one tenant may hold (policies.pool_allows)
 
     def __post_init__(self) -> None:
         if self.policy not in FACTORIES:
@@ -408,6 +409,10 @@ class BrokerCore:
             return False  # it waits until its tenant holds less
         avoid = task.avoid | excluded if excluded else task.avoid
         reg = self.registry
+        if task.kind in ("job", "session"):  # work that holds a pool user on its worker
+            blocked = pool_blocked(task.kind, task.tenant, reg.by_identity.values(), self.config.tenant_pool_share)
+            if blocked:
+                avoid = avoid | blocked
         t0 = perf_counter()
         # Sampling keeps the intent of a load-spreading policy only (the policy may change on reload).
         if len(reg.workers) > SAMPLE_ABOVE and self.config.policy == "balanced":
@@ -420,7 +425,7 @@ class BrokerCore:
         if placement is None:
             return False
         worker = placement.worker
-        task.grant = ledger.grant(worker, placement.gpus, need)
+        task.grant = ledger.grant(worker, placement.gpus, need, pool=task.kind in worker.pool_kinds)
         self.fair.grant(task.tenant, need.total_milli, self.now)
         if self.limits:
             self._charge(task.tenant, task.grant, task.kind == "session", 1)
@@ -634,6 +639,7 @@ class BrokerCore:
             hostname = P.opt(h, "hostname", str, "")[:255]
             instance_id = P.opt(h, "instance_id", str, "")[:64]
             replica_of = P.opt(h, "replica_of", str, "")[:128]
+            isolation = P.parse_isolation(h)
             if not (0 <= cpu and 0 <= host_mem and 1 <= slots <= MAX_SLOTS and 0 <= hb_ms <= 600_000 and 0 <= liveness <= 100):
                 raise ProtocolError("READY has a value out of range")
         except GpudError as exc:
@@ -671,6 +677,7 @@ class BrokerCore:
             instance_id=instance_id,
             replica_of=replica_of,
         )
+        worker.isolation, worker.job_network, worker.pool_users, worker.pool_kinds = isolation
         if worker.has_slot:
             self.open_workers += 1
         self._fits.clear()

@@ -64,7 +64,7 @@ def test_the_worker_reports_namespaces(cluster: LocalCluster) -> None:
     row = admin_call(cluster.admin, "workers")[0]
     assert (row["isolation"], row["job_network"], row["pool_users"]) == ("namespaces", "none", 4)
     line = next(ln for ln in workers_table(cluster).splitlines() if ln.startswith("w0"))
-    assert "namespaces" in line and "hostnet" not in line
+    assert "namespaces" in line and "host net" not in line
     assert "isolation: namespaces" in cluster.log_tail("w0", 400)
 
 

@@ -553,6 +553,8 @@ def _remove_files_of(uid: int, top: str) -> int:
                 else:
                     os.unlink(name, dir_fd=dfd)
                 removed += 1
+            except FileNotFoundError:
+                continue  # gone meanwhile (someone else's, or removed with its directory)
             except OSError as exc:
                 log.warning("cannot remove %s/%s of uid %d: %s", top, name, uid, exc)
     return removed

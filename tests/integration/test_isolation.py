@@ -16,13 +16,18 @@ import stat
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from gpud.cluster import LocalCluster, admin_call
+from gpud.protocol import JobSpec
 from gpud.security import CurveKeys
+from gpud.uid_ranges import UidBlocks
 from gpud_client import Client
 from gpud_client.ctl import main as gpudctl
+from gpud_worker.cgroups import JobCgroupsV1, setup_job_cgroups
+from gpud_worker.jobs import JobLimits, JobRunner, UserPool
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces and pool users need root")
 
@@ -279,3 +284,50 @@ def test_two_local_clusters_do_not_touch_each_others_jobs() -> None:
                 t.join()
     assert r.exit_code == 0 and int(r.stdout) in mine  # not killed by the other cluster's cleanup
     assert users and all(u in theirs for u in users)
+
+
+def test_cgroup_v1_limits_memory_and_denies_the_gpus_not_granted(stand_in_gpu_nodes: list[str], tmp_path: Path) -> None:
+    """The real job runner with the host's cgroup v1 hierarchies and no namespaces (so the
+    STAND-IN /dev/nvidia0 and nvidia1 are in reach): a job granted GPU 0 gets EPERM from the
+    devices cgroup opening nvidia1, and ENXIO (no driver behind a stand-in) opening nvidia0; a job
+    that allocates past its memory limit is killed."""
+    cgroups = setup_job_cgroups()
+    if not isinstance(cgroups, JobCgroupsV1) or {"memory", "devices"} - cgroups.controllers:
+        pytest.skip("this host has no cgroup v1 memory and devices hierarchies")
+    blocks = UidBlocks(UID_BASE)
+    uids = blocks.take()
+    try:
+        os.chmod(tmp_path, 0o711)
+        runner = JobRunner(tmp_path / "jobs", UserPool("gpud-dyn-", uids[:2]), limits=JobLimits(memory=64 << 20),
+                           cgroups=cgroups, gpu_minors={"G0": 0, "G1": 1})
+        probe = ("import errno\nfor n in (0, 1):\n    try: open(f'/dev/nvidia{n}', 'rb')\n"
+                 "    except OSError as e: print(n, errno.errorcode[e.errno])\n")
+        spec = JobSpec(argv=(PY, "-c", probe), env={}, files=(), outputs=())
+        out = runner.run(os.urandom(8), spec, [], "0", "alice", gpus=["G0"])
+        assert out.stdout.decode().split() == ["0", "ENXIO", "1", "EPERM"], out
+        hog = JobSpec(argv=(PY, "-c", "b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096]); print('survived')"),
+                      env={}, files=(), outputs=())
+        fat = runner.run(os.urandom(8), hog, [], "0", "alice", gpus=["G0"])
+        assert fat.exit_code == -9 and b"survived" not in fat.stdout, fat
+    finally:
+        cgroups.close()
+        blocks.close()
+
+
+def test_a_session_process_runs_in_namespaces_of_its_own(stand_in_gpu_nodes: list[str]) -> None:
+    """A session in a process of its own (session_processes on): its mount, PID, IPC, UTS and
+    network namespaces are not the worker's, its /dev holds its one GPU's STAND-IN node, and the
+    pid it reports is the one the VM sees."""
+    with LocalCluster(workers=1, gpus_per_worker=2, heartbeat_ms=200, security="curve", pool_size=2,
+                      dynamic_uid_base=UID_BASE, worker_args=["--session-processes", "on"]) as c, \
+            client(c, c.client_keys("alice")) as a, a.session(gpu_milli=100, mem=1 << 20) as s:
+        process = s.device_info()["process"]
+        pid, worker = process["pid"], c.worker_procs["w0"].pid
+        for ns in ("mnt", "pid", "ipc", "uts", "net"):
+            assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/{worker}/ns/{ns}"), ns
+        with open(f"/proc/{pid}/status") as f:
+            assert f"Uid:\t{process['uid']}" in f.read()
+        dev = sorted(os.listdir(f"/proc/{pid}/root/dev"))
+        gpu = s.device_info()["gpu"]["index"]
+        assert [n for n in dev if n.startswith("nvidia")] == [f"nvidia{gpu}", "nvidiactl"], dev
+        assert not os.listdir(f"/proc/{pid}/root/tmp")  # a private /tmp, not the VM's

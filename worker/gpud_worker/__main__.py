@@ -111,7 +111,7 @@ def _compile_user(name: str) -> tuple[int, int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpud_worker.cgroups import JobCgroups
+    from gpud_worker.cgroups import setup_job_cgroups
     from gpud_worker.device import Device, SimulatedDevice
     from gpud_worker.gpu import GpuProbe, NvmlProbe, SimulatedProbe, simulated_gpus
     from gpud_worker.instance import resolve as resolve_instance_id
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     if w.cgroups == "off":
         log.info("cgroups off: jobs run with their rlimits only")
     elif root or w.cgroup_parent:
-        cgroups = JobCgroups.setup(w.cgroup_parent)
+        cgroups = setup_job_cgroups(w.cgroup_parent)
     else:
         log.info("not root and no cgroup_parent: jobs run without cgroups")
     mps: MpsSettings | None = mps_settings(w.mps_pipe_dir, w.mps_log_dir, os.environ) if w.mps else None

@@ -67,7 +67,7 @@ import psutil
 
 from gpud.errors import ConfigError, InvalidRequest, RemoteError
 from gpud.protocol import JobSpec, check_file_name
-from gpud_worker.cgroups import JobCgroup, JobCgroups, job_limits
+from gpud_worker.cgroups import JobCgroup, JobCgroups, JobCgroupsV1, job_limits
 from gpud_worker.sandbox import Plan, Sandbox, mount_tmpfs, sweep_uid, unmount
 
 if TYPE_CHECKING:
@@ -504,7 +504,7 @@ class JobRunner:
         max_output_file: int = 64 << 20,
         *,
         limits: JobLimits | None = None,
-        cgroups: JobCgroups | None = None,
+        cgroups: JobCgroups | JobCgroupsV1 | None = None,
         mps: MpsSettings | None = None,
         sandbox: Sandbox | None = None,
         gpu_minors: Mapping[str, int] | None = None,
@@ -621,12 +621,14 @@ class JobRunner:
                 try:
                     dfd = self._make_workdir(workdir, user, spec, inputs)
                     try:
+                        granted = self.minors(gpus)
                         plan = None
                         if self.sandbox is not None:
-                            plan = self.sandbox.plan(self.minors(gpus), str(workdir), dfd)
+                            plan = self.sandbox.plan(granted, str(workdir), dfd)
+                        deny = sorted(set(self.gpu_minors.values()) - set(granted))
                         return self._execute(
                             hexid, spec, workdir, dfd, user, visible_devices, cancel,
-                            grant if grant is not None else JobGrant(), plan,
+                            grant if grant is not None else JobGrant(), plan, deny,
                         )
                     finally:
                         os.close(dfd)
@@ -805,12 +807,12 @@ class JobRunner:
         return env
 
     def _child_setup(
-        self, spec: JobSpec, user: pwd.struct_passwd, cgroup_fd: int | None, plan: Plan | None = None
+        self, spec: JobSpec, user: pwd.struct_passwd, cgroup_fds: Sequence[int] = (), plan: Plan | None = None
     ) -> Callable[[], None]:
         """Build the preexec function: it runs in the forked child, before the job's program.
 
-        As root it first enters the job's cgroup (writing ``0`` to ``cgroup_fd``, its
-        ``cgroup.procs``: root's right, so before anything else), then enters its sandbox's
+        As root it first enters the job's cgroup (writing ``0`` to ``cgroup_fds``, its
+        ``cgroup.procs``, one per v1 hierarchy: root's right, so before anything else), then enters its sandbox's
         namespaces (``plan``: only the process that runs the job returns), then becomes the job user itself
         (no supplementary groups), then sets the death signal (which a change of uid would clear),
         ``PR_SET_NO_NEW_PRIVS`` and the resource limits.
@@ -831,9 +833,9 @@ class JobRunner:
         uid, gid = user.pw_uid, user.pw_gid
 
         def setup() -> None:
-            if cgroup_fd is not None:
+            for fd in cgroup_fds:
                 try:
-                    os.write(cgroup_fd, b"0")
+                    os.write(fd, b"0")
                 except OSError:
                     pass  # the parent finds the job outside its cgroup and logs it
             if plan is not None:
@@ -862,8 +864,9 @@ class JobRunner:
         cancel: threading.Event | None,
         grant: JobGrant,
         plan: Plan | None = None,
+        deny: Sequence[int] = (),
     ) -> JobOutcome:
-        cgroup = self._make_cgroup(hexid, grant)
+        cgroup = self._make_cgroup(hexid, grant, deny)
         try:
             return self._execute_in(hexid, spec, workdir, dfd, user, devices, cancel, grant, cgroup, plan)
         finally:
@@ -873,10 +876,12 @@ class JobRunner:
                     log.info("job %s: %d process(es) killed for its memory limit", hexid, oom)
                 cgroup.remove()
 
-    def _make_cgroup(self, hexid: str, grant: JobGrant) -> JobCgroup | None:
+    def _make_cgroup(self, hexid: str, grant: JobGrant, deny: Sequence[int] = ()) -> JobCgroup | None:
         if self.cgroups is None:
             return None
         limits = job_limits(grant.host_mem, grant.cpu_milli, self.limits.memory, self.limits.nproc)
+        if isinstance(self.cgroups, JobCgroupsV1):  # v2 has no devices files: the sandbox's /dev fences GPUs there
+            return self.cgroups.create(hexid, limits, deny)
         return self.cgroups.create(hexid, limits)
 
     def _execute_in(
@@ -906,7 +911,7 @@ class JobRunner:
                     close_fds=True,
                     umask=0o077,
                     preexec_fn=self._child_setup(
-                        spec, user, cgroup.procs_fd if cgroup is not None else None, plan
+                        spec, user, cgroup.procs_fds if cgroup is not None else (), plan
                     ),
                 )
         except OSError as exc:

@@ -180,6 +180,7 @@ class Plan:
     shared: tuple[str, ...] = ()
     workdir: str | None = None
     workdir_fd: int | None = None
+    gpus: tuple[int, ...] = ()  # minor numbers of the granted GPUs
 
     def flags(self) -> int:
         flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
@@ -211,6 +212,7 @@ class Plan:
         _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
         pid = _outer_pid() if outer_pid else 0
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        _hide_other_gpus(self.gpus)
         return pid
 
     def _mounts(self) -> None:
@@ -280,6 +282,31 @@ class Plan:
         for i, name in enumerate(("stdin", "stdout", "stderr")):
             os.symlink(f"/proc/self/fd/{i}", "/dev/" + name)
         _mount(None, "/dev", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
+
+
+NVIDIA_PROC_GPUS = "/proc/driver/nvidia/gpus"
+
+
+def _hide_other_gpus(granted: Sequence[int]) -> None:
+    """Cover ``/proc/driver/nvidia/gpus/<PCI address>`` of each GPU not granted (its
+    ``information`` says its ``Device Minor``), as NVIDIA's container toolkit does: the driver's
+    tools (``nvidia-smi``) list the GPUs found there."""
+    try:
+        addresses = os.listdir(NVIDIA_PROC_GPUS)
+    except OSError:
+        return  # no NVIDIA driver here
+    for address in addresses:
+        path = os.path.join(NVIDIA_PROC_GPUS, address)
+        minor = None
+        try:
+            with open(os.path.join(path, "information"), encoding="ascii", errors="replace") as f:
+                for line in f:
+                    if line.startswith("Device Minor:"):
+                        minor = int(line.split(":", 1)[1])
+        except (OSError, ValueError):
+            pass
+        if minor not in granted:
+            _mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0555")
 
 
 def _loopback_up() -> None:
@@ -454,7 +481,7 @@ class Sandbox:
         if not self.active:
             return None
         nodes = self._base + tuple(host_nodes(gpu_node_names(minors), self.dev))
-        return Plan(self.network, self.tmp_size, self.hidden, nodes, self.shared, workdir, workdir_fd)
+        return Plan(self.network, self.tmp_size, self.hidden, nodes, self.shared, workdir, workdir_fd, tuple(minors))
 
 
 # ---------------------------------------------------------------------------- outside a sandbox

@@ -24,20 +24,35 @@ Isolation model (DESIGN.md §5):
   and a file bigger than ``max_output_file`` is omitted (logged), never truncated, so a client never
   receives a silently cut file.
 
-- With ``cgroups`` (``gpud_worker.cgroups``, cgroup v2 delegated to the worker), each job runs in a
-  cgroup of its own, entered before the job's program is executed: ``memory.max`` (the grant's
-  ``host_mem``, else ``JobLimits.memory``), ``cpu.max`` (the grant's ``cpu_milli``) and ``pids.max``
-  (``JobLimits.nproc``); after the job the whole cgroup is killed and removed. Without them (v1,
-  not delegated, or any cgroup operation failing) the job runs with its rlimits only, logged.
+- With a ``sandbox`` (``gpud_worker.sandbox``, as root where namespaces can be made), the job runs
+  in mount, PID, IPC, UTS and network namespaces of its own, entered by the forked child before it
+  becomes the pool user: every mount read-only, private size-limited ``/tmp``, ``/var/tmp`` and
+  ``/dev/shm``, its own ``/proc``, a ``/dev`` with only its GPUs' nodes, the work root, keys and
+  configuration covered, its directory bound back at its path, loopback only unless the operator
+  chose the host network. When its process ends, everything else in its namespaces dies with it.
+  Without one ("rlimits only", said at start and in READY), a pool user's files in ``/tmp``,
+  ``/var/tmp``, ``/dev/shm``, its SysV IPC objects and POSIX message queues are swept before the
+  user serves again.
+- As root with ``dir_size``, the job's directory is a tmpfs of that size (its disk quota); a job
+  that fills it gets a line on its stderr saying so.
+- With ``cgroups`` (``gpud_worker.cgroups``: cgroup v2 delegated to the worker, else the host's v1
+  hierarchies), each job runs in a cgroup of its own, entered before the job's program is executed:
+  memory (the grant's ``host_mem``, else ``JobLimits.memory``), CPU (the grant's ``cpu_milli``),
+  pids (``JobLimits.nproc``) and, on v1, the devices of the GPUs it was not granted denied; after
+  the job the whole cgroup is killed and removed. Without them (not delegated, or any cgroup
+  operation failing) the job runs with its rlimits only, logged.
 - With ``mps`` (CUDA MPS runs on this GPU VM), the job's environment carries the MPS client limits
   of its grant: ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
   (``MpsSettings.environment``), and the pipe and log directories.
 
-Not covered: GPU device nodes are not restricted (``CUDA_VISIBLE_DEVICES`` steers CUDA, it does not
-fence it), there is no disk quota, and files a job leaves outside its directory (``/dev/shm``,
-``/tmp``) survive. Without cgroups there is no memory limit unless ``RLIMIT_AS`` is set (off by
-default: CUDA needs large virtual address space). Without root, a process that calls ``setsid()``
-can escape the kill (unless cgroups are delegated to that user).
+Not covered (docs/OPERATIONS.md, Tenant isolation): the kernel and the GPU are shared; there is no
+user namespace, so a job reads what the VM leaves world-readable; on cgroup v2 no BPF device
+program backs the sandbox's ``/dev``. Without a sandbox, GPU device nodes are not restricted
+(``CUDA_VISIBLE_DEVICES`` steers CUDA, it does not fence it) except by a v1 devices cgroup, and the
+network and ``/proc`` are the VM's. Without cgroups there is no memory limit unless ``RLIMIT_AS`` is
+set (off by default: CUDA needs large virtual address space). Without root, a process that calls
+``setsid()`` can escape the kill (unless cgroups are delegated to that user), and there is no
+sandbox, sweep or directory size limit.
 """
 
 from __future__ import annotations

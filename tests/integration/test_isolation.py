@@ -24,7 +24,7 @@ from gpud.cluster import LocalCluster, admin_call
 from gpud.protocol import JobSpec
 from gpud.security import CurveKeys
 from gpud.uid_ranges import UidBlocks
-from gpud_client import Client
+from gpud_client import Client, Timeout
 from gpud_client.ctl import main as gpudctl
 from gpud_worker.cgroups import JobCgroupsV1, setup_job_cgroups
 from gpud_worker.jobs import JobLimits, JobRunner, UserPool
@@ -331,3 +331,20 @@ def test_a_session_process_runs_in_namespaces_of_its_own(stand_in_gpu_nodes: lis
         gpu = s.device_info()["gpu"]["index"]
         assert [n for n in dev if n.startswith("nvidia")] == [f"nvidia{gpu}", "nvidiactl"], dev
         assert not os.listdir(f"/proc/{pid}/root/tmp")  # a private /tmp, not the VM's
+
+
+def test_one_tenants_sessions_cannot_take_every_pool_user() -> None:
+    """Sessions in processes of their own hold a pool user each: alice's sessions of 1 milli take
+    at most her share (2 of 4), and bob's job runs at once beside them."""
+    with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, security="curve", pool_size=4,
+                      dynamic_uid_base=UID_BASE, worker_args=["--session-processes", "on"]) as c, \
+            client(c, c.client_keys("alice")) as a, client(c, c.client_keys("bob")) as b:
+        row = admin_call(c.admin, "workers")[0]
+        assert row["pool_users"] == 4
+        with a.session(gpu_milli=1, mem=1 << 20), a.session(gpu_milli=1, mem=1 << 20):
+            assert admin_call(c.admin, "workers")[0]["pool_free"] == 2
+            with pytest.raises(Timeout):  # alice's third waits: her share is held
+                a.session(gpu_milli=1, mem=1 << 20, timeout=2)
+            started = time.monotonic()
+            r = b.run(["id", "-u"], gpu_milli=1, timeout=20)
+            assert r.exit_code == 0 and time.monotonic() - started < 10

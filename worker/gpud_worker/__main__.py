@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from gpud_worker.gpu import GpuProbe, NvmlProbe, SimulatedProbe, simulated_gpus
     from gpud_worker.instance import resolve as resolve_instance_id
     from gpud_worker.jobs import JobLimits, JobRunner, MpsSettings, UserPool, mps_settings
-    from gpud_worker.sandbox import Sandbox
+    from gpud_worker.sandbox import Sandbox, private_mounts
     from gpud_worker.worker import Worker, WorkerConfig, default_workroot, install_signal_handlers
 
     try:
@@ -211,6 +211,11 @@ def run(args: argparse.Namespace) -> int:
               os.environ.get("RUNTIME_DIRECTORY", "/run/gpud")]
     shared = [mps.pipe_dir, mps.log_dir] if mps is not None else []
     sandbox = Sandbox(w.job_network, w.job_tmp_size, hidden, shared, enabled=root)
+    if root and w.job_dir_size:
+        why = private_mounts()
+        if why:
+            log.warning("cannot keep the job directories' mounts to the worker (%s): a crash leaves them mounted "
+                        "until the next start", why)
     if sandbox.active:
         log.info("%s", sandbox.describe())
         if w.job_network == "host":

@@ -84,6 +84,7 @@ MS_NODIRATIME = 2048
 MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
+MS_SLAVE = 1 << 19
 MS_RELATIME = 1 << 21
 MS_STRICTATIME = 1 << 24
 _MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
@@ -186,29 +187,42 @@ class Plan:
         flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
         return flags | CLONE_NEWNET if self.network == "none" else flags
 
-    def enter(self, outer_pid: bool = False) -> int:
+    def enter(self, outer_pid: bool = False, keep_handlers: bool = False) -> int:
         """Enter the sandbox (see the module's doc); only the process that is to run the user's
         code returns. Returns its pid in the worker's PID namespace when ``outer_pid`` (a session
-        process reports it), else 0. Raises OSError where a step fails (before any fork)."""
+        process reports it), else 0. Raises OSError where a step fails (before any fork).
+
+        ``P`` and ``I`` are forks of the worker, with its Python signal handlers (a SIGTERM would
+        run the worker's shutdown in them): all signals are blocked across the forks and each of
+        them sets its own dispositions first. The process that returns gets the default ones (a
+        job's program is executed next), or, with ``keep_handlers`` (a session process, which goes
+        on in Python), the ones this process had."""
         _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")  # P: with the worker
         _check(_libc.unshare(self.flags()), "unshare")
         self._mounts()
         if self.network == "none":
             _loopback_up()
         _libc.sethostname(HOSTNAME, len(HOSTNAME))  # cosmetic (systemd's ProtectHostname forbids it)
+        saved = {sig: signal.getsignal(sig) for sig in _SIGNALS} if keep_handlers else {}
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         r, w = os.pipe()
         child = os.fork()
         if child:
-            _outer(child, r, w)
+            _outer(child, r, w, mask)
         try:  # I: never returns, whatever fails
+            _default_handlers()
             _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
             child = os.fork()
         except BaseException:
             os._exit(255)
         if child:
-            _init(child, r, w)
+            _init(child, r, w, mask)
         os.close(r)
         os.close(w)
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
         pid = _outer_pid() if outer_pid else 0
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -332,13 +346,26 @@ def _close_all_but(keep: int) -> None:
     os.closerange(keep + 1, 1 << 20)
 
 
-def _outer(child: int, r: int, w: int) -> None:
+_SIGNALS = [sig for sig in signal.valid_signals() if sig not in (signal.SIGKILL, signal.SIGSTOP)]
+
+
+def _default_handlers() -> None:
+    for sig in _SIGNALS:
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            continue  # one the C library keeps for itself
+
+
+def _outer(child: int, r: int, w: int, mask: Iterable[int]) -> None:
     """``P``: wait for PID 1 of the sandbox, then end as the job ended. Never returns."""
     try:
-        os.close(w)
-        _close_all_but(r)
+        _default_handlers()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.close(w)
+        _close_all_but(r)
         while True:
             try:
                 _, status = os.waitpid(child, 0)
@@ -360,9 +387,10 @@ def _outer(child: int, r: int, w: int) -> None:
         os._exit(255)
 
 
-def _init(child: int, r: int, w: int) -> None:
+def _init(child: int, r: int, w: int, mask: Iterable[int]) -> None:
     """``I``, PID 1 of the sandbox: reap, and report the job's status to ``P`` when it ends."""
     try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(r)
         _close_all_but(w)
         _rename_init()
@@ -491,6 +519,18 @@ _IPC_RMID = 0
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 SWEPT_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 """Where files of a pool user are swept after its job when there are no namespaces."""
+
+
+def private_mounts() -> str:
+    """Move this process (the worker, at start, before it has threads) into a mount namespace of
+    its own that still receives the VM's mounts: what it mounts (job directories' tmpfs) is
+    nobody else's, and goes with it when it dies, also by SIGKILL. "" once done, else why not."""
+    try:
+        _check(_libc.unshare(CLONE_NEWNS), "unshare")
+        _mount(None, "/", None, MS_REC | MS_SLAVE)
+    except OSError as exc:
+        return str(exc)
+    return ""
 
 
 def mount_tmpfs(path: str, options: str) -> None:

@@ -494,7 +494,7 @@ def _serve(conn: Any, fd: _Fd, staging: int, spec: dict[str, Any], ids: tuple[in
         buf = mmap.mmap(raw, staging)
         os.close(raw)
         if plan is not None:  # from here on, the process that serves is PID 2 of its namespace
-            _PID = plan.enter(outer_pid=True)
+            _PID = plan.enter(outer_pid=True, keep_handlers=True)
         _become(ids)
         session = _open(spec)
     except Exception as exc:

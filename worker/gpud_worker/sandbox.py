@@ -350,11 +350,13 @@ _SIGNALS = [sig for sig in signal.valid_signals() if sig not in (signal.SIGKILL,
 
 
 def _default_handlers() -> None:
+    """Every signal this process handles in Python, or ignores, back to its default action."""
     for sig in _SIGNALS:
-        try:
-            signal.signal(sig, signal.SIG_DFL)
-        except (OSError, ValueError):
-            continue  # one the C library keeps for itself
+        if signal.getsignal(sig) not in (signal.SIG_DFL, None):
+            try:
+                signal.signal(sig, signal.SIG_DFL)
+            except (OSError, ValueError):
+                continue  # one the C library keeps for itself
 
 
 def _outer(child: int, r: int, w: int, mask: Iterable[int]) -> None:

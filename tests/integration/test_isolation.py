@@ -15,6 +15,7 @@ import shutil
 import stat
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,16 +54,6 @@ def cluster() -> Iterator[LocalCluster]:
     with LocalCluster(workers=1, gpus_per_worker=2, heartbeat_ms=200, security="curve", pool_size=4,
                       dynamic_uid_base=UID_BASE) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def alice(cluster: LocalCluster) -> CurveKeys:
-    return cluster.client_keys("alice")
-
-
-@pytest.fixture(scope="module")
-def bob(cluster: LocalCluster) -> CurveKeys:
-    return cluster.client_keys("bob")
 
 
 def test_the_worker_reports_namespaces(cluster: LocalCluster) -> None:
@@ -245,10 +236,13 @@ def test_without_namespaces_the_worker_says_so_and_sweeps_the_uid() -> None:
         pytest.skip("setpriv (util-linux) is missing")
     drop = [setpriv, "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", "--"]
     with LocalCluster(workers=1, heartbeat_ms=200, security="curve", pool_size=1, worker_prefix=drop,
-                      dynamic_uid_base=UID_BASE) as c, \
+                      dynamic_uid_base=UID_BASE, broker_args=["--metrics", "127.0.0.1:0"]) as c, \
             client(c, c.client_keys("alice")) as a:
         row = admin_call(c.admin, "workers")[0]
         assert row["isolation"] == "rlimits only"
+        with urllib.request.urlopen(c.endpoints["metrics"], timeout=10) as page:
+            metrics = page.read().decode()
+        assert 'gpud_worker_isolation{job_network="host",level="rlimits only",worker="w0"} 1.0' in metrics, metrics
         assert "RLIMITS ONLY" in workers_table(c)
         assert "isolation: rlimits only" in c.log_tail("w0", 400)
         r = a.run(["sh", "-c", f"umask 077; echo s > /tmp/{name}; echo s > /dev/shm/{name}; ipcmk -M 4096; id -u"], gpu_milli=1)

@@ -196,11 +196,15 @@ class NvmlProbe:
     def minor_numbers(self) -> dict[str, int]:
         """GPU uuid -> the minor number of its ``/dev/nvidiaN`` (which need not be its index);
         GPUs whose number NVML cannot tell are left out (they get no device node in a sandbox)."""
-        self.inventory()
+        gpus = self.inventory()
+        minor_of = getattr(self._nvml, "nvmlDeviceGetMinorNumber", None)
+        if minor_of is None:
+            log.warning("this NVML binding cannot tell device minor numbers: jobs get /dev/nvidiaN by GPU index")
+            return {g.uuid: g.index for g in gpus}
         out: dict[str, int] = {}
         for uuid, handle in (self._handles or {}).items():
             try:
-                out[uuid] = int(self._nvml.nvmlDeviceGetMinorNumber(handle))
+                out[uuid] = int(minor_of(handle))
             except self._nvml.NVMLError as exc:
                 log.warning("GPU %s: NVML cannot tell its device minor number (%s): jobs get no node for it", uuid, exc)
         return out

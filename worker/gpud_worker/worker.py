@@ -679,6 +679,7 @@ class Worker:
         rid = s.id
         try:
             s.dev = device.open_session(mem, mps=env, tenant=s.tenant)
+            s.last_used = time.monotonic()  # idle from when it is open: a session process may take a while
         except GpudError as exc:
             self._close_session(s)
             self._error(idx, rid, exc)
@@ -799,7 +800,7 @@ class Worker:
     def _reclaim_idle_sessions(self) -> None:
         limit = time.monotonic() - self.config.session_idle
         for s in list(self.sessions.values()):
-            if s.last_used < limit and not s.busy:
+            if s.dev is not None and s.last_used < limit and not s.busy:  # not while it opens
                 log.info("session %s idle past %.0fs; reclaimed", P.id_text(s.id), self.config.session_idle)
                 self._close_session(s, kill=f"idle for more than {self.config.session_idle:g} s")
 

@@ -241,6 +241,8 @@ class Plan:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
             points = mount_points(f.read())
         for path, flags in points:
+            if path.startswith(("/proc/", "/dev/")) or path in ("/proc", "/dev"):
+                continue  # replaced below by the sandbox's own (autofs mounts there refuse a remount)
             try:
                 _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
             except OSError as exc:

@@ -26,7 +26,7 @@ import tempfile
 import time
 
 from gpud.protocol import JobSpec
-from gpud.uid_ranges import UidBlocks
+from gpud_cli.uid_ranges import UidBlocks
 from gpud_worker.jobs import JobRunner, UserPool
 from gpud_worker.sandbox import Sandbox
 

@@ -25,7 +25,7 @@ from gpud import protocol as P
 from gpud.errors import GpudError, Timeout, error_for
 from gpud.protocol import Command, Peer
 from gpud.security import CurveKeys, keygen
-from gpud.uid_ranges import UidBlocks
+from gpud_cli.uid_ranges import UidBlocks
 
 
 def admin_call(endpoint: str, cmd: str, args: dict[str, Any] | None = None, timeout: float = 5.0,
@@ -75,7 +75,7 @@ class LocalCluster:
     # must not share pool users (a worker kills every process of a user after each job).
     job_user_prefix: str | None = None
     # Otherwise, as root, each worker runs jobs under 16 dynamic uids of its own (no accounts
-    # needed), a block from this uid up that no other cluster on the host holds (gpud.uid_ranges).
+    # needed), a block from this uid up that no other cluster on the host holds (gpud_cli.uid_ranges).
     dynamic_uid_base: int = 61184
     pool_size: int = 16  # of those, how many a worker uses (1 to 16)
     # A command the workers are started under (``setpriv ...`` in a test of a worker with fewer

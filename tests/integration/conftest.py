@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpud.cluster import LocalCluster
 from gpud.security import CurveKeys
+from gpud_cli.cluster import LocalCluster
 
 POOL_PREFIX = "gpud-itest"
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from gpud.cluster import LocalCluster, admin_call
 from gpud.protocol import JobSpec
 from gpud.security import CurveKeys
-from gpud.uid_ranges import UidBlocks
+from gpud_cli.cluster import LocalCluster, admin_call
+from gpud_cli.uid_ranges import UidBlocks
 from gpud_client import Client, Timeout
 from gpud_client.ctl import main as gpudctl
 from gpud_worker.cgroups import JobCgroupsV1, setup_job_cgroups

@@ -13,10 +13,10 @@ from gpud import protocol as P
 from gpud.errors import ConfigError, InvalidRequest
 from gpud.heartbeat import HeartbeatPolicy
 from gpud.resources import GpuInfo, Need
-from gpud.uid_ranges import UidBlocks, uids_in_use
 from gpud_broker import ledger
 from gpud_broker.policies import pool_allows, pool_blocked
 from gpud_broker.registry import WorkerRegistry
+from gpud_cli.uid_ranges import UidBlocks, uids_in_use
 from gpud_client.ctl import render_result
 from gpud_worker.sandbox import (
     CLONE_NEWNET,

@@ -24,15 +24,16 @@ TASK, RUN, QUEUE, DONE, FORGET, SESSION, END, MARKS = "task", "run", "queue", "d
 def grant_to_wire(g: Grant | None) -> list[Any] | None:
     if g is None:
         return None
-    return [g.worker, list(g.gpus), g.gpu_milli, g.mem, g.cpu_milli, g.host_mem, g.exclusive]
+    wire = [g.worker, list(g.gpus), g.gpu_milli, g.mem, g.cpu_milli, g.host_mem, g.exclusive]
+    return [*wire, g.pool_tenant] if g.pool_tenant else wire
 
 
 def grant_from_wire(raw: Any) -> Grant | None:
     if raw is None:
         return None
-    worker, gpus, milli, mem, cpu, host_mem, exclusive = raw
+    worker, gpus, milli, mem, cpu, host_mem, exclusive, *pool = raw
     return Grant(worker=worker, gpus=tuple(gpus), gpu_milli=milli, mem=mem, cpu_milli=cpu,
-                 host_mem=host_mem, exclusive=bool(exclusive))
+                 host_mem=host_mem, exclusive=bool(exclusive), pool_tenant=str(pool[0]) if pool else "")
 
 
 def frames_bytes(frames: list[Any]) -> list[bytes]:

@@ -191,3 +191,13 @@ def test_isolation_settings_are_checked() -> None:
                        ("BROKER_TENANT_POOL_SHARE", "1.5"), ("WORKER_JOB_TMP_SIZE", "1000")):
         with pytest.raises(ConfigError):
             load(None, {f"GPUD_{key}": value})
+
+
+def test_a_grants_pool_tenant_survives_replication() -> None:
+    from gpud.resources import Grant
+    from gpud_standby.replica import grant_from_wire, grant_to_wire
+
+    held = Grant("w0", ("G0",), 1, 0, pool_tenant="alice")
+    plain = Grant("w0", ("G0",), 1, 0)
+    assert grant_from_wire(grant_to_wire(held)) == held and grant_from_wire(grant_to_wire(plain)) == plain
+    assert len(grant_to_wire(plain) or []) == 7  # as before: an older peer reads it

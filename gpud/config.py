@@ -66,6 +66,10 @@ def _one_of(*names: str) -> Check:
     return lambda v: None if v in names else f"must be one of {', '.join(names)}; got {v!r}"
 
 
+def _share(v: float) -> str | None:
+    return None if 0 < v <= 1 else f"must be a fraction above 0 and at most 1, got {v!r}"
+
+
 def _nonempty(v: str) -> str | None:
     return None if v else "must not be empty"
 
@@ -163,6 +167,7 @@ class BrokerSection:
     aging: float = _key(60.0, _above(0))
     reserve_after: float = _key(30.0, _at_least(0))
     tenants: Mapping[str, TenantLimits] = _key({})
+    tenant_pool_share: float = _key(0.5, _share)  # most of a worker's pool users one tenant may hold
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +211,9 @@ class WorkerSection:
     mps: bool = _key(False)  # CUDA MPS runs here: jobs and sessions get their grant's MPS limits
     mps_pipe_dir: str = _key("", _absolute_or_empty)  # empty: $CUDA_MPS_PIPE_DIRECTORY, else /tmp/nvidia-mps
     mps_log_dir: str = _key("", _absolute_or_empty)  # empty: $CUDA_MPS_LOG_DIRECTORY, else /var/log/nvidia-mps
+    job_network: str = _key("none", _one_of("none", "host"))  # none: jobs get loopback only; host: the VM's network
+    job_tmp_size: int = _key(256 << 20, _at_least(1 << 20))  # bytes of a job's private /tmp, /var/tmp and /dev/shm each
+    job_dir_size: int = _key(1 << 30, _at_least(0))  # bytes a job's directory may hold (its own tmpfs); 0: no limit
 
 
 @dataclass(frozen=True, slots=True)

@@ -621,6 +621,7 @@ class Ready:
     instance_id: str
     replica_of: str
     simulated: bool
+    isolation: tuple[str, str, int, frozenset[str]]  # parse_isolation: level, job network, pool users, kinds
 
 
 def parse_ready(header: dict[str, Any]) -> Ready:
@@ -648,6 +649,7 @@ def parse_ready(header: dict[str, Any]) -> Ready:
             instance_id=opt(header, "instance_id", str, "")[:64],
             replica_of=opt(header, "replica_of", str, "")[:128],
             simulated=bool(header.get("simulated", False)),
+            isolation=parse_isolation(header),
         )
     except InvalidRequest as exc:
         raise ProtocolError(exc.message) from None
@@ -698,6 +700,24 @@ def parse_launch_args(value: Any) -> list[tuple[str, int | float]]:
                 raise InvalidRequest(f"argument {i} ({tag}) must be an int in {lo}..{hi}")
             out.append((tag, v))
     return out
+
+
+ISOLATION_LEVELS = ("namespaces", "rlimits only")
+JOB_NETWORKS = ("none", "host")
+POOL_KINDS = ("job", "session")
+
+
+def parse_isolation(h: dict[str, Any]) -> tuple[str, str, int, frozenset[str]]:
+    """READY's ``isolation``, ``job_network``, ``pool_users`` and ``pool_kinds`` (§4.2): unknown
+    values of the first two read as "" (not said); InvalidRequest for a wrong type."""
+    isolation = opt(h, "isolation", str, "")
+    network = opt(h, "job_network", str, "")
+    users = opt(h, "pool_users", int, 0)
+    kinds = opt(h, "pool_kinds", list, [])
+    if users < 0 or users > 1_000_000 or len(kinds) > len(POOL_KINDS) or any(k not in POOL_KINDS for k in kinds):
+        raise InvalidRequest("READY: pool_users must be 0 to 1000000 and pool_kinds a list of 'job', 'session'")
+    return (isolation if isolation in ISOLATION_LEVELS else "", network if network in JOB_NETWORKS else "",
+            users, frozenset(kinds))
 
 
 def parse_gpu_info(raw: Any) -> GpuInfo:

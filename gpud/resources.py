@@ -82,6 +82,7 @@ class Grant(NamedTuple):
     cpu_milli: int = 0
     host_mem: int = 0
     exclusive: bool = False
+    pool_tenant: str = ""  # the tenant whose work holds one of the worker's pool users; "": none
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,6 +128,7 @@ def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | Non
         tenant_limits=tenant_limits(dict(b.tenants), limits or {}),
         aging_s=b.aging,
         reserve_after=b.reserve_after,
+        tenant_pool_share=b.tenant_pool_share,
     )
 
 

@@ -41,9 +41,10 @@ class Accounts:
     # ------------------------------------------------------------------ one charge, one refund
 
     def charge(self, worker: WorkerRecord, gpus: list[GpuRecord], need: Need, tenant: str, session: bool,
-               now: float) -> Grant:
-        """Grant ``need`` on ``gpus`` of ``worker`` to ``tenant`` (``session``: it opens one)."""
-        grant = ledger.grant(worker, gpus, need)
+               now: float, pool: bool = False) -> Grant:
+        """Grant ``need`` on ``gpus`` of ``worker`` to ``tenant`` (``session``: it opens one;
+        ``pool``: the work holds one of the worker's pool users)."""
+        grant = ledger.grant(worker, gpus, need, pool=pool)
         self.fair.grant(tenant, need.total_milli, now)
         if self.limits:
             self._count(tenant, grant, session, 1)

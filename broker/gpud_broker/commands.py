@@ -99,6 +99,10 @@ def _worker_row(core: BrokerCore, w: WorkerRecord) -> dict[str, Any]:
         "simulated": w.simulated,
         "draining": w.draining,
         "replica_of": w.replica_of or None,
+        "isolation": w.isolation or None,
+        "job_network": w.job_network or None,
+        "pool_users": w.pool_users,
+        "pool_free": max(0, w.pool_users - sum(w.pool_held.values())) if w.pool_users else None,
         "connected_s": round(now - w.connected_at, 3),
         "last_heard_s": round(w.liveness.silence(now), 3),
         "running": [

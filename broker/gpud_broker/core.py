@@ -56,6 +56,7 @@ from gpud_broker.policies import (
     SAMPLE_K,
     could_ever_fit,
     make_policy,
+    pool_blocked,
     reserve_worker,
 )
 from gpud_broker.queue import DEFAULT_AGING_S, DEFAULT_RESERVE_AFTER_S, PendingQueue
@@ -90,6 +91,7 @@ class BrokerConfig:
     aging_s: float = DEFAULT_AGING_S  # seconds of waiting worth one priority level
     reserve_after: float = DEFAULT_RESERVE_AFTER_S  # seconds before a blocked request reserves a worker
     drain_timeout: float = 10.0  # seconds dispatched work may take to finish after SIGTERM (the shell's)
+    tenant_pool_share: float = 0.5  # most of a worker's pool users one tenant may hold (policies.pool_allows)
 
     def __post_init__(self) -> None:
         if self.policy not in FACTORIES:
@@ -393,6 +395,10 @@ class BrokerCore:
             return False  # it waits until its tenant holds less
         avoid = task.avoid | excluded if excluded else task.avoid
         registry = self.registry
+        if task.kind in ("job", "session"):  # work that holds a pool user on its worker
+            blocked = pool_blocked(task.kind, task.tenant, registry.by_identity.values(), self.config.tenant_pool_share)
+            if blocked:
+                avoid = avoid | blocked
         t0 = perf_counter()
         # Sampling keeps the intent of a load-spreading policy only (the policy may change on reload).
         if len(registry.workers) > SAMPLE_ABOVE and self.config.policy == "balanced":
@@ -405,7 +411,8 @@ class BrokerCore:
         if placement is None:
             return False
         worker = placement.worker
-        task.grant = accounts.charge(worker, placement.gpus, need, task.tenant, task.kind == "session", self.now)
+        task.grant = accounts.charge(worker, placement.gpus, need, task.tenant, task.kind == "session", self.now,
+                                     pool=task.kind in worker.pool_kinds)
         task.attempts += 1
         self._send_dispatch(worker, task)
         return True
@@ -628,6 +635,7 @@ class BrokerCore:
             instance_id=ready.instance_id,
             replica_of=ready.replica_of,
         )
+        worker.isolation, worker.job_network, worker.pool_users, worker.pool_kinds = ready.isolation
         if worker.has_slot:
             self.open_workers += 1
         self._fits.clear()

@@ -14,8 +14,9 @@ class LedgerError(Exception):
     """A grant or release that would break the ledger's invariants (a bug, never user input)."""
 
 
-def grant(worker: WorkerRecord, gpus: list[GpuRecord], need: Need) -> Grant:
-    """Record a grant of ``need`` on ``gpus`` of ``worker`` and return it."""
+def grant(worker: WorkerRecord, gpus: list[GpuRecord], need: Need, pool: bool = False) -> Grant:
+    """Record a grant of ``need`` on ``gpus`` of ``worker`` and return it; with ``pool``, the work
+    also holds one of the worker's pool users for ``need.tenant`` until it is released."""
     milli = need.milli_per_gpu
     for g in gpus:
         if g.worker is not worker:
@@ -44,9 +45,20 @@ def grant(worker: WorkerRecord, gpus: list[GpuRecord], need: Need) -> Grant:
         cpu_milli=need.cpu_milli,
         host_mem=need.host_mem,
         exclusive=need.exclusive,
+        pool_tenant=need.tenant if pool else "",
     )
     worker.grants[id(made)] = made
+    _count_pool(worker, made, 1)
     return made
+
+
+def _count_pool(worker: WorkerRecord, g: Grant, sign: int) -> None:
+    if g.pool_tenant:
+        held = worker.pool_held.get(g.pool_tenant, 0) + sign
+        if held > 0:
+            worker.pool_held[g.pool_tenant] = held
+        else:
+            worker.pool_held.pop(g.pool_tenant, None)
 
 
 def restore(worker: WorkerRecord, gpus: list[GpuRecord], g: Grant) -> None:
@@ -61,6 +73,7 @@ def restore(worker: WorkerRecord, gpus: list[GpuRecord], g: Grant) -> None:
     worker.granted_cpu += g.cpu_milli
     worker.granted_host_mem += g.host_mem
     worker.grants[id(g)] = g
+    _count_pool(worker, g, 1)
 
 
 def release(worker: WorkerRecord, gpus: list[GpuRecord], g: Grant) -> None:
@@ -79,11 +92,13 @@ def release(worker: WorkerRecord, gpus: list[GpuRecord], g: Grant) -> None:
             raise LedgerError(f"GPU {rec.uuid} released more than was granted")
     worker.granted_cpu -= g.cpu_milli
     worker.granted_host_mem -= g.host_mem
+    _count_pool(worker, g, -1)
 
 
 def clear(worker: WorkerRecord) -> None:
     """Forget every grant on ``worker``: its records and its GPUs' back to nothing granted."""
     worker.grants.clear()
+    worker.pool_held.clear()
     worker.granted_cpu = worker.granted_host_mem = 0
     for g in worker.gpus:
         g.granted_milli = g.granted_mem = g.tasks = 0

@@ -80,6 +80,10 @@ class BrokerCollector(Collector):
         inflight = GaugeMetricFamily("gpud_worker_inflight_requests", "Requests dispatched to a worker and not answered.", labels=["worker"])
         draining = GaugeMetricFamily("gpud_worker_draining", "1 while a worker takes no new work.", labels=["worker"])
         heard = GaugeMetricFamily("gpud_worker_last_heard_seconds", "Seconds since a worker was last heard.", labels=["worker"])
+        isolation = GaugeMetricFamily("gpud_worker_isolation", "1 for how the worker isolates user work (READY): namespaces "
+                                      "(with its job network) or rlimits only.", labels=["worker", "level", "job_network"])
+        pool_free = GaugeMetricFamily("gpud_worker_pool_users_free", "Pool users of a worker that no placed job or session holds.",
+                                      labels=["worker"])
         util = GaugeMetricFamily("gpud_gpu_utilization_ratio", "GPU utilization (0-1) at the last heartbeat.", labels=GPU_LABELS)
         used = GaugeMetricFamily("gpud_gpu_memory_used_bytes", "Device memory in use at the last heartbeat.", labels=GPU_LABELS)
         total = GaugeMetricFamily("gpud_gpu_memory_total_bytes", "Device memory of the GPU.", labels=GPU_LABELS)
@@ -94,6 +98,9 @@ class BrokerCollector(Collector):
             inflight.add_metric([w.name], w.inflight)
             draining.add_metric([w.name], 1.0 if w.draining else 0.0)
             heard.add_metric([w.name], max(0.0, now - w.liveness.last_heard))
+            isolation.add_metric([w.name, w.isolation or "unknown", w.job_network or "unknown"], 1.0)
+            if w.pool_users:
+                pool_free.add_metric([w.name], max(0, w.pool_users - sum(list(w.pool_held.values()))))
             for g in list(w.gpus):
                 i, s = g.info, g.state
                 labels = [w.name, i.uuid, str(i.index), i.model, "true" if i.simulated else "false"]
@@ -108,7 +115,7 @@ class BrokerCollector(Collector):
                 state = "cordoned" if g.cordoned else s.health
                 for name in HEALTH_STATES:
                     health.add_metric([*labels, name], 1.0 if name == state else 0.0)
-        out += [inflight, draining, heard, util, used, total, temp, power, granted, granted_mem, grants, health]
+        out += [inflight, draining, heard, isolation, pool_free, util, used, total, temp, power, granted, granted_mem, grants, health]
 
         # Queue, sessions and tenants.
         queue = GaugeMetricFamily("gpud_queue_requests", "Requests waiting for a GPU, by tenant and priority.", labels=["tenant", "priority"])

@@ -76,6 +76,23 @@ BEST_FIT_CPU_SCALE = 128_000  # milli-CPU
 BEST_FIT_GPU_SCALE = 8_000  # milli-GPU
 
 
+def pool_allows(w: WorkerRecord, tenant: str, share: float) -> bool:
+    """Whether work of ``tenant`` that holds a pool user may go to worker ``w``: it has a pool user
+    left, and ``tenant`` holds fewer than ``share`` of them (at least one). A worker without a
+    pool (``pool_users`` 0) is not limited (PROTOCOL.md §4.2)."""
+    if w.pool_users <= 0:
+        return True
+    if sum(w.pool_held.values()) >= w.pool_users:
+        return False
+    return w.pool_held.get(tenant, 0) < max(1, int(share * w.pool_users + 1e-9))
+
+
+def pool_blocked(kind: str, tenant: str, workers: Iterable[WorkerRecord], share: float) -> set[str]:
+    """The names of ``workers`` where work of ``kind`` for ``tenant`` would need a pool user that
+    ``pool_allows`` refuses."""
+    return {w.name for w in workers if kind in w.pool_kinds and not pool_allows(w, tenant, share)}
+
+
 def needs_gpu(need: Need) -> bool:
     """False for a need with no GPU at all (``gpus == 0`` and ``gpu_milli == 0``)."""
     return need.gpus > 0 or need.gpu_milli > 0

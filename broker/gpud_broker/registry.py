@@ -75,6 +75,11 @@ class WorkerRecord:
     assigned: dict[bytes, Task] = field(default_factory=dict)  # task id -> task dispatched to it
     grants: dict[int, Grant] = field(default_factory=dict)  # id(grant) -> live grant (the ledger's)
     connected_at: float = 0.0
+    isolation: str = ""  # "namespaces" or "rlimits only", as READY said ("": not said)
+    job_network: str = ""  # "none" or "host", as READY said
+    pool_users: int = 0  # its pool users (READY); 0: work there holds none, not limited
+    pool_kinds: frozenset[str] = frozenset()  # request kinds whose work holds a pool user
+    pool_held: dict[str, int] = field(default_factory=dict)  # tenant -> pool users its live grants hold
     pos: int = -1  # index in WorkerRegistry.workers while registered (O(1) removal)
 
     @property

@@ -129,15 +129,18 @@ def _fields(raw: Any, n: int, what: str) -> list[Any]:
 def grant_to_wire(grant: Grant | None) -> list[Any] | None:
     if grant is None:
         return None
-    return [grant.worker, list(grant.gpus), grant.gpu_milli, grant.mem, grant.cpu_milli, grant.host_mem, grant.exclusive]
+    wire = [grant.worker, list(grant.gpus), grant.gpu_milli, grant.mem, grant.cpu_milli, grant.host_mem, grant.exclusive]
+    return [*wire, grant.pool_tenant] if grant.pool_tenant else wire  # the eighth item is optional
 
 
 def grant_from_wire(raw: Any) -> Grant | None:
     if raw is None:
         return None
-    worker, gpus, milli, mem, cpu, host_mem, exclusive = _fields(raw, 7, "grant")
+    if type(raw) is not list or len(raw) not in (7, 8):
+        raise ProtocolError("a replicated grant must be a list of 7 or 8 items")
+    worker, gpus, milli, mem, cpu, host_mem, exclusive, *pool = raw
     return Grant(worker=worker, gpus=tuple(gpus), gpu_milli=milli, mem=mem, cpu_milli=cpu,
-                 host_mem=host_mem, exclusive=bool(exclusive))
+                 host_mem=host_mem, exclusive=bool(exclusive), pool_tenant=str(pool[0]) if pool else "")
 
 
 def frames_bytes(frames: list[Any]) -> list[bytes]:

@@ -25,6 +25,7 @@ from gpud import protocol as P
 from gpud.errors import GpudError, Timeout, error_for
 from gpud.protocol import Command, Peer
 from gpud.security import CurveKeys, keygen
+from gpud_cli.uid_ranges import UidBlocks
 
 
 def admin_call(endpoint: str, cmd: str, args: dict[str, Any] | None = None, timeout: float = 5.0,
@@ -73,8 +74,13 @@ class LocalCluster:
     # Pool users of worker NAME are those named ``{job_user_prefix}{NAME}-*``: workers on one host
     # must not share pool users (a worker kills every process of a user after each job).
     job_user_prefix: str | None = None
-    # Otherwise, as root, worker i runs jobs under 16 dynamic uids of its own (no accounts needed).
+    # Otherwise, as root, each worker runs jobs under 16 dynamic uids of its own (no accounts
+    # needed), a block from this uid up that no other cluster on the host holds (gpud_cli.uid_ranges).
     dynamic_uid_base: int = 61184
+    pool_size: int = 16  # of those, how many a worker uses (1 to 16)
+    # A command the workers are started under (``setpriv ...`` in a test of a worker with fewer
+    # capabilities); default: none.
+    worker_prefix: list[str] = field(default_factory=list)
     # "none" (passed explicitly: loopback only, no keys) or "curve": a throwaway key set under
     # ``keys_dir`` (default RUNDIR/keys): the broker's pair, one per worker, and clients' keys
     # made by ``client_keys(tenant)``.
@@ -98,6 +104,8 @@ class LocalCluster:
         self._broker_argv: dict[str, list[str]] = {}
         self.worker_procs: dict[str, subprocess.Popen[bytes]] = {}
         self.endpoints: dict[str, Any] = {}
+        self.uid_blocks: dict[str, range] = {}  # worker name -> its dynamic uids
+        self._uids = UidBlocks(self.dynamic_uid_base)
 
     @property
     def roles(self) -> list[str]:
@@ -138,7 +146,7 @@ class LocalCluster:
             env.update(self.env)
         fd = os.open(self.rundir / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         ns = self.broker_netns.get(name)
-        prefix = ["ip", "netns", "exec", ns] if ns else []
+        prefix = ["ip", "netns", "exec", ns] if ns else [] if name in self.roles else self.worker_prefix
         try:
             return subprocess.Popen([*prefix, sys.executable, "-m", "gpud_cli", *args], stdout=fd,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
@@ -293,8 +301,8 @@ class LocalCluster:
         if self.job_user_prefix:
             args += ["--job-user-prefix", f"{self.job_user_prefix}{name}-"]
         elif os.geteuid() == 0:
-            first = self.dynamic_uid_base + 16 * len(self.worker_procs)
-            args += ["--job-uids", f"{first}-{first + 15}"]
+            block = self.uid_blocks.get(name) or self.uid_blocks.setdefault(name, self._uids.take())
+            args += ["--job-uids", f"{block.start}-{block.start + max(1, min(self.pool_size, len(block))) - 1}"]
         if self.simulate:
             args += ["--simulate", str(self.gpus_per_worker)]
         proc = self._spawn(name, [*args, *self.worker_args, *(extra or [])])
@@ -342,6 +350,8 @@ class LocalCluster:
         self.worker_procs.clear()
         self.brokers.clear()
         self.broker = None
+        self._uids.close()
+        self.uid_blocks.clear()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

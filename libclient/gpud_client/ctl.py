@@ -295,16 +295,25 @@ def _work_text(g: Mapping[str, Any]) -> str:
     return f"{tasks} grant{'s' if tasks != 1 else ''}" if tasks else "-"
 
 
+def _isolation_text(w: Mapping[str, Any]) -> str:
+    """A worker's isolation: ``namespaces``, ``ns, host net`` (job_network host) or ``RLIMITS ONLY``
+    (no namespaces: shouted, it is the weaker one); ``?`` when it did not say."""
+    level = w.get("isolation")
+    if level == "namespaces":
+        return "ns, host net" if w.get("job_network") == "host" else "namespaces"
+    return "RLIMITS ONLY" if level == "rlimits only" else "?"
+
+
 def _format_workers(result: Any, width: int | None) -> list[str]:
     rows = [
         (w.get("name"), w.get("hostname") or "-", int(_num(w.get("gpus"))),
          f"{int(_num(w.get('inflight')))}/{int(_num(w.get('slots')))}",
          "draining" if w.get("draining") is True else "ok",
          len(w.get("running") or []) if isinstance(w.get("running"), list) else 0,
-         _duration(_num(w.get("last_heard_s"))), "SIM" if w.get("simulated") is True else "")
+         _duration(_num(w.get("last_heard_s"))), _isolation_text(w), "SIM" if w.get("simulated") is True else "")
         for w in _rows(result)
     ]
-    return _table(("WORKER", "HOST", "GPUS", "INFLIGHT", "STATE", "RUN", "HEARD", ""), rows, width,
+    return _table(("WORKER", "HOST", "GPUS", "INFLIGHT", "STATE", "RUN", "HEARD", "ISOLATION", ""), rows, width,
                   "(no workers connected)", right=(2, 3, 5, 6))
 
 

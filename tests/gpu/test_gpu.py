@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -327,3 +328,17 @@ def test_two_sessions_share_one_gpu(cluster: Any, gpus: list[Any]) -> None:
             b.launch("only_a", "scale", 1, 1, [b.mem_alloc(4), F32(1), np.int32(1)])
         a.close()
         b.close()
+
+
+def test_nvidia_smi_in_a_job_lists_exactly_its_gpu(cluster: Any, gpus: list[Any]) -> None:
+    """In its sandbox a job granted one GPU finds that GPU's node only (and the driver's /proc
+    entries of the others covered): ``nvidia-smi -L`` lists exactly the granted GPU, also with
+    CUDA_VISIBLE_DEVICES unset (it does not read it)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        pytest.skip("nvidia-smi is not installed")
+    with Client(cluster.frontend, timeout=60) as client:
+        res = client.run(["sh", "-c", f"unset CUDA_VISIBLE_DEVICES; {smi} -L"], gpus=1, time_limit=60)
+    assert res.exit_code == 0, res.stderr.decode(errors="replace")
+    listed = [line for line in res.stdout.decode().splitlines() if line.startswith("GPU ")]
+    assert len(listed) == 1 and res.gpus[0] in listed[0], res.stdout

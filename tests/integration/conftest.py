@@ -9,6 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from gpud.security import CurveKeys
+from gpud_cli.cluster import LocalCluster
+
 POOL_PREFIX = "gpud-itest"
 
 
@@ -33,3 +36,15 @@ def job_user_prefix() -> Iterator[str | None]:
     yield POOL_PREFIX
     for name in made:
         subprocess.run(["userdel", name], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def alice(cluster: LocalCluster) -> CurveKeys:
+    """Keys of a client of tenant alice on the module's CURVE ``cluster``."""
+    return cluster.client_keys("alice")
+
+
+@pytest.fixture(scope="module")
+def bob(cluster: LocalCluster) -> CurveKeys:
+    """Keys of a client of tenant bob on the module's CURVE ``cluster``."""
+    return cluster.client_keys("bob")

@@ -55,8 +55,8 @@ def ctl_json(cluster: LocalCluster, *args: str) -> Any:
 @pytest.fixture()
 def gate() -> Iterator[tuple[list[str], Path]]:
     """A job that runs until the test creates a file: ``(argv, flag)``. The directory is readable by
-    the worker's pool users."""
-    d = Path(tempfile.mkdtemp(prefix="gpud-gate-"))
+    the worker's pool users, and outside /tmp where it can be: a job's /tmp is its own."""
+    d = Path(tempfile.mkdtemp(prefix="gpud-gate-", dir="/run" if os.access("/run", os.W_OK) else None))
     os.chmod(d, 0o755)
     flag = d / "go"
     try:

@@ -71,16 +71,6 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-@pytest.fixture(scope="module")
-def alice(cluster: LocalCluster) -> CurveKeys:
-    return cluster.client_keys("alice")
-
-
-@pytest.fixture(scope="module")
-def bob(cluster: LocalCluster) -> CurveKeys:
-    return cluster.client_keys("bob")
-
-
 # ----------------------------------------------------------------------------- admission
 
 

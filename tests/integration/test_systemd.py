@@ -77,8 +77,8 @@ def test_units_are_rendered_completely(units: Path) -> None:
     assert "DeviceAllow=/dev/nvidiactl rw" in worker and "DevicePolicy=closed" in worker
     # /proc/devices names of a current driver (seen on an H200 VM): 195 nvidia, 195 nvidiactl, nvidia-uvm.
     for name in ("nvidia", "nvidiactl", "nvidia-uvm"):
-        assert f"DeviceAllow=char-{name} rw\n" in worker, name
-    assert "CapabilityBoundingSet=CAP_SETUID CAP_SETGID CAP_CHOWN CAP_DAC_OVERRIDE CAP_FOWNER CAP_KILL\n" in worker
+        assert f"DeviceAllow=char-{name} rwm\n" in worker, name  # m: the sandbox makes its GPU nodes
+    assert "CapabilityBoundingSet=CAP_SETUID CAP_SETGID CAP_CHOWN CAP_DAC_OVERRIDE CAP_FOWNER CAP_KILL CAP_SYS_ADMIN CAP_MKNOD\n" in worker
     broker = (units / "gpud-broker@.service").read_text()
     assert "CapabilityBoundingSet=\n" in broker and "User=gpud" in broker and "--name %i" in broker
 

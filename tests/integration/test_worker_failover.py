@@ -28,8 +28,11 @@ from tests.integration.chaos import executions
 def trio(tmp_path: Path) -> Iterator[LocalCluster]:
     faults = tmp_path / "faults.json"
     faults.write_text("[]")
+    # One tenant here: it may hold all of a worker's pool users (the default share is half), so that
+    # a replica has room for all of the lost worker's jobs.
     c = LocalCluster(workers=0, gpus_per_worker=1, heartbeat_ms=200, rundir=tmp_path,
-                     worker_args=["--log-level", "DEBUG", "--fault-file", str(faults), "--probation", "600"])
+                     worker_args=["--log-level", "DEBUG", "--fault-file", str(faults), "--probation", "600"],
+                     env={"GPUD_BROKER_TENANT_POOL_SHARE": "1"})
     c.start()
     try:
         c.add_worker("w0")
@@ -41,6 +44,9 @@ def trio(tmp_path: Path) -> Iterator[LocalCluster]:
         c.stop()
 
 
+JOBS = 12
+
+
 def test_worker_killed_under_load(trio: LocalCluster) -> None:
     results: dict[str, list[object]] = {"echo": [], "idem": [], "once": []}
     errors: dict[str, list[str]] = {"echo": [], "idem": [], "once": []}
@@ -49,7 +55,9 @@ def test_worker_killed_under_load(trio: LocalCluster) -> None:
     def load() -> None:
         with Client(trio.frontend, timeout=60) as c:
             pend = []
-            for i in range(30):
+            # JOBS of each kind: the replica w1 must have a pool user (16 per worker) for each of
+            # its own jobs and each of w0's idempotent ones when w0 dies.
+            for i in range(JOBS):
                 pend.append(("idem", f"i{i}", c.submit(["sh", "-c", f"sleep 1; echo i{i}"], gpu_milli=20, idempotent=True)))
                 pend.append(("once", f"o{i}", c.submit(["sh", "-c", f"sleep 1; echo o{i}"], gpu_milli=20)))
             for i in range(300):
@@ -79,9 +87,9 @@ def test_worker_killed_under_load(trio: LocalCluster) -> None:
     print({k: len(v) for k, v in results.items()}, {k: len(v) for k, v in errors.items()})
     # Retryable work always ends with its result: echoes, and idempotent jobs run again.
     assert not errors["echo"] and len(results["echo"]) == 300
-    assert not errors["idem"] and len(results["idem"]) == 30
+    assert not errors["idem"] and len(results["idem"]) == JOBS
     # Work that may not run twice either finished or says WORKER_LOST, and ran at most once.
-    assert len(results["once"]) + len(errors["once"]) == 30
+    assert len(results["once"]) + len(errors["once"]) == JOBS
     assert all(e.endswith("WORKER_LOST") for e in errors["once"]), errors["once"]
     assert errors["once"], "w0 was running some jobs when it was killed"
     once_ids = [i for i, _ in results["once"]] + [e.split()[0] for e in errors["once"]]

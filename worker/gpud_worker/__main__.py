@@ -23,7 +23,8 @@ _D = WorkerSection()  # the defaults, for the help texts
 FLAGS = {"brokers": "broker", **{key: key for key in (
     "name", "simulate", "gpu_model", "gpu_mem", "slots", "heartbeat_ms", "liveness", "workdir",
     "job_user_prefix", "job_uids", "session_idle", "session_processes", "session_staging", "compile_user", "drain_timeout", "fault_file", "instance_id", "replica_of",
-    "cgroups", "cgroup_parent", "job_memory", "mps", "mps_pipe_dir", "mps_log_dir")}, "probation_s": "probation"}
+    "cgroups", "cgroup_parent", "job_memory", "mps", "mps_pipe_dir", "mps_log_dir", "job_network", "job_tmp_size",
+    "job_dir_size")}, "probation_s": "probation"}
 """[worker] key -> its flag's argparse dest (--broker, repeated, gives brokers)."""
 LOG_FLAGS = {"level": "log_level", "file": "log_file"}
 """[logging] key -> its flag's argparse dest (a flag that this parser lacks counts as not given)."""
@@ -56,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the MPS control daemon's pipe directory (default $CUDA_MPS_PIPE_DIRECTORY, else /tmp/nvidia-mps)")
     p.add_argument("--mps-log-dir", default=None, metavar="DIR",
                    help="the MPS control daemon's log directory (default $CUDA_MPS_LOG_DIRECTORY, else /var/log/nvidia-mps)")
+    p.add_argument("--job-network", choices=("none", "host"), default=None,
+                   help=f"none: each job and session process has a network namespace with loopback only; host: the VM's network (default {_D.job_network})")
+    p.add_argument("--job-tmp-size", type=int, default=None, metavar="BYTES",
+                   help=f"size of a job's private /tmp, /var/tmp and /dev/shm each (default {_D.job_tmp_size})")
+    p.add_argument("--job-dir-size", type=int, default=None, metavar="BYTES",
+                   help=f"as root, bytes a job's directory may hold (a tmpfs of its own); 0: no limit (default {_D.job_dir_size})")
     p.add_argument("--session-idle", type=float, help=f"seconds without operations before a session is reclaimed (default {_D.session_idle:g})")
     p.add_argument("--session-processes", choices=("auto", "on", "off"), default=None,
                    help=f"on: each session in a process of its own, as a pool user; off: in the worker; auto: on for real GPUs (default {_D.session_processes})")
@@ -104,11 +111,12 @@ def _compile_user(name: str) -> tuple[int, int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpud_worker.cgroups import JobCgroups
+    from gpud_worker.cgroups import setup_job_cgroups
     from gpud_worker.device import Device, SimulatedDevice
     from gpud_worker.gpu import GpuProbe, NvmlProbe, SimulatedProbe, simulated_gpus
     from gpud_worker.instance import resolve as resolve_instance_id
     from gpud_worker.jobs import JobLimits, JobRunner, MpsSettings, UserPool, mps_settings
+    from gpud_worker.sandbox import Sandbox, private_mounts
     from gpud_worker.worker import Worker, WorkerConfig, default_workroot, install_signal_handlers
 
     try:
@@ -176,6 +184,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if curve is None:
         log.warning("security none: the connection to the broker is neither encrypted nor authenticated")
+        if w.job_network == "host":
+            print("gpud worker: job_network \"host\" with security \"none\" is refused: a job could reach the "
+                  "broker's backend and register itself as a worker, receiving other tenants' jobs and files. "
+                  "Use security \"curve\", or job_network \"none\".", file=sys.stderr)
+            return 2
     root = os.geteuid() == 0
     pool = None
     if root:
@@ -185,18 +198,41 @@ def run(args: argparse.Namespace) -> int:
     if w.cgroups == "off":
         log.info("cgroups off: jobs run with their rlimits only")
     elif root or w.cgroup_parent:
-        cgroups = JobCgroups.setup(w.cgroup_parent)
+        cgroups = setup_job_cgroups(w.cgroup_parent)
     else:
         log.info("not root and no cgroup_parent: jobs run without cgroups")
     mps: MpsSettings | None = mps_settings(w.mps_pipe_dir, w.mps_log_dir, os.environ) if w.mps else None
     if mps is not None:
         log.info("CUDA MPS: jobs and sessions get their grant's MPS limits (pipes in %s)", mps.pipe_dir)
     limits = JobLimits(memory=w.job_memory or None)
-    runner = JobRunner(Path(w.workdir) if w.workdir else default_workroot(), pool, limits=limits, cgroups=cgroups, mps=mps)
+    workroot = Path(w.workdir) if w.workdir else default_workroot()
+    hidden = [str(workroot), os.path.abspath(args.config or DEFAULT_PATH), cfg.security.keys_dir,
+              os.path.abspath(security.secret_key_file) if curve is not None else "",
+              os.environ.get("RUNTIME_DIRECTORY", "/run/gpud")]
+    shared = [mps.pipe_dir, mps.log_dir] if mps is not None else []
+    sandbox = Sandbox(w.job_network, w.job_tmp_size, hidden, shared, enabled=root)
+    if root and w.job_dir_size:
+        why = private_mounts()
+        if why:
+            log.warning("cannot keep the job directories' mounts to the worker (%s): a crash leaves them mounted "
+                        "until the next start", why)
+    if sandbox.active:
+        log.info("%s", sandbox.describe())
+        if w.job_network == "host":
+            log.warning("job_network host: jobs and session processes share this GPU VM's network (the operator's choice)")
+    else:
+        log.warning("%s", sandbox.describe())
+        if curve is None:
+            log.warning("isolation %s with security none: a job can reach the broker's backend and register as a worker", sandbox.level)
+    minors = probe.minor_numbers() if isinstance(probe, NvmlProbe) else {g.uuid: g.index for g in probe.inventory()}
+    runner = JobRunner(workroot, pool, limits=limits, cgroups=cgroups, mps=mps, sandbox=sandbox, gpu_minors=minors,
+                       dir_size=w.job_dir_size)
     if w.session_processes == "on" or (w.session_processes == "auto" and not w.simulate and devices):
         from gpud_worker.session_host import HostedDevice, SessionHosts
 
-        hosts = SessionHosts(runner.lease_user, runner.end_lease, cuda=not w.simulate, staging=w.session_staging)
+        hosts = SessionHosts(runner.lease_user, runner.end_lease, cuda=not w.simulate, staging=w.session_staging,
+                             sandbox=runner.sandbox, gpu_minors=minors)
+        runner.pooled_sessions = root
         devices = {uuid: HostedDevice(d, hosts) for uuid, d in devices.items()}  # type: ignore[arg-type]
         log.info("sessions run in processes of their own%s", ", as pool users" if root else "")
     config = WorkerConfig(

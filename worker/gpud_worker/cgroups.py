@@ -247,47 +247,65 @@ def remove_cgroup(path: str) -> bool:
 
 
 class JobCgroup:
-    """The cgroup of one running job.
+    """The cgroup of one running job (on cgroup v1: its cgroup in each controller's hierarchy).
 
     Attributes:
-        path: its directory.
-        procs_fd: an fd of its ``cgroup.procs``, open for writing (close-on-exec): the job's child
-            process writes ``0`` to it before it drops root, which moves it in.
+        path: its directory (v1: the first hierarchy's).
+        paths: its directories, one per hierarchy (v2: ``[path]``).
+        procs_fds: an fd of each one's ``cgroup.procs``, open for writing (close-on-exec): the
+            job's child process writes ``0`` to them before it drops root, which moves it in.
     """
 
-    def __init__(self, path: str, procs_fd: int) -> None:
+    def __init__(self, path: str, procs_fd: int, more: Iterable[tuple[str, int]] = ()) -> None:
         self.path = path
-        self.procs_fd: int | None = procs_fd
+        self.paths = [path]
+        self.procs_fds: list[int] = [procs_fd]
+        for p, fd in more:
+            self.paths.append(p)
+            self.procs_fds.append(fd)
+
+    @property
+    def procs_fd(self) -> int | None:
+        return self.procs_fds[0] if self.procs_fds else None
 
     def close_fd(self) -> None:
-        if self.procs_fd is not None:
-            os.close(self.procs_fd)
-            self.procs_fd = None
+        for fd in self.procs_fds:
+            os.close(fd)
+        self.procs_fds = []
 
     def holds(self, pid: int) -> bool:
-        """Whether process ``pid`` (running or a zombie) is in this cgroup."""
+        """Whether process ``pid`` (running or a zombie) is in this cgroup (v1: in each)."""
         try:
-            own = parse_proc_cgroup(_read(f"/proc/{pid}/cgroup"))
+            text = _read(f"/proc/{pid}/cgroup")
         except OSError:
             return False
-        return own is not None and own.endswith("/" + os.path.basename(self.path))
+        name = "/" + os.path.basename(self.path)
+        if len(self.paths) == 1 and parse_proc_cgroup(text) is not None:
+            own = parse_proc_cgroup(text)
+            return own is not None and own.endswith(name)
+        return sum(line.endswith(name) for line in text.splitlines()) >= len(self.paths)
 
     def oom_kills(self) -> int:
-        """Processes the kernel killed for ``memory.max`` (0 without the memory controller)."""
-        try:
-            return parse_events(_read(os.path.join(self.path, "memory.events"))).get("oom_kill", 0)
-        except OSError:
-            return 0
+        """Processes the kernel killed for the memory limit (0 without the memory controller)."""
+        for path in self.paths:
+            for name in ("memory.events", "memory.oom_control"):
+                try:
+                    return parse_events(_read(os.path.join(path, name))).get("oom_kill", 0)
+                except OSError:
+                    continue
+        return 0
 
     def kill(self) -> None:
         """SIGKILL everything in the cgroup, waiting (bounded) until it is empty."""
-        if not kill_cgroup(self.path):
-            log.error("processes of job cgroup %s survive SIGKILL", self.path)
+        for path in self.paths:
+            if not kill_cgroup(path):
+                log.error("processes of job cgroup %s survive SIGKILL", path)
 
     def remove(self) -> None:
         """Kill what is left and remove the cgroup (failures are logged)."""
         self.close_fd()
-        remove_cgroup(self.path)
+        for path in self.paths:
+            remove_cgroup(path)
 
 
 class JobCgroups:
@@ -395,3 +413,158 @@ class JobCgroups:
             remove_cgroup(path)
             return None
         return JobCgroup(path, fd)
+
+
+# ---------------------------------------------------------------------------- cgroup v1
+
+V1_CONTROLLERS = ("memory", "cpu", "pids", "devices")
+"""The v1 hierarchies jobs are limited with, where the host mounts them."""
+NVIDIA_MAJOR = 195  # /dev/nvidiaN and nvidiactl
+
+
+def parse_v1_mounts(text: str) -> dict[str, str]:
+    """Controller -> mount point of each cgroup v1 hierarchy in a mountinfo text (pure)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        head, sep, tail = line.partition(" - ")
+        fields, rest = head.split(), tail.split()
+        if not sep or len(fields) < 5 or len(rest) < 3 or rest[0] != "cgroup":
+            continue
+        for option in rest[2].split(","):
+            if option in V1_CONTROLLERS and option not in out:
+                out[option] = _unescape(fields[4])
+    return out
+
+
+def parse_v1_own(text: str) -> dict[str, str]:
+    """Controller -> this process's cgroup path, from a ``/proc/PID/cgroup`` text (v1 lines)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3 and parts[1]:
+            for controller in parts[1].split(","):
+                out[controller] = parts[2]
+    return out
+
+
+def v1_limit_files(controller: str, limits: CgroupLimits, deny_gpus: Iterable[int]) -> list[tuple[str, str]]:
+    """The files to write, in order, in a job's cgroup of v1 hierarchy ``controller`` (pure)."""
+    if controller == "memory" and limits.memory is not None:
+        return [("memory.limit_in_bytes", str(limits.memory)), ("memory.memsw.limit_in_bytes", str(limits.memory))]
+    if controller == "cpu" and limits.cpu_milli > 0:
+        quota, period = cpu_max(limits.cpu_milli).split()
+        return [("cpu.cfs_period_us", period), ("cpu.cfs_quota_us", quota)]
+    if controller == "pids" and limits.pids is not None:
+        return [("pids.max", str(limits.pids))]
+    if controller == "devices":
+        return [("devices.deny", f"c {NVIDIA_MAJOR}:{minor} rwm") for minor in sorted(set(deny_gpus))]
+    return []
+
+
+V1_OPTIONAL = frozenset({"memory.memsw.limit_in_bytes"})  # no swap accounting on this kernel
+
+
+_WORKER_DIR_RE = re.compile(r"gpud-(\d+)\Z")
+
+
+class JobCgroupsV1:
+    """Job cgroups in the host's cgroup v1 hierarchies (memory, cpu, pids, devices): in each,
+    ``<the worker's own cgroup>/gpud-<worker pid>/job-<hex>`` (v1 hierarchies are shared by
+    everything on the host, so each worker keeps to a directory of its own, and removes only
+    those of workers that are gone). The devices one denies the GPUs a job was not granted
+    (``c 195:N``), beside the sandbox's ``/dev`` that lacks their nodes."""
+
+    def __init__(self, bases: dict[str, str]) -> None:
+        self.bases = bases  # controller -> directory job cgroups are made in
+        self.controllers = frozenset(bases)
+
+    @classmethod
+    def setup(cls, proc: str = "/proc/self") -> JobCgroupsV1 | None:
+        """The v1 hierarchies usable here; None (nothing logged) where the host has none."""
+        try:
+            mounts = parse_v1_mounts(_read(os.path.join(proc, "mountinfo")))
+            own = parse_v1_own(_read(os.path.join(proc, "cgroup")))
+        except OSError:
+            return None
+        bases: dict[str, str] = {}
+        for controller, mount in mounts.items():
+            parent = os.path.normpath(os.path.join(mount, own.get(controller, "/").lstrip("/")))
+            mine = os.path.join(parent, f"gpud-{os.getpid()}")
+            try:
+                _remove_gone_workers(parent)
+                os.makedirs(mine, 0o755, exist_ok=True)
+            except OSError as exc:
+                log.warning("cgroup v1 %s at %s is not usable here (%s): jobs get no %s limits", controller, parent, exc, controller)
+                continue
+            bases[controller] = mine
+        if not bases:
+            return None
+        log.info("jobs run in cgroup v1 hierarchies (controllers: %s) below %s", " ".join(sorted(bases)),
+                 ", ".join(sorted(set(bases.values()))))
+        return cls(bases)
+
+    def close(self) -> None:
+        """Remove this worker's directories (killing what is left in them)."""
+        for base in set(self.bases.values()):
+            remove_cgroup(base)
+
+    def create(self, hexid: str, limits: CgroupLimits, deny_gpus: Iterable[int] = ()) -> JobCgroup | None:
+        """A job's cgroup in every hierarchy, limited; None (logged) where one cannot be made."""
+        deny = list(deny_gpus)
+        made: list[tuple[str, int]] = []
+        try:
+            for controller, base in sorted(self.bases.items()):
+                path = os.path.join(base, JOB_PREFIX + hexid)
+                if os.path.isdir(path):
+                    remove_cgroup(path)
+                os.mkdir(path, 0o755)
+                made.append((path, -1))
+                for name, value in v1_limit_files(controller, limits, deny):
+                    try:
+                        _write(os.path.join(path, name), value)
+                    except OSError as exc:
+                        if name not in V1_OPTIONAL:
+                            log.warning("job cgroup %s: cannot set %s to %s: %s", path, name, value, exc)
+                made[-1] = (path, os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC))
+        except OSError as exc:
+            log.warning("cannot make job %s's cgroup v1 (%s): the job runs without it", hexid, exc)
+            for path, fd in made:
+                if fd >= 0:
+                    os.close(fd)
+                remove_cgroup(path)
+            return None
+        (first, fd), rest = made[0], made[1:]
+        return JobCgroup(first, fd, rest)
+
+
+def _remove_gone_workers(parent: str) -> None:
+    """Remove the ``gpud-<pid>`` directories of workers that no longer run (a crash's)."""
+    for name in os.listdir(parent):
+        m = _WORKER_DIR_RE.match(name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        log.info("removing the job cgroups of a worker that is gone: %s", os.path.join(parent, name))
+        remove_cgroup(os.path.join(parent, name))
+
+
+def setup_job_cgroups(parent: str = "", proc: str = "/proc/self") -> JobCgroups | JobCgroupsV1 | None:
+    """Job cgroups for this host: cgroup v2 where the worker can use it (a ``parent`` given, or a
+    unified host); else the cgroup v1 controllers the host mounts (hybrid or v1 hosts); else
+    none (logged, by ``JobCgroups.setup``)."""
+    if not parent:
+        try:
+            mode = parse_mountinfo(_read(os.path.join(proc, "mountinfo"))).mode
+        except OSError:
+            mode = "none"
+        if mode in ("v1", "hybrid"):
+            v1 = JobCgroupsV1.setup(proc)
+            if v1 is not None:
+                return v1
+    return JobCgroups.setup(parent, proc)

@@ -193,6 +193,22 @@ class NvmlProbe:
             return None
         return uuid if self._handles is not None and uuid in self._handles else None
 
+    def minor_numbers(self) -> dict[str, int]:
+        """GPU uuid -> the minor number of its ``/dev/nvidiaN`` (which need not be its index);
+        GPUs whose number NVML cannot tell are left out (they get no device node in a sandbox)."""
+        gpus = self.inventory()
+        minor_of = getattr(self._nvml, "nvmlDeviceGetMinorNumber", None)
+        if minor_of is None:
+            log.warning("this NVML binding cannot tell device minor numbers: jobs get /dev/nvidiaN by GPU index")
+            return {g.uuid: g.index for g in gpus}
+        out: dict[str, int] = {}
+        for uuid, handle in (self._handles or {}).items():
+            try:
+                out[uuid] = int(minor_of(handle))
+            except self._nvml.NVMLError as exc:
+                log.warning("GPU %s: NVML cannot tell its device minor number (%s): jobs get no node for it", uuid, exc)
+        return out
+
     def _discover(self) -> tuple[list[GpuInfo], dict[str, Any]]:
         nv = self._nvml
         gpus: list[GpuInfo] = []

@@ -24,20 +24,35 @@ Isolation model (DESIGN.md §5):
   and a file bigger than ``max_output_file`` is omitted (logged), never truncated, so a client never
   receives a silently cut file.
 
-- With ``cgroups`` (``gpud_worker.cgroups``, cgroup v2 delegated to the worker), each job runs in a
-  cgroup of its own, entered before the job's program is executed: ``memory.max`` (the grant's
-  ``host_mem``, else ``JobLimits.memory``), ``cpu.max`` (the grant's ``cpu_milli``) and ``pids.max``
-  (``JobLimits.nproc``); after the job the whole cgroup is killed and removed. Without them (v1,
-  not delegated, or any cgroup operation failing) the job runs with its rlimits only, logged.
+- With a ``sandbox`` (``gpud_worker.sandbox``, as root where namespaces can be made), the job runs
+  in mount, PID, IPC, UTS and network namespaces of its own, entered by the forked child before it
+  becomes the pool user: every mount read-only, private size-limited ``/tmp``, ``/var/tmp`` and
+  ``/dev/shm``, its own ``/proc``, a ``/dev`` with only its GPUs' nodes, the work root, keys and
+  configuration covered, its directory bound back at its path, loopback only unless the operator
+  chose the host network. When its process ends, everything else in its namespaces dies with it.
+  Without one ("rlimits only", said at start and in READY), a pool user's files in ``/tmp``,
+  ``/var/tmp``, ``/dev/shm``, its SysV IPC objects and POSIX message queues are swept before the
+  user serves again.
+- As root with ``dir_size``, the job's directory is a tmpfs of that size (its disk quota); a job
+  that fills it gets a line on its stderr saying so.
+- With ``cgroups`` (``gpud_worker.cgroups``: cgroup v2 delegated to the worker, else the host's v1
+  hierarchies), each job runs in a cgroup of its own, entered before the job's program is executed:
+  memory (the grant's ``host_mem``, else ``JobLimits.memory``), CPU (the grant's ``cpu_milli``),
+  pids (``JobLimits.nproc``) and, on v1, the devices of the GPUs it was not granted denied; after
+  the job the whole cgroup is killed and removed. Without them (not delegated, or any cgroup
+  operation failing) the job runs with its rlimits only, logged.
 - With ``mps`` (CUDA MPS runs on this GPU VM), the job's environment carries the MPS client limits
   of its grant: ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
   (``MpsSettings.environment``), and the pipe and log directories.
 
-Not covered: GPU device nodes are not restricted (``CUDA_VISIBLE_DEVICES`` steers CUDA, it does not
-fence it), there is no disk quota, and files a job leaves outside its directory (``/dev/shm``,
-``/tmp``) survive. Without cgroups there is no memory limit unless ``RLIMIT_AS`` is set (off by
-default: CUDA needs large virtual address space). Without root, a process that calls ``setsid()``
-can escape the kill (unless cgroups are delegated to that user).
+Not covered (docs/OPERATIONS.md, Tenant isolation): the kernel and the GPU are shared; there is no
+user namespace, so a job reads what the VM leaves world-readable; on cgroup v2 no BPF device
+program backs the sandbox's ``/dev``. Without a sandbox, GPU device nodes are not restricted
+(``CUDA_VISIBLE_DEVICES`` steers CUDA, it does not fence it) except by a v1 devices cgroup, and the
+network and ``/proc`` are the VM's. Without cgroups there is no memory limit unless ``RLIMIT_AS`` is
+set (off by default: CUDA needs large virtual address space). Without root, a process that calls
+``setsid()`` can escape the kill (unless cgroups are delegated to that user), and there is no
+sandbox, sweep or directory size limit.
 """
 
 from __future__ import annotations
@@ -67,7 +82,8 @@ import psutil
 
 from gpud.errors import ConfigError, InvalidRequest, RemoteError
 from gpud.protocol import JobSpec, check_file_name
-from gpud_worker.cgroups import JobCgroup, JobCgroups, job_limits
+from gpud_worker.cgroups import JobCgroup, JobCgroups, JobCgroupsV1, job_limits
+from gpud_worker.sandbox import Plan, Sandbox, mount_tmpfs, sweep_uid, unmount
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -456,6 +472,14 @@ def _wait_exit(pid: int, deadline: float, cancel: threading.Event | None) -> boo
             os.close(pidfd)
 
 
+def _full(dfd: int) -> bool:
+    """Whether the file system of directory ``dfd`` has no free block left."""
+    try:
+        return os.fstatvfs(dfd).f_bavail == 0
+    except OSError:
+        return False
+
+
 def _clamped(res: int, want: int) -> tuple[int, int]:
     """``(want, want)`` lowered to the current hard limit, so an unprivileged child can set it."""
     hard = resource.getrlimit(res)[1]
@@ -481,6 +505,11 @@ class JobRunner:
         limits: resource limits and timings for every job.
         cgroups: where jobs get cgroups of their own (``JobCgroups.setup``); None: no cgroups.
         mps: CUDA MPS settings where MPS runs on this worker; None: no MPS variables.
+        sandbox: the namespaces jobs and session processes run in (``gpud_worker.sandbox``);
+            None: none ("rlimits only").
+        gpu_minors: GPU uuid -> minor number of its ``/dev/nvidiaN`` (default: its index).
+        dir_size: as root, each job directory is a tmpfs of this many bytes (its size limit);
+            0: a plain directory, not limited.
     """
 
     def __init__(
@@ -490,19 +519,28 @@ class JobRunner:
         max_output_file: int = 64 << 20,
         *,
         limits: JobLimits | None = None,
-        cgroups: JobCgroups | None = None,
+        cgroups: JobCgroups | JobCgroupsV1 | None = None,
         mps: MpsSettings | None = None,
+        sandbox: Sandbox | None = None,
+        gpu_minors: Mapping[str, int] | None = None,
+        dir_size: int = 0,
     ) -> None:
         self.workroot = pathlib.Path(workroot).absolute()
+        self.sandbox = sandbox if sandbox is not None and sandbox.active else None
+        self.gpu_minors = dict(gpu_minors or {})
+        self._root = os.geteuid() == 0
+        self.dir_size = dir_size if self._root else 0
         self.pool = pool
         self.max_output_file = max_output_file
         self.limits = limits if limits is not None else JobLimits()
         self.cgroups = cgroups
         self.mps = mps
-        self._root = os.geteuid() == 0
+        self.pooled_sessions = False  # set when session processes take pool users (SessionHosts)
         self._active: set[str] = set()
         self._lock = threading.Lock()
         self._prepare_workroot()
+        if self.dir_size:
+            self._check_dir_size()
         if self._root:
             try:
                 _prctl_set(_PR_SET_CHILD_SUBREAPER, 1)
@@ -516,6 +554,23 @@ class JobRunner:
                           "(systemd/gpud-sysusers.conf), or run jobs under dynamic uids that belong to no "
                           "account with --job-uids FIRST-LAST ([worker] job_uids)",
                           f" (no pool users named {prefix}*)" if prefix else "")
+
+    def _check_dir_size(self) -> None:
+        """Whether job directories can be tmpfs of their own here; if not, say so and do without."""
+        probe = self.workroot / ".gpud-size-probe"
+        try:
+            os.makedirs(probe, 0o700, exist_ok=True)
+            mount_tmpfs(str(probe), "size=4k,mode=0700")
+            unmount(str(probe))
+        except OSError as exc:
+            log.warning("job directories cannot be tmpfs of their own here (%s): job_dir_size %d is not enforced, "
+                        "a job's directory is limited only by its file system", exc, self.dir_size)
+            self.dir_size = 0
+        finally:
+            try:
+                os.rmdir(probe)
+            except OSError:
+                pass
 
     def _prepare_workroot(self) -> None:
         root = self.workroot
@@ -551,6 +606,7 @@ class JobRunner:
         cancel: threading.Event | None = None,
         grant: JobGrant | None = None,
         begin: Callable[[], None] | None = None,
+        gpus: Sequence[str] = (),
     ) -> JobOutcome:
         """Run one job to completion and return its outcome.
 
@@ -567,6 +623,8 @@ class JobRunner:
                 before its program starts; it returns when the program may start (the broker's
                 GO, PROTOCOL.md §4.4) and raises when it must not (the runner then cleans up and
                 lets that exception through).
+            gpus: the uuids of the granted GPUs: their device nodes are the only ones in the
+                sandbox's ``/dev`` (``gpu_minors``).
 
         Raises:
             InvalidRequest: the spec or inputs are malformed (reserved env key, count mismatch).
@@ -583,9 +641,14 @@ class JobRunner:
                 try:
                     dfd = self._make_workdir(workdir, user, spec, inputs)
                     try:
+                        granted = self.minors(gpus)
+                        plan = None
+                        if self.sandbox is not None:
+                            plan = self.sandbox.plan(granted, str(workdir), dfd)
+                        deny = sorted(set(self.gpu_minors.values()) - set(granted))
                         return self._execute(
                             hexid, spec, workdir, dfd, user, visible_devices, cancel,
-                            grant if grant is not None else JobGrant(), begin,
+                            grant if grant is not None else JobGrant(), begin, plan, deny,
                         )
                     finally:
                         os.close(dfd)
@@ -593,7 +656,37 @@ class JobRunner:
                     self._remove(workdir)
         finally:
             if self._root and self.pool is not None:
-                self.pool.release(user)
+                self._release_user(user)
+
+    def minors(self, gpus: Sequence[str]) -> list[int]:
+        """The minor numbers of GPUs ``gpus`` (uuids) that name their ``/dev/nvidiaN``."""
+        return [self.gpu_minors[u] for u in gpus if u in self.gpu_minors]
+
+    @property
+    def isolation(self) -> str:
+        """The isolation level jobs and session processes run with (``gpud_worker.sandbox``)."""
+        return "namespaces" if self.sandbox is not None else "rlimits only"
+
+    def ready_fields(self) -> dict[str, object]:
+        """What READY says of this runner (PROTOCOL.md §4): ``isolation``, ``job_network`` and,
+        where jobs run as pool users, ``pool_users`` and the kinds of work that hold one."""
+        fields: dict[str, object] = {"isolation": self.isolation,
+                                     "job_network": self.sandbox.network if self.sandbox is not None else "host"}
+        if self._root and self.pool is not None:
+            fields["pool_users"] = len(self.pool)
+            fields["pool_kinds"] = ["job", "session"] if self.pooled_sessions else ["job"]
+        return fields
+
+    def _release_user(self, user: pwd.struct_passwd) -> None:
+        """Give ``user`` back to the pool once nothing it owned is left for the next tenant: its
+        processes are killed already; in a sandbox its files outside the job directory, SysV IPC
+        objects and POSIX message queues died with its namespaces, otherwise they are swept here."""
+        assert self.pool is not None
+        try:
+            if self.sandbox is None:
+                sweep_uid(user.pw_uid)
+        finally:
+            self.pool.release(user)
 
     def _check(
         self, job_id: bytes, spec: JobSpec, inputs: Sequence[Buffer], visible_devices: str
@@ -647,7 +740,7 @@ class JobRunner:
         try:
             self._kill_user_processes(user)
         finally:
-            self.pool.release(user)
+            self._release_user(user)
 
     @contextmanager
     def _claim(self, hexid: str) -> Iterator[None]:
@@ -674,6 +767,8 @@ class JobRunner:
             self._remove(workdir)
         try:
             os.mkdir(workdir, 0o700)
+            if self.dir_size:
+                mount_tmpfs(str(workdir), f"size={self.dir_size},mode=0700,uid={user.pw_uid},gid={user.pw_gid}")
             os.chmod(workdir, 0o700)
             if self._root:
                 os.chown(workdir, user.pw_uid, user.pw_gid)
@@ -685,6 +780,9 @@ class JobRunner:
                 self._write_input(dfd, name, data, user)
         except OSError as exc:
             os.close(dfd)
+            if exc.errno == errno.ENOSPC and self.dir_size:
+                raise RemoteError(f"the job's input files do not fit its directory, limited to {self.dir_size} bytes "
+                                  "(the worker's job_dir_size)") from exc
             raise RemoteError(f"cannot write job input files: {exc}") from exc
         return dfd
 
@@ -729,12 +827,13 @@ class JobRunner:
         return env
 
     def _child_setup(
-        self, spec: JobSpec, user: pwd.struct_passwd, cgroup_fd: int | None
+        self, spec: JobSpec, user: pwd.struct_passwd, cgroup_fds: Sequence[int] = (), plan: Plan | None = None
     ) -> Callable[[], None]:
         """Build the preexec function: it runs in the forked child, before the job's program.
 
-        As root it first enters the job's cgroup (writing ``0`` to ``cgroup_fd``, its
-        ``cgroup.procs``: root's right, so before anything else), then becomes the job user itself
+        As root it first enters the job's cgroup (writing ``0`` to ``cgroup_fds``, its
+        ``cgroup.procs``, one per v1 hierarchy: root's right, so before anything else), then enters its sandbox's
+        namespaces (``plan``: only the process that runs the job returns), then becomes the job user itself
         (no supplementary groups), then sets the death signal (which a change of uid would clear),
         ``PR_SET_NO_NEW_PRIVS`` and the resource limits.
         """
@@ -754,11 +853,13 @@ class JobRunner:
         uid, gid = user.pw_uid, user.pw_gid
 
         def setup() -> None:
-            if cgroup_fd is not None:
+            for fd in cgroup_fds:
                 try:
-                    os.write(cgroup_fd, b"0")
+                    os.write(fd, b"0")
                 except OSError:
                     pass  # the parent finds the job outside its cgroup and logs it
+            if plan is not None:
+                plan.enter()
             if switch:
                 os.setgroups([])
                 os.setresgid(gid, gid, gid)
@@ -783,10 +884,12 @@ class JobRunner:
         cancel: threading.Event | None,
         grant: JobGrant,
         begin: Callable[[], None] | None = None,
+        plan: Plan | None = None,
+        deny: Sequence[int] = (),
     ) -> JobOutcome:
-        cgroup = self._make_cgroup(hexid, grant)
+        cgroup = self._make_cgroup(hexid, grant, deny)
         try:
-            return self._execute_in(hexid, spec, workdir, dfd, user, devices, cancel, grant, cgroup, begin)
+            return self._execute_in(hexid, spec, workdir, dfd, user, devices, cancel, grant, cgroup, begin, plan)
         finally:
             if cgroup is not None:
                 oom = cgroup.oom_kills()
@@ -794,10 +897,12 @@ class JobRunner:
                     log.info("job %s: %d process(es) killed for its memory limit", hexid, oom)
                 cgroup.remove()
 
-    def _make_cgroup(self, hexid: str, grant: JobGrant) -> JobCgroup | None:
+    def _make_cgroup(self, hexid: str, grant: JobGrant, deny: Sequence[int] = ()) -> JobCgroup | None:
         if self.cgroups is None:
             return None
         limits = job_limits(grant.host_mem, grant.cpu_milli, self.limits.memory, self.limits.nproc)
+        if isinstance(self.cgroups, JobCgroupsV1):  # v2 has no devices files: the sandbox's /dev fences GPUs there
+            return self.cgroups.create(hexid, limits, deny)
         return self.cgroups.create(hexid, limits)
 
     def _execute_in(
@@ -812,6 +917,7 @@ class JobRunner:
         grant: JobGrant,
         cgroup: JobCgroup | None,
         begin: Callable[[], None] | None = None,
+        plan: Plan | None = None,
     ) -> JobOutcome:
         started = time.monotonic()
         try:
@@ -830,7 +936,7 @@ class JobRunner:
                     close_fds=True,
                     umask=0o077,
                     preexec_fn=self._child_setup(
-                        spec, user, cgroup.procs_fd if cgroup is not None else None
+                        spec, user, cgroup.procs_fds if cgroup is not None else (), plan
                     ),
                 )
         except OSError as exc:
@@ -878,6 +984,10 @@ class JobRunner:
             if self._root:  # also what left the group (setsid) and would hold the pipes open
                 self._kill_user_processes(user)
         stdout, stderr = out.finish(), err.finish()
+        if self.dir_size and _full(dfd):
+            log.info("job %s filled its directory (%d bytes)", hexid, self.dir_size)
+            note = f"gpud: the job directory is full: it is limited to {self.dir_size} bytes (job_dir_size)\n".encode()
+            stderr = stderr[: max(0, spec.output_cap - len(note))] + note
         files = self._collect_outputs(hexid, spec, dfd, user)
         log.info(
             "job %s finished: exit %d%s after %.2f s",
@@ -1011,6 +1121,8 @@ class JobRunner:
             time.sleep(0.02)
 
     def _remove(self, path: pathlib.Path) -> None:
+        if self._root and os.path.isdir(path) and not os.path.islink(path):
+            unmount(str(path))  # a job directory of its own size (dir_size), or not mounted at all
         if os.path.islink(path) or not os.path.isdir(path):
             try:
                 os.unlink(path)

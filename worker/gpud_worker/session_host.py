@@ -23,7 +23,9 @@ starts.
 - ``HostedSession`` is the worker's side of one session: each call is one request and one reply on
   a socket pair (msgpack maps); bulk bytes go through a shared memory buffer (a memfd mapped by
   both sides, ``staging`` bytes, default 8 MiB), a copy larger than it in pieces.
-- ``_serve`` is the child's side: it becomes the pool user, opens the one session on a device of
+- ``_serve`` is the child's side: it enters its sandbox (``gpud_worker.sandbox``: namespaces of its
+  own, a ``/dev`` with only its GPU's nodes, no network) where the worker has one, becomes the pool
+  user, opens the one session on a device of
   its own, and answers calls until it is closed or the worker goes away. After an error that
   leaves its context unusable it answers that call, saying the session is lost, and exits.
 
@@ -60,6 +62,7 @@ from gpud.resources import GpuInfo
 from gpud_worker.device import Dims, _BaseDevice, _byte_view, _check_grant, _out_view
 from gpud_worker.kernels import Arg
 from gpud_worker.modules import check_cuda_source, check_load_args, decode_text
+from gpud_worker.sandbox import Plan, Sandbox
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,7 @@ _PR_SET_NO_NEW_PRIVS = 38
 _PR_GET_NO_NEW_PRIVS = 39
 
 _packb = msgpack.Packer(use_bin_type=True).pack
+_PID = 0  # in a session process: its pid as the worker sees it (its own namespace numbers it 2)
 
 
 def _unpackb(data: bytes) -> Any:
@@ -94,6 +98,9 @@ class SessionHosts:
         Whether sessions may be on real GPUs: the forkserver then imports pycuda too.
     staging:
         Bytes of each session's shared copy buffer.
+    sandbox, gpu_minors:
+        The namespaces session processes run in (None: none) and each GPU's ``/dev/nvidiaN``
+        minor number by uuid (default: its index), as for jobs (``JobRunner``).
     """
 
     def __init__(
@@ -103,12 +110,16 @@ class SessionHosts:
         *,
         cuda: bool = False,
         staging: int = DEFAULT_STAGING,
+        sandbox: Sandbox | None = None,
+        gpu_minors: Mapping[str, int] | None = None,
     ) -> None:
         if staging < 4096:
             raise ValueError("staging must be at least 4096 bytes")
         self.lease = lease
         self.end_lease = end_lease
         self.staging = staging
+        self.sandbox = sandbox if sandbox is not None and sandbox.active else None
+        self.gpu_minors = dict(gpu_minors or {})
         self._ctx = multiprocessing.get_context("forkserver")
         preload = ["gpud_worker.session_host", "numpy"]
         if cuda:
@@ -124,7 +135,11 @@ class SessionHosts:
             buf = mmap.mmap(fd, self.staging)
             ours, theirs = self._ctx.Pipe(duplex=True)
             ids = None if user is None else (user.pw_uid, user.pw_gid)
-            proc = self._ctx.Process(target=_serve, args=(theirs, _Fd(fd), self.staging, spec, ids),
+            plan = None
+            if self.sandbox is not None:
+                uuid = spec["gpu"]["uuid"]
+                plan = self.sandbox.plan([self.gpu_minors[uuid]] if uuid in self.gpu_minors else [])
+            proc = self._ctx.Process(target=_serve, args=(theirs, _Fd(fd), self.staging, spec, ids, plan),
                                      name=f"gpud-session-{spec['gpu']['index']}", daemon=True)
             try:
                 proc.start()
@@ -465,8 +480,11 @@ def _open(spec: dict[str, Any]) -> Any:
     return session
 
 
-def _serve(conn: Any, fd: _Fd, staging: int, spec: dict[str, Any], ids: tuple[int, int] | None) -> None:
+def _serve(conn: Any, fd: _Fd, staging: int, spec: dict[str, Any], ids: tuple[int, int] | None,
+           plan: Plan | None = None) -> None:
     """The body of a session process (forked from the forkserver; see the module's doc)."""
+    global _PID
+    _PID = os.getpid()
     logging.basicConfig(level=spec.get("log_level", logging.INFO),
                         format=f"%(asctime)s gpud-session[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in `gpud up` is the worker's to handle
@@ -475,13 +493,15 @@ def _serve(conn: Any, fd: _Fd, staging: int, spec: dict[str, Any], ids: tuple[in
         raw = fd.detach()
         buf = mmap.mmap(raw, staging)
         os.close(raw)
+        if plan is not None:  # from here on, the process that serves is PID 2 of its namespace
+            _PID = plan.enter(outer_pid=True, keep_handlers=True)
         _become(ids)
         session = _open(spec)
     except Exception as exc:
         text = exc.message if isinstance(exc, GpudError) else f"{type(exc).__name__}: {exc}"
         conn.send_bytes(_packb({"ok": False, "message": text}))
         return
-    conn.send_bytes(_packb({"ok": True, "pid": os.getpid(), "uid": os.geteuid()}))
+    conn.send_bytes(_packb({"ok": True, "pid": _PID, "uid": os.geteuid()}))
     view = memoryview(buf)
     while True:
         try:
@@ -531,7 +551,7 @@ def _answer(session: Any, view: memoryview, r: dict[str, Any]) -> dict[str, Any]
             return {"ok": True}
         if op == "info":
             info = session.info()
-            info["process"] = {"pid": os.getpid(), "uid": os.geteuid()}
+            info["process"] = {"pid": _PID, "uid": os.geteuid()}
             return {"ok": True, "info": info}
         if op == "close":
             return {"ok": True}

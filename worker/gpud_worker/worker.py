@@ -269,6 +269,7 @@ class Worker:
             "simulated": self.probe.simulated,
             "instance_id": self.config.instance_id,
             "replica_of": self.config.replica_of,
+            **self.runner.ready_fields(),
         }
 
     def run(self) -> None:
@@ -662,7 +663,8 @@ class Worker:
             spec = P.parse_job(h, len(frames))
             visible = ",".join(self._visible_name(u) for u in uuids)
             out = self.runner.run(rid, spec, [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames], visible, tenant, cancel,
-                                  JobGrant.from_wire(h.get("grant")), lambda: self._await_go(rid, cancel))
+                                  JobGrant.from_wire(h.get("grant")), lambda: self._await_go(rid, cancel),
+                                  gpus=uuids)
             if cancel.is_set():
                 failed = next((u for u in uuids if u in self.gpu_faults), uuids[0])
                 raise GpuFault(f"GPU {failed} failed ({self.gpu_faults.get(failed, 'health check')}) while the job ran; the job was killed")
@@ -778,6 +780,7 @@ class Worker:
         rid = s.id
         try:
             s.dev = device.open_session(mem, mps=env, tenant=s.tenant)
+            s.last_used = time.monotonic()  # idle from when it is open: a session process may take a while
         except GpudError as exc:
             self._close_session(s)
             self._error(idx, rid, exc)
@@ -898,7 +901,7 @@ class Worker:
     def _reclaim_idle_sessions(self) -> None:
         limit = time.monotonic() - self.config.session_idle
         for s in list(self.sessions.values()):
-            if s.last_used < limit and not s.busy:
+            if s.dev is not None and s.last_used < limit and not s.busy:  # not while it opens
                 log.info("session %s idle past %.0fs; reclaimed", P.id_text(s.id), self.config.session_idle)
                 self._close_session(s, kill=f"idle for more than {self.config.session_idle:g} s")
 

@@ -1,0 +1,344 @@
+"""Hostile tenants on one GPU VM: what a job can see and keep of another tenant's, tried for real.
+
+Real daemons (a broker and workers as root, CURVE), the real client library, two tenants with
+keys of their own (``alice`` and ``bob``), jobs as dynamic pool users. Each test performs one
+attack and asserts that it is blocked; the last ones check the fallback without namespaces and
+that two local clusters on one host leave each other's jobs alone.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import stat
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpud.protocol import JobSpec
+from gpud.security import CurveKeys
+from gpud_cli.cluster import LocalCluster, admin_call
+from gpud_cli.uid_ranges import UidBlocks
+from gpud_client import Client, Timeout
+from gpud_client.ctl import main as gpudctl
+from gpud_worker.cgroups import JobCgroupsV1, setup_job_cgroups
+from gpud_worker.jobs import JobLimits, JobRunner, UserPool
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces and pool users need root")
+
+PY = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "python3"
+# Where these clusters' dynamic uids start: above the blocks that clusters of older gpud versions
+# (which take no lock and start at 61184) may use on this host at the same time, and kill.
+UID_BASE = 64000
+
+
+def client(cluster: LocalCluster, keys: CurveKeys) -> Client:
+    return Client(cluster.frontend, timeout=60, curve=keys)
+
+
+def workers_table(cluster: LocalCluster) -> str:
+    out = io.StringIO()
+    assert gpudctl(["--admin", cluster.admin, "workers"], out=out) == 0
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """One worker with two SIMULATED GPUs and four pool users (two per tenant at most)."""
+    with LocalCluster(workers=1, gpus_per_worker=2, heartbeat_ms=200, security="curve", pool_size=4,
+                      dynamic_uid_base=UID_BASE) as c:
+        yield c
+
+
+def test_the_worker_reports_namespaces(cluster: LocalCluster) -> None:
+    row = admin_call(cluster.admin, "workers")[0]
+    assert (row["isolation"], row["job_network"], row["pool_users"]) == ("namespaces", "none", 4)
+    line = next(ln for ln in workers_table(cluster).splitlines() if ln.startswith("w0"))
+    assert "namespaces" in line and "host net" not in line
+    assert "isolation: namespaces" in cluster.log_tail("w0", 400)
+
+
+def test_proc_shows_only_the_jobs_own_processes(cluster: LocalCluster, alice: CurveKeys, bob: CurveKeys) -> None:
+    """bob's job looks for alice's running job (and its token on the command line) in /proc."""
+    secret = "--api-token=" + os.urandom(8).hex()
+    with client(cluster, alice) as a, client(cluster, bob) as b:
+        running = a.submit(["sh", "-c", "sleep 5; echo done", "sh", secret], gpu_milli=1, time_limit=60)
+        deadline = time.monotonic() + 20
+        while not any(secret in " ".join(cmdline) for cmdline in _cmdlines()):  # as the VM sees it
+            assert time.monotonic() < deadline, "alice's job did not start"
+            time.sleep(0.05)
+        r = b.run(["sh", "-c", "for d in /proc/[0-9]*; do echo \"${d#/proc/} $(tr '\\0' ' ' < $d/cmdline)\"; done"],
+                  gpu_milli=1)
+        assert r.exit_code == 0, r.stderr
+        assert secret.encode() not in r.stdout
+        pids = sorted(int(line.split()[0]) for line in r.stdout.decode().splitlines())
+        assert pids[:2] == [1, 2] and len(pids) <= 4, r.stdout  # gpud-init, sh and its subshells
+        assert b"gpud-init" in r.stdout and b"gpud.cli" not in r.stdout  # not the worker's command line
+        assert running.wait().stdout == b"done\n"
+
+
+def _cmdlines() -> list[list[str]]:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        try:
+            out.append(p.cmdline())
+        except psutil.Error:
+            continue
+    return out
+
+
+def test_a_job_cannot_connect_to_the_broker_or_reach_its_files(cluster: LocalCluster, alice: CurveKeys) -> None:
+    """The broker's frontend and backend on loopback, the cluster's run directory (its keys, the
+    admin socket, other jobs' directories) and the VM's file systems, from a job."""
+    ports = [int(ep.rsplit(":", 1)[1]) for ep in (cluster.frontend, cluster.backend)]
+    assert cluster.rundir is not None
+    probe = (
+        "import socket, os, sys\n"
+        "for port in map(int, sys.argv[1:3]):\n"
+        "    try:\n"
+        "        socket.create_connection(('127.0.0.1', port), 2).close(); print('connected', port)\n"
+        "    except OSError as e: print('refused', port, e.errno)\n"
+        "print('rundir', os.path.exists(sys.argv[3] + '/keys'), os.path.exists(sys.argv[3] + '/admin.sock'))\n"
+        "for path in ('/etc/x', '/var/x', sys.argv[3] + '/x'):\n"
+        "    try: open(path, 'w'); print('wrote', path)\n"
+        "    except OSError as e: print('no write', path, e.errno)\n"
+        "print('cwd', os.getcwd(), sorted(os.listdir('.')))\n"
+    )
+    with client(cluster, alice) as a:
+        r = a.run([PY, "probe.py", *map(str, ports), str(cluster.rundir)], files={"probe.py": probe.encode()}, gpu_milli=1)
+    out = r.stdout.decode()
+    assert r.exit_code == 0, r.stderr
+    assert "connected" not in out and out.count("refused") == 2, out
+    assert "rundir False False" in out, out
+    assert "wrote" not in out and out.count("no write") == 3, out
+    assert "'probe.py'" in out and f"cwd {cluster.rundir}/jobs-w0/" in out  # its own directory, at its path
+
+
+def test_files_left_in_tmp_and_shm_are_gone_for_the_next_tenant(alice_and_bob_on_one_user: tuple[LocalCluster, CurveKeys, CurveKeys]) -> None:
+    """alice leaves 0600 files in /tmp, /var/tmp and /dev/shm (one of 200 MB), a SysV shared
+    memory segment and a POSIX message queue; bob's next job, under the same uid, looks for them."""
+    cluster, alice, bob = alice_and_bob_on_one_user
+    name = "left-" + os.urandom(4).hex()
+    leave = (
+        f"umask 077; for d in /tmp /var/tmp /dev/shm; do echo secret > $d/{name}; done; "
+        f"head -c 200000000 /dev/zero > /tmp/{name}.big && ls -l /tmp/{name}.big; ipcmk -M 4096; "
+        f"{PY} -c \"import ctypes; q = ctypes.CDLL('librt.so.1').mq_open(b'/{name}', 0o100 | 2, 0o600, None); print('mq', q)\"; id -u"
+    )
+    look = (
+        f"for d in /tmp /var/tmp /dev/shm; do cat $d/{name} 2>/dev/null; ls -a $d; done; ipcs -m; "
+        f"{PY} -c \"import ctypes; print('mq', ctypes.CDLL('librt.so.1').mq_open(b'/{name}', 0, 0, None))\"; id -u"
+    )
+    with client(cluster, alice) as a, client(cluster, bob) as b:
+        left = a.run(["sh", "-c", leave], gpu_milli=1)
+        assert left.exit_code == 0, left.stderr
+        assert b"200000000" in left.stdout and b"mq -1" not in left.stdout, left.stdout
+        seen = b.run(["sh", "-c", look], gpu_milli=1)
+    assert seen.stdout.split()[-1] == left.stdout.split()[-1]  # the same pool user
+    assert name.encode() not in seen.stdout, seen.stdout
+    assert b"secret" not in seen.stdout and b"mq -1" in seen.stdout, seen.stdout
+    assert not re.search(rb"0x[0-9a-f]+\s+\d+\s+\d+", seen.stdout), seen.stdout  # no shm segment listed
+    assert not any(name in entry for d in ("/tmp", "/var/tmp", "/dev/shm") for entry in os.listdir(d))
+
+
+@pytest.fixture(scope="module")
+def alice_and_bob_on_one_user() -> Iterator[tuple[LocalCluster, CurveKeys, CurveKeys]]:
+    """A worker with a single pool user: every job, whoever's, runs under the same uid."""
+    with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, security="curve", pool_size=1,
+                      dynamic_uid_base=UID_BASE) as c:
+        yield c, c.client_keys("alice"), c.client_keys("bob")
+
+
+STAND_IN_MAJOR = 195  # NVIDIA's character major: stand-ins look like the real nodes
+
+
+@pytest.fixture
+def stand_in_gpu_nodes() -> Iterator[list[str]]:
+    """STAND-IN device nodes, made here with mknod because this machine has no GPU:
+    /dev/nvidia0 and /dev/nvidia1 (the simulated GPUs' minors) and /dev/nvidiactl, character
+    devices of NVIDIA's major with no driver behind them. Removed afterwards; never replaces a
+    node that exists."""
+    made = []
+    for name, minor in (("nvidia0", 0), ("nvidia1", 1), ("nvidiactl", 255)):
+        path = f"/dev/{name}"
+        if os.path.lexists(path):
+            if not stat.S_ISCHR(os.lstat(path).st_mode):
+                pytest.skip(f"{path} exists and is not a device node")
+            continue
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(STAND_IN_MAJOR, minor))
+        os.chmod(path, 0o666)
+        made.append(path)
+    try:
+        yield made
+    finally:
+        for path in made:
+            os.unlink(path)
+
+
+def test_a_job_sees_only_its_granted_gpus_nodes(stand_in_gpu_nodes: list[str]) -> None:
+    """With STAND-IN /dev/nvidia0, nvidia1 and nvidiactl on the VM: a job granted one GPU finds
+    only that GPU's node and nvidiactl in its /dev, also with CUDA_VISIBLE_DEVICES unset; a job
+    granted both finds both."""
+    with LocalCluster(workers=1, gpus_per_worker=2, heartbeat_ms=200, security="curve", pool_size=2,
+                      dynamic_uid_base=UID_BASE) as c, \
+            client(c, c.client_keys("alice")) as a:
+        one = a.run(["sh", "-c", "unset CUDA_VISIBLE_DEVICES; ls /dev"], gpu_milli=500)
+        both = a.run(["sh", "-c", "ls /dev"], gpus=2)
+    nodes = [n for n in one.stdout.decode().split() if n.startswith("nvidia")]
+    assert len(nodes) == 2 and "nvidiactl" in nodes, one.stdout
+    granted = [n for n in nodes if n != "nvidiactl"]
+    assert granted in (["nvidia0"], ["nvidia1"])
+    assert [n for n in both.stdout.decode().split() if n.startswith("nvidia")] == ["nvidia0", "nvidia1", "nvidiactl"]
+    assert set(one.stdout.decode().split()) >= {"null", "zero", "full", "random", "urandom", "tty", "pts", "shm", "ptmx"}
+
+
+def test_one_tenant_cannot_take_every_pool_user(cluster: LocalCluster, alice: CurveKeys, bob: CurveKeys) -> None:
+    """alice floods the worker (4 pool users, share 1/2) with long jobs; bob's job still runs at
+    once, while alice's are held to two at a time."""
+    with client(cluster, alice) as a, client(cluster, bob) as b:
+        flood = [a.submit(["sleep", "8"], gpu_milli=1, time_limit=30) for _ in range(5)]
+        deadline = time.monotonic() + 20
+        while admin_call(cluster.admin, "workers")[0]["pool_free"] > 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        started = time.monotonic()
+        r = b.run(["id", "-u"], gpu_milli=1, timeout=20)
+        took = time.monotonic() - started
+        row = admin_call(cluster.admin, "workers")[0]
+        results = [j.wait() for j in flood]
+    assert r.exit_code == 0
+    assert took < 8, f"bob's job waited {took:.1f}s for alice's flood"  # it did not wait for a sleep to end
+    assert row["pool_free"] >= 1  # alice held at most her share
+    assert all(x.exit_code == 0 for x in results), [(x.exit_code, x.user) for x in results]
+
+
+def test_host_network_with_security_none_is_refused() -> None:
+    c = LocalCluster(workers=0, security="none", worker_args=["--job-network", "host"])
+    with c:
+        proc = c.add_worker("w0")
+        assert proc.wait(30) == 2
+        assert "refused" in c.log_tail("w0") and "register" in c.log_tail("w0")
+
+
+def test_without_namespaces_the_worker_says_so_and_sweeps_the_uid() -> None:
+    """A worker denied CAP_SYS_ADMIN (setpriv) cannot make namespaces: it says so at start, in
+    READY (gpudctl workers) and the metrics, and then sweeps what a job left under its uid."""
+    name = "left-" + os.urandom(4).hex()
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv (util-linux) is missing")
+    drop = [setpriv, "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", "--"]
+    with LocalCluster(workers=1, heartbeat_ms=200, security="curve", pool_size=1, worker_prefix=drop,
+                      dynamic_uid_base=UID_BASE, broker_args=["--metrics", "127.0.0.1:0"]) as c, \
+            client(c, c.client_keys("alice")) as a:
+        row = admin_call(c.admin, "workers")[0]
+        assert row["isolation"] == "rlimits only"
+        with urllib.request.urlopen(c.endpoints["metrics"], timeout=10) as page:
+            metrics = page.read().decode()
+        assert 'gpud_worker_isolation{job_network="host",level="rlimits only",worker="w0"} 1.0' in metrics, metrics
+        assert "RLIMITS ONLY" in workers_table(c)
+        assert "isolation: rlimits only" in c.log_tail("w0", 400)
+        r = a.run(["sh", "-c", f"umask 077; echo s > /tmp/{name}; echo s > /dev/shm/{name}; ipcmk -M 4096; id -u"], gpu_milli=1)
+        uid = int(r.stdout.split()[-1])
+        left = [f"{d}/{e}" for d in ("/tmp", "/dev/shm") for e in os.listdir(d) if name in e]
+        assert not left, c.log_tail("w0", 30)
+        with open("/proc/sysvipc/shm") as f:
+            assert not any(line.split()[7] == str(uid) for line in f.read().splitlines()[1:])
+
+
+def test_two_local_clusters_do_not_touch_each_others_jobs() -> None:
+    """Two clusters on this host at once: their workers get different uids, and one cluster's
+    after-job cleanup (which kills every process of its pool users) leaves the other's job be."""
+    with LocalCluster(workers=1, heartbeat_ms=200, dynamic_uid_base=UID_BASE) as one, \
+            LocalCluster(workers=1, heartbeat_ms=200, dynamic_uid_base=UID_BASE) as two:
+        mine, theirs = one.uid_blocks["w0"], two.uid_blocks["w0"]
+        assert set(mine).isdisjoint(theirs)
+        with Client(one.frontend, timeout=60) as c1, Client(two.frontend, timeout=60) as c2:
+            long = c1.submit(["sh", "-c", "sleep 4; id -u"], gpu_milli=1, time_limit=30)
+            done = threading.Event()
+            users = []
+
+            def churn() -> None:
+                while not done.is_set():
+                    users.append(int(c2.run(["id", "-u"], gpu_milli=1).stdout))
+
+            t = threading.Thread(target=churn)
+            t.start()
+            try:
+                r = long.wait()
+            finally:
+                done.set()
+                t.join()
+    assert r.exit_code == 0 and int(r.stdout) in mine  # not killed by the other cluster's cleanup
+    assert users and all(u in theirs for u in users)
+
+
+def test_cgroup_v1_limits_memory_and_denies_the_gpus_not_granted(stand_in_gpu_nodes: list[str], tmp_path: Path) -> None:
+    """The real job runner with the host's cgroup v1 hierarchies and no namespaces (so the
+    STAND-IN /dev/nvidia0 and nvidia1 are in reach): a job granted GPU 0 gets EPERM from the
+    devices cgroup opening nvidia1, and ENXIO (no driver behind a stand-in) opening nvidia0; a job
+    that allocates past its memory limit is killed."""
+    cgroups = setup_job_cgroups()
+    if not isinstance(cgroups, JobCgroupsV1) or {"memory", "devices"} - cgroups.controllers:
+        pytest.skip("this host has no cgroup v1 memory and devices hierarchies")
+    blocks = UidBlocks(UID_BASE)
+    uids = blocks.take()
+    try:
+        os.chmod(tmp_path, 0o711)
+        runner = JobRunner(tmp_path / "jobs", UserPool("gpud-dyn-", uids[:2]), limits=JobLimits(memory=64 << 20),
+                           cgroups=cgroups, gpu_minors={"G0": 0, "G1": 1})
+        probe = ("import errno\nfor n in (0, 1):\n    try: open(f'/dev/nvidia{n}', 'rb')\n"
+                 "    except OSError as e: print(n, errno.errorcode[e.errno])\n")
+        spec = JobSpec(argv=(PY, "-c", probe), env={}, files=(), outputs=())
+        out = runner.run(os.urandom(8), spec, [], "0", "alice", gpus=["G0"])
+        assert out.stdout.decode().split() == ["0", "ENXIO", "1", "EPERM"], out
+        hog = JobSpec(argv=(PY, "-c", "b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096]); print('survived')"),
+                      env={}, files=(), outputs=())
+        fat = runner.run(os.urandom(8), hog, [], "0", "alice", gpus=["G0"])
+        assert fat.exit_code == -9 and b"survived" not in fat.stdout, fat
+    finally:
+        cgroups.close()
+        blocks.close()
+
+
+def test_a_session_process_runs_in_namespaces_of_its_own(stand_in_gpu_nodes: list[str]) -> None:
+    """A session in a process of its own (session_processes on): its mount, PID, IPC, UTS and
+    network namespaces are not the worker's, its /dev holds its one GPU's STAND-IN node, and the
+    pid it reports is the one the VM sees."""
+    with LocalCluster(workers=1, gpus_per_worker=2, heartbeat_ms=200, security="curve", pool_size=2,
+                      dynamic_uid_base=UID_BASE, worker_args=["--session-processes", "on"]) as c, \
+            client(c, c.client_keys("alice")) as a, a.session(gpu_milli=100, mem=1 << 20) as s:
+        process = s.device_info()["process"]
+        pid, worker = process["pid"], c.worker_procs["w0"].pid
+        for ns in ("mnt", "pid", "ipc", "uts", "net"):
+            assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/{worker}/ns/{ns}"), ns
+        with open(f"/proc/{pid}/status") as f:
+            assert f"Uid:\t{process['uid']}" in f.read()
+        dev = sorted(os.listdir(f"/proc/{pid}/root/dev"))
+        gpu = s.device_info()["gpu"]["index"]
+        assert [n for n in dev if n.startswith("nvidia")] == [f"nvidia{gpu}", "nvidiactl"], dev
+        assert not os.listdir(f"/proc/{pid}/root/tmp")  # a private /tmp, not the VM's
+
+
+def test_one_tenants_sessions_cannot_take_every_pool_user() -> None:
+    """Sessions in processes of their own hold a pool user each: alice's sessions of 1 milli take
+    at most her share (2 of 4), and bob's job runs at once beside them."""
+    with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, security="curve", pool_size=4,
+                      dynamic_uid_base=UID_BASE, worker_args=["--session-processes", "on"]) as c, \
+            client(c, c.client_keys("alice")) as a, client(c, c.client_keys("bob")) as b:
+        row = admin_call(c.admin, "workers")[0]
+        assert row["pool_users"] == 4
+        with a.session(gpu_milli=1, mem=1 << 20), a.session(gpu_milli=1, mem=1 << 20):
+            assert admin_call(c.admin, "workers")[0]["pool_free"] == 2
+            with pytest.raises(Timeout):  # alice's third waits: her share is held
+                a.session(gpu_milli=1, mem=1 << 20, timeout=2)
+            started = time.monotonic()
+            r = b.run(["id", "-u"], gpu_milli=1, timeout=20)
+            assert r.exit_code == 0 and time.monotonic() - started < 10

@@ -1,0 +1,203 @@
+"""The pure parts of tenant isolation: mountinfo and SysV IPC parsing, the pool-user rule and its
+ledger counts, READY's isolation fields, uid blocks under lock files, and the sandbox's /dev."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from gpud import protocol as P
+from gpud.errors import ConfigError, InvalidRequest
+from gpud.heartbeat import HeartbeatPolicy
+from gpud.resources import GpuInfo, Need
+from gpud_broker import ledger
+from gpud_broker.policies import pool_allows, pool_blocked
+from gpud_broker.registry import WorkerRegistry
+from gpud_cli.uid_ranges import UidBlocks, uids_in_use
+from gpud_client.ctl import render_result
+from gpud_worker.sandbox import (
+    CLONE_NEWNET,
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_RELATIME,
+    NVIDIA_SHARED,
+    Plan,
+    Sandbox,
+    gpu_node_names,
+    host_nodes,
+    mount_points,
+    parse_sysvipc,
+)
+
+MOUNTINFO = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+23 22 0:5 / /dev rw,nosuid shared:2 - devtmpfs udev rw,size=10m
+24 23 0:21 / /dev/shm rw,nosuid,nodev shared:3 - tmpfs tmpfs rw
+25 22 0:22 / /tmp/with\\040space rw,nosuid,nodev,noexec - tmpfs tmpfs rw
+26 22 8:1 /x /dev/shm rw - ext4 /dev/sda1 rw
+garbage
+"""
+
+
+def test_mount_points_parents_first_each_once_with_their_flags() -> None:
+    points = mount_points(MOUNTINFO)
+    assert [p for p, _ in points] == ["/", "/dev", "/dev/shm", "/tmp/with space"]
+    flags = dict(points)
+    assert flags["/"] == MS_RELATIME
+    assert flags["/dev"] == MS_NOSUID
+    assert flags["/dev/shm"] == 0  # the later (topmost) mount on a path wins
+    assert flags["/tmp/with space"] == MS_NOSUID | MS_NODEV | MS_NOEXEC
+
+
+def test_parse_sysvipc_finds_owner_and_creator() -> None:
+    shm = (
+        "       key      shmid perms                  size  cpid  lpid nattch   uid   gid  cuid  cgid\n"
+        "         0          3  1600                  4096   100   100      0 61184 61184     0     0\n"
+        "         0          4  1600                  4096   100   100      0     0     0 61185 61185\n"
+        "bad line\n"
+    )
+    assert parse_sysvipc(shm) == [(3, 61184, 0), (4, 0, 61185)]
+    sem = "       key      semid perms      nsems   uid   gid  cuid  cgid\n         1  7  600  1  5  5  6  6\n"
+    assert parse_sysvipc(sem) == [(7, 5, 6)]
+    assert parse_sysvipc("") == [] and parse_sysvipc("no such columns\n1 2 3\n") == []
+
+
+def test_gpu_nodes_are_the_granted_minors_and_the_shared_ones() -> None:
+    assert gpu_node_names([3]) == ["nvidia3", *NVIDIA_SHARED]
+    assert gpu_node_names([]) == list(NVIDIA_SHARED)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+def test_host_nodes_copies_character_devices_and_skips_the_rest(tmp_path: Path) -> None:
+    """STAND-IN device nodes in a temporary directory: nvidia0 and nvidia1 (NVIDIA's major 195)."""
+    for minor in (0, 1):
+        os.mknod(tmp_path / f"nvidia{minor}", stat.S_IFCHR | 0o660, os.makedev(195, minor))
+        os.chmod(tmp_path / f"nvidia{minor}", 0o660)  # whatever the umask
+    (tmp_path / "nvidiactl").write_text("a regular file is not a device")
+    nodes = host_nodes(gpu_node_names([1]), str(tmp_path))
+    assert [(n.name, os.major(n.rdev), os.minor(n.rdev), n.mode) for n in nodes] == [("nvidia1", 195, 1, 0o660)]
+
+
+def test_plan_network_none_adds_a_network_namespace() -> None:
+    assert Plan("none", 1, (), ()).flags() & CLONE_NEWNET
+    assert not Plan("host", 1, (), ()).flags() & CLONE_NEWNET
+
+
+def test_sandbox_without_root_is_rlimits_only_and_plans_nothing() -> None:
+    box = Sandbox("none", enabled=False)
+    assert (box.level, box.active, box.plan([0])) == ("rlimits only", False, None)
+    assert "rlimits only" in box.describe()
+    with pytest.raises(ValueError):
+        Sandbox("bridge", enabled=False)
+
+
+# ---------------------------------------------------------------------------- pool users
+
+
+def worker(pool_users: int, kinds: frozenset[str] = frozenset({"job", "session"})):  # type: ignore[no-untyped-def]
+    reg = WorkerRegistry()
+    w = reg.add(name="w0", identity=b"w0", hostname="h", gpus=[GpuInfo("G0", 0, "A100", 1 << 34, (8, 0))],
+                cpu_milli=8000, host_mem=1 << 34, slots=64, policy=HeartbeatPolicy(), now=0.0)
+    w.pool_users, w.pool_kinds = pool_users, kinds
+    return w
+
+
+def test_pool_allows_a_share_per_tenant_and_none_when_all_are_held() -> None:
+    w = worker(4)
+    need_a, need_b = Need(gpu_milli=1, tenant="a"), Need(gpu_milli=1, tenant="b")
+    grants = [ledger.grant(w, w.gpus, need_a, pool=True) for _ in range(2)]
+    assert w.pool_held == {"a": 2}
+    assert not pool_allows(w, "a", 0.5) and pool_allows(w, "b", 0.5)  # a holds its half
+    assert pool_allows(w, "a", 0.75)  # 3 of 4
+    grants += [ledger.grant(w, w.gpus, need_b, pool=True) for _ in range(2)]
+    assert not pool_allows(w, "c", 1.0)  # every user is held
+    assert pool_blocked("job", "c", [w], 0.5) == {"w0"} and pool_blocked("echo", "c", [w], 0.5) == set()
+    for g in grants:
+        ledger.release(w, w.gpus, g)
+    assert w.pool_held == {} and pool_allows(w, "a", 0.5)
+
+
+def test_a_tiny_pool_still_lets_each_tenant_have_one_and_no_pool_is_no_limit() -> None:
+    w = worker(1)
+    assert pool_allows(w, "a", 0.5)  # max(1, 1 * 0.5 rounded down)
+    g = ledger.grant(w, w.gpus, Need(gpu_milli=1, tenant="a"), pool=True)
+    assert not pool_allows(w, "b", 0.5)
+    ledger.release(w, w.gpus, g)
+    unlimited = worker(0)
+    for _ in range(3):
+        ledger.grant(unlimited, unlimited.gpus, Need(gpu_milli=1, tenant="a"), pool=True)
+    assert pool_allows(unlimited, "a", 0.5)
+    plain = ledger.grant(unlimited, unlimited.gpus, Need(gpu_milli=1, tenant="b"))
+    assert plain.pool_tenant == "" and "b" not in unlimited.pool_held
+
+
+def test_ready_isolation_fields_are_checked() -> None:
+    assert P.parse_isolation({}) == ("", "", 0, frozenset())
+    assert P.parse_isolation({"isolation": "namespaces", "job_network": "host", "pool_users": 16,
+                              "pool_kinds": ["job", "session"]}) == ("namespaces", "host", 16, frozenset({"job", "session"}))
+    assert P.parse_isolation({"isolation": "perfect", "job_network": "wifi"})[:2] == ("", "")  # unknown: not said
+    for bad in ({"pool_users": -1}, {"pool_users": "16"}, {"pool_kinds": ["echo"]}, {"pool_kinds": "job"},
+                {"isolation": 1}):
+        with pytest.raises(InvalidRequest):
+            P.parse_isolation(bad)
+
+
+def test_gpudctl_workers_shows_the_isolation_level() -> None:
+    rows = [{"name": "w0", "gpus": 1, "isolation": "namespaces", "job_network": "none"},
+            {"name": "w1", "gpus": 1, "isolation": "namespaces", "job_network": "host"},
+            {"name": "w2", "gpus": 1, "isolation": "rlimits only"},
+            {"name": "w3", "gpus": 1}]
+    lines = render_result("workers", rows).splitlines()
+    assert "ISOLATION" in lines[0]
+    assert [line.split()[-1] if not line.endswith("net") else "host net" for line in lines[1:]] == \
+        ["namespaces", "host net", "ONLY", "?"]
+
+
+# ---------------------------------------------------------------------------- uid blocks
+
+
+def test_uid_blocks_are_exclusive_between_holders_and_freed_on_close(tmp_path: Path) -> None:
+    one, two = UidBlocks(62000, 16, 62047, str(tmp_path)), UidBlocks(62000, 16, 62047, str(tmp_path))
+    a, b = one.take(), two.take()
+    assert (a, b) == (range(62000, 62016), range(62016, 62032))
+    c = one.take()
+    assert c == range(62032, 62048)
+    with pytest.raises(ConfigError):
+        two.take()  # every block is held
+    one.give_back(a)
+    assert two.take() == a
+    one.close()
+    assert UidBlocks(62000, 16, 62047, str(tmp_path)).take() == c
+
+
+def test_a_block_someone_runs_under_is_passed_over(tmp_path: Path) -> None:
+    me = os.getuid()
+    assert me in uids_in_use(range(me, me + 1))
+    with pytest.raises(ConfigError):
+        UidBlocks(me, 1, me, str(tmp_path)).take()  # its one block is this process's uid
+
+
+def test_isolation_settings_are_checked() -> None:
+    from gpud.config import load
+
+    cfg = load(None, {"GPUD_WORKER_JOB_NETWORK": "host", "GPUD_BROKER_TENANT_POOL_SHARE": "0.25"})
+    assert (cfg.worker.job_network, cfg.broker.tenant_pool_share) == ("host", 0.25)
+    assert (cfg.worker.job_tmp_size, cfg.worker.job_dir_size) == (256 << 20, 1 << 30)
+    for key, value in (("WORKER_JOB_NETWORK", "bridge"), ("BROKER_TENANT_POOL_SHARE", "0"),
+                       ("BROKER_TENANT_POOL_SHARE", "1.5"), ("WORKER_JOB_TMP_SIZE", "1000")):
+        with pytest.raises(ConfigError):
+            load(None, {f"GPUD_{key}": value})
+
+
+def test_a_grants_pool_tenant_survives_replication() -> None:
+    from gpud.resources import Grant
+    from gpud_broker.replication import grant_from_wire, grant_to_wire
+
+    held = Grant("w0", ("G0",), 1, 0, pool_tenant="alice")
+    plain = Grant("w0", ("G0",), 1, 0)
+    assert grant_from_wire(grant_to_wire(held)) == held and grant_from_wire(grant_to_wire(plain)) == plain
+    assert len(grant_to_wire(plain) or []) == 7  # as before: an older peer reads it

@@ -1,0 +1,673 @@
+"""Namespaces for the worker's user processes: what a job or a session process can see of its VM.
+
+``Sandbox`` is made once, at worker start: it probes whether namespaces can be made here
+(``probe``) and so fixes the worker's isolation level, ``"namespaces"`` or ``"rlimits only"``, which
+the worker logs and reports (READY ``isolation``). ``Sandbox.plan`` is called in the worker for
+each process to start, and the ``Plan`` it returns is entered in the new process itself
+(``Plan.enter``), while it is still root and before any of the user's code runs: from the
+``preexec_fn`` of a job's ``subprocess.Popen`` (``gpud_worker.jobs``) or at the start of a session
+process (``gpud_worker.session_host``).
+
+Why ``unshare(2)``/``mount(2)`` through ctypes in the new process, and not util-linux ``unshare``
+or bubblewrap: those are programs to execute, each an exec (and a Python job start already forks
+the worker), and they would have to be told the GPU nodes, the hidden paths and the job directory
+on a command line; done in the forked child it costs a few system calls and two more forks, needs
+nothing installed, and a session process (which executes no program) gets the same code as a job.
+
+What ``Plan.enter`` does, in order:
+
+1. ``unshare`` mount, PID, IPC, UTS and (unless ``job_network = "host"``) network namespaces.
+2. Makes every mount private, then read-only (a bind remount of each, keeping its nosuid, nodev,
+   noexec flags): the job can write nothing of the VM's file systems.
+3. Size-limited tmpfs on ``/tmp`` and ``/var/tmp``; an empty read-only tmpfs over each hidden path
+   (the worker's work root, its configuration and keys, its runtime directory): other jobs'
+   directories, keys and sockets are not there.
+4. A new ``/dev`` (tmpfs): null, zero, full, random, urandom, tty, a private ``devpts`` (``ptmx``),
+   a size-limited ``/dev/shm``, and the granted GPUs' ``/dev/nvidiaN`` with ``nvidiactl``,
+   ``nvidia-uvm`` and ``nvidia-uvm-tools`` where the host has them. No other GPU's node exists there.
+5. The job's own directory bound back at its path (also where the work root lies under ``/tmp``),
+   and made the current directory.
+6. Loopback up in the new network namespace (which has nothing else); host name ``gpud-job``.
+7. Two forks. The process itself (``P``) stays in the worker's PID namespace as the one the worker
+   waits for and signals; it ignores SIGTERM/SIGINT/SIGHUP and, once its child is gone, exits as
+   the job did (by its signal or with its code). Its child ``I`` is PID 1 of the new namespace: it
+   reaps orphans and, when the job's process ends, reports its status to ``P`` and exits, which
+   makes the kernel kill whatever else still runs in the namespace. ``I``'s child ``J`` mounts the
+   namespace's own ``/proc`` and returns from ``enter``: it is the one that becomes the pool user
+   and runs the user's code. A group signal of the worker (``killpg``) reaches ``J`` directly, as
+   before; ``P`` and ``I`` die with SIGKILL, and ``I`` and ``J`` die when their parent does
+   (``PR_SET_PDEATHSIG``).
+
+Nothing of this runs unless the probe succeeded; a failure of ``enter`` in a process (a mount the
+kernel refuses) raises there, so the job fails to start with a clear error: never a job that runs
+less isolated than the worker reported.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import re
+import signal
+import socket
+import stat
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+NAMESPACES = "namespaces"
+RLIMITS_ONLY = "rlimits only"
+ISOLATION_LEVELS = (NAMESPACES, RLIMITS_ONLY)
+NETWORKS = ("none", "host")
+
+DEFAULT_TMP_SIZE = 256 << 20
+"""Bytes of each private tmpfs (``/tmp``, ``/var/tmp``, ``/dev/shm``) by default."""
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_NOATIME = 1024
+MS_NODIRATIME = 2048
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MS_SLAVE = 1 << 19
+MS_RELATIME = 1 << 21
+MS_STRICTATIME = 1 << 24
+_MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
+                "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+INIT_NAME = b"gpud-init"
+_SIOCGIFFLAGS = 0x8913
+_SIOCSIFFLAGS = 0x8914
+_IFF_UP = 0x1
+_IFF_RUNNING = 0x40
+
+BASE_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+"""The character devices every sandbox's ``/dev`` has (copied from the host's)."""
+NVIDIA_SHARED = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+"""The NVIDIA nodes every GPU process needs, besides its GPUs' ``nvidiaN``."""
+HOSTNAME = b"gpud-job"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.unshare.argtypes = [ctypes.c_int]
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    _check(_libc.mount(source.encode() if source else None, target.encode(), fstype.encode() if fstype else None,
+                       flags, data.encode() if data else None), f"mount {target}")
+
+
+def unescape(field: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as ``\\ooo`` octal."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mount_points(mountinfo: str) -> list[tuple[str, int]]:
+    """Every mount point of a ``/proc/PID/mountinfo`` text with its per-mount flags (nosuid,
+    nodev, noexec, atime), each path once, parents before children (pure)."""
+    seen: dict[str, int] = {}
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) < 6:
+            continue
+        flags = 0
+        for option in fields[5].split(","):
+            flags |= _MOUNT_FLAGS.get(option, 0)
+        seen[unescape(fields[4])] = flags
+    return sorted(seen.items(), key=lambda item: (item[0].count("/") if item[0] != "/" else 0, item[0]))
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """A device node to make in a sandbox's ``/dev``: its name there, mode and device number."""
+
+    name: str
+    mode: int
+    rdev: int
+
+
+def host_nodes(names: Iterable[str], dev: str = "/dev") -> list[Node]:
+    """The character devices ``names`` as the host has them under ``dev``; absent ones left out."""
+    out = []
+    for name in names:
+        try:
+            st = os.stat(os.path.join(dev, name))
+        except OSError:
+            continue
+        if stat.S_ISCHR(st.st_mode):
+            out.append(Node(name, stat.S_IMODE(st.st_mode), st.st_rdev))
+    return out
+
+
+def gpu_node_names(minors: Iterable[int]) -> list[str]:
+    """``nvidiaN`` of each granted GPU's minor number, then the shared NVIDIA nodes."""
+    return [f"nvidia{m}" for m in minors] + list(NVIDIA_SHARED)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What one sandboxed process gets (made by ``Sandbox.plan`` in the worker; entered in the
+    process by ``enter``)."""
+
+    network: str
+    tmp_size: int
+    hidden: tuple[str, ...]
+    nodes: tuple[Node, ...]
+    shared: tuple[str, ...] = ()
+    workdir: str | None = None
+    workdir_fd: int | None = None
+    gpus: tuple[int, ...] = ()  # minor numbers of the granted GPUs
+
+    def flags(self) -> int:
+        flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+        return flags | CLONE_NEWNET if self.network == "none" else flags
+
+    def enter(self, outer_pid: bool = False, keep_handlers: bool = False) -> int:
+        """Enter the sandbox (see the module's doc); only the process that is to run the user's
+        code returns. Returns its pid in the worker's PID namespace when ``outer_pid`` (a session
+        process reports it), else 0. Raises OSError where a step fails (before any fork).
+
+        ``P`` and ``I`` are forks of the worker, with its Python signal handlers (a SIGTERM would
+        run the worker's shutdown in them): all signals are blocked across the forks and each of
+        them sets its own dispositions first. The process that returns gets the default ones (a
+        job's program is executed next), or, with ``keep_handlers`` (a session process, which goes
+        on in Python), the ones this process had."""
+        _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")  # P: with the worker
+        _check(_libc.unshare(self.flags()), "unshare")
+        self._mounts()
+        if self.network == "none":
+            _loopback_up()
+        _libc.sethostname(HOSTNAME, len(HOSTNAME))  # cosmetic (systemd's ProtectHostname forbids it)
+        saved = {sig: signal.getsignal(sig) for sig in _SIGNALS} if keep_handlers else {}
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        r, w = os.pipe()
+        child = os.fork()
+        if child:
+            _outer(child, r, w, mask)
+        try:  # I: never returns, whatever fails
+            _default_handlers()
+            _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+            child = os.fork()
+        except BaseException:
+            os._exit(255)
+        if child:
+            _init(child, r, w, mask)
+        os.close(r)
+        os.close(w)
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+        pid = _outer_pid() if outer_pid else 0
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        _hide_other_gpus(self.gpus)
+        return pid
+
+    def _mounts(self) -> None:
+        umask = os.umask(0o022)  # the directories made here are the sandbox's, not the job's
+        try:
+            self._mount_all()
+        finally:
+            os.umask(umask)
+
+    def _mount_all(self) -> None:
+        _mount(None, "/", None, MS_REC | MS_PRIVATE)
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            points = mount_points(f.read())
+        for path, flags in points:
+            if path.startswith(("/proc/", "/dev/")) or path in ("/proc", "/dev"):
+                continue  # replaced below by the sandbox's own (autofs mounts there refuse a remount)
+            try:
+                _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOENT, errno.EACCES):  # shadowed by a later mount
+                    raise
+        # What is bound back after the covers, opened as this namespace sees it (a mount of the
+        # worker's namespace, which the worker's fd is in, cannot be bound here): the job's
+        # directory, checked to be that same directory, and the shared paths (MPS's directories).
+        keep: list[tuple[str, int]] = []
+        if self.workdir is not None and self.workdir_fd is not None:
+            src = os.open(self.workdir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            mine, theirs = os.fstat(src), os.fstat(self.workdir_fd)
+            if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
+                raise OSError(errno.EXDEV, f"{self.workdir} is not the job's directory")
+            keep.append((self.workdir, src))
+        for path in self.shared:
+            try:
+                keep.append((path, os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)))
+            except OSError:
+                continue  # not there (MPS not started yet): nothing to share
+        tmp = f"size={self.tmp_size},mode=1777"
+        for path in ("/tmp", "/var/tmp"):
+            if os.path.isdir(path):
+                _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, tmp)
+        covered = [p for p in self.hidden if os.path.isdir(p)]
+        for path in covered:
+            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=0755")
+        for path in self.hidden:  # a file (the configuration): the VM's /dev/null in its place
+            if os.path.isfile(path):
+                _mount("/dev/null", path, None, MS_BIND)
+        self._dev(tmp)
+        for path, src in keep:
+            os.makedirs(path, 0o755, exist_ok=True)
+            _mount(f"/proc/self/fd/{src}", path, None, MS_BIND)
+            os.close(src)
+            _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+        os.chdir(self.workdir if self.workdir is not None and self.workdir_fd is not None else "/")
+        for path in covered:
+            _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+    def _dev(self, tmp: str) -> None:
+        _mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
+        for node in self.nodes:
+            path = "/dev/" + node.name
+            os.mknod(path, stat.S_IFCHR | 0o600, node.rdev)
+            os.chmod(path, node.mode)
+        os.mkdir("/dev/pts", 0o755)
+        _mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
+        os.symlink("pts/ptmx", "/dev/ptmx")
+        os.mkdir("/dev/shm")
+        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, tmp)
+        os.symlink("/proc/self/fd", "/dev/fd")
+        for i, name in enumerate(("stdin", "stdout", "stderr")):
+            os.symlink(f"/proc/self/fd/{i}", "/dev/" + name)
+        _mount(None, "/dev", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
+
+
+NVIDIA_PROC_GPUS = "/proc/driver/nvidia/gpus"
+
+
+def _hide_other_gpus(granted: Sequence[int]) -> None:
+    """Cover ``/proc/driver/nvidia/gpus/<PCI address>`` of each GPU not granted (its
+    ``information`` says its ``Device Minor``), as NVIDIA's container toolkit does: the driver's
+    tools (``nvidia-smi``) list the GPUs found there."""
+    try:
+        addresses = os.listdir(NVIDIA_PROC_GPUS)
+    except OSError:
+        return  # no NVIDIA driver here
+    for address in addresses:
+        path = os.path.join(NVIDIA_PROC_GPUS, address)
+        minor = None
+        try:
+            with open(os.path.join(path, "information"), encoding="ascii", errors="replace") as f:
+                for line in f:
+                    if line.startswith("Device Minor:"):
+                        minor = int(line.split(":", 1)[1])
+        except (OSError, ValueError):
+            pass
+        if minor not in granted:
+            _mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0555")
+
+
+def _loopback_up() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifr = bytearray(struct.pack("16sH22x", b"lo", 0))
+        fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, ifr)
+        flags = struct.unpack_from("H", ifr, 16)[0] | _IFF_UP | _IFF_RUNNING
+        fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags))
+
+
+def _outer_pid() -> int:
+    """This process's pid in the outermost PID namespace (``NSpid`` of the host's ``/proc``,
+    still mounted: the sandbox's own is mounted after this)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _close_all_but(keep: int) -> None:
+    os.closerange(0, keep)
+    os.closerange(keep + 1, 1 << 20)
+
+
+_SIGNALS = [sig for sig in signal.valid_signals() if sig not in (signal.SIGKILL, signal.SIGSTOP)]
+
+
+def _default_handlers() -> None:
+    """Every signal this process handles in Python, or ignores, back to its default action."""
+    for sig in _SIGNALS:
+        if signal.getsignal(sig) not in (signal.SIG_DFL, None):
+            try:
+                signal.signal(sig, signal.SIG_DFL)
+            except (OSError, ValueError):
+                continue  # one the C library keeps for itself
+
+
+def _outer(child: int, r: int, w: int, mask: Iterable[int]) -> None:
+    """``P``: wait for PID 1 of the sandbox, then end as the job ended. Never returns."""
+    try:
+        _default_handlers()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.close(w)
+        _close_all_but(r)
+        while True:
+            try:
+                _, status = os.waitpid(child, 0)
+                break
+            except ChildProcessError:
+                status = 0
+                break
+        report = os.read(r, 32)
+        if report:
+            status = int(report)
+        if os.WIFSIGNALED(status):
+            sig = signal.Signals(os.WTERMSIG(status))
+            if sig != signal.SIGKILL:  # the one signal whose action cannot be set (or ignored)
+                signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+            os._exit(128 + sig)
+        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 255)
+    finally:
+        os._exit(255)
+
+
+def _init(child: int, r: int, w: int, mask: Iterable[int]) -> None:
+    """``I``, PID 1 of the sandbox: reap, and report the job's status to ``P`` when it ends."""
+    try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.close(r)
+        _close_all_but(w)
+        _rename_init()
+        while True:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                os._exit(0)
+            if pid == child:
+                os.write(w, str(status).encode())
+                os._exit(0)
+    finally:
+        os._exit(255)
+
+
+def _rename_init() -> None:
+    """Show PID 1 as ``gpud-init``: it is a fork of the worker, whose command line (its paths and
+    endpoints) is none of the job's business. Its name is set with ``PR_SET_NAME``; its command
+    line, which ``/proc`` reads from the process's memory, is overwritten where it lies
+    (``arg_start``-``arg_end`` of ``/proc/self/stat``; this process's copy of the worker's)."""
+    name = ctypes.create_string_buffer(INIT_NAME)
+    _libc.prctl(_PR_SET_NAME, ctypes.addressof(name), 0, 0, 0)
+    with open("/proc/self/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])  # fields 48 and 49 of proc(5), counted from 1
+    if 0 < start < end:
+        blank = INIT_NAME[: end - start - 1].ljust(end - start, b"\0")
+        ctypes.memmove(start, blank, len(blank))
+
+
+def probe(network: str) -> str:
+    """Whether this process can make the namespaces a ``Plan`` needs: "" if so, else why not.
+    Forks a child that tries (the worker's own namespaces are never changed)."""
+    if os.geteuid() != 0:
+        return "the worker does not run as root"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(r)
+            plan = Plan(network, 1 << 20, (), ())
+            _check(_libc.unshare(plan.flags()), "unshare")
+            _mount(None, "/", None, MS_REC | MS_PRIVATE)
+            _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64k")
+            if network == "none":
+                _loopback_up()
+            grandchild = os.fork()
+            if grandchild == 0:
+                try:
+                    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+                    os._exit(0 if os.getpid() == 1 else 3)
+                finally:
+                    os._exit(4)
+            _, status = os.waitpid(grandchild, 0)
+            if status != 0:
+                raise OSError(errno.EPERM, "cannot mount /proc in a new PID namespace")
+        except BaseException as exc:  # the child must never return into the worker's code
+            os.write(w, str(exc).encode()[:500])
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    try:
+        why = os.read(r, 1000).decode(errors="replace")
+    finally:
+        os.close(r)
+    _, status = os.waitpid(pid, 0)
+    if status != 0 and not why:
+        why = f"the probe process ended with status {status}"
+    return why
+
+
+class Sandbox:
+    """The worker's sandbox settings and isolation level (see the module's doc).
+
+    Args:
+        network: ``"none"`` (a network namespace with loopback only) or ``"host"``.
+        tmp_size: bytes of each private tmpfs.
+        hidden: paths covered in every sandbox: a directory by an empty one, a file by
+            ``/dev/null``.
+        shared: directories of the VM bound into every sandbox at their path, writable (CUDA
+            MPS's pipe and log directories, which may lie in ``/tmp``).
+        enabled: False: do not probe, the level is "rlimits only" (the worker is not root).
+    """
+
+    def __init__(self, network: str = "none", tmp_size: int = DEFAULT_TMP_SIZE, hidden: Sequence[str] = (),
+                 shared: Sequence[str] = (), *, enabled: bool = True, dev: str = "/dev") -> None:
+        if network not in NETWORKS:
+            raise ValueError(f"network must be one of {', '.join(NETWORKS)}")
+        self.network = network
+        self.tmp_size = tmp_size
+        self.hidden = tuple(dict.fromkeys(os.path.abspath(p) for p in hidden if p))
+        self.shared = tuple(dict.fromkeys(os.path.abspath(p) for p in shared if p))
+        self.dev = dev
+        self.reason = probe(network) if enabled else "the worker does not run as root"
+        self.level = RLIMITS_ONLY if self.reason else NAMESPACES
+        self._base = tuple(host_nodes(BASE_DEVICES, dev))
+
+    @property
+    def active(self) -> bool:
+        return self.level == NAMESPACES
+
+    def describe(self) -> str:
+        """One line for the worker's start-up log."""
+        if not self.active:
+            return (f"isolation: {RLIMITS_ONLY} ({self.reason}): jobs and session processes share the VM's "
+                    "/tmp, /dev/shm, /proc, devices and network; only pool users, rlimits and cgroups separate them")
+        net = "no network (loopback only)" if self.network == "none" else "the HOST network (job_network = host)"
+        return (f"isolation: {NAMESPACES}: each job and session process gets mount, PID, IPC, UTS and network "
+                f"namespaces, private /tmp, /var/tmp, /dev/shm ({self.tmp_size} bytes each), its own /proc, "
+                f"only its GPUs' device nodes, {net}; hidden: {', '.join(self.hidden) or 'nothing'}")
+
+    def plan(self, minors: Sequence[int], workdir: str | None = None, workdir_fd: int | None = None) -> Plan | None:
+        """The plan of one process granted the GPUs of ``minors``; None without namespaces."""
+        if not self.active:
+            return None
+        nodes = self._base + tuple(host_nodes(gpu_node_names(minors), self.dev))
+        return Plan(self.network, self.tmp_size, self.hidden, nodes, self.shared, workdir, workdir_fd, tuple(minors))
+
+
+# ---------------------------------------------------------------------------- outside a sandbox
+
+MNT_DETACH = 2
+_IPC_RMID = 0
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+SWEPT_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+"""Where files of a pool user are swept after its job when there are no namespaces."""
+
+
+def private_mounts() -> str:
+    """Move this process (the worker, at start, before it has threads) into a mount namespace of
+    its own that still receives the VM's mounts: what it mounts (job directories' tmpfs) is
+    nobody else's, and goes with it when it dies, also by SIGKILL. "" once done, else why not."""
+    try:
+        _check(_libc.unshare(CLONE_NEWNS), "unshare")
+        _mount(None, "/", None, MS_REC | MS_SLAVE)
+    except OSError as exc:
+        return str(exc)
+    return ""
+
+
+def mount_tmpfs(path: str, options: str) -> None:
+    """Mount a tmpfs with ``options`` on ``path`` (nosuid, nodev) in this process's namespace."""
+    _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, options)
+
+
+def unmount(path: str) -> bool:
+    """Detach whatever is mounted on ``path``; False where nothing was (or it cannot be)."""
+    return bool(_libc.umount2(path.encode(), MNT_DETACH) == 0)
+
+
+def parse_sysvipc(text: str) -> list[tuple[int, int, int]]:
+    """``(id, uid, cuid)`` of each object in a ``/proc/sysvipc/{shm,sem,msg}`` text (pure)."""
+    lines = text.splitlines()
+    if not lines:
+        return []
+    head = lines[0].split()
+    try:
+        at_id, at_uid, at_cuid = 1, head.index("uid"), head.index("cuid")
+    except ValueError:
+        return []
+    out = []
+    for line in lines[1:]:
+        fields = line.split()
+        try:
+            out.append((int(fields[at_id]), int(fields[at_uid]), int(fields[at_cuid])))
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+def _remove_ipc(uid: int, proc: str = "/proc/sysvipc") -> int:
+    """Remove the SysV IPC objects of ``uid``, as ``uid`` (IPC_RMID is the owner's, or
+    CAP_SYS_ADMIN's, which a worker without namespaces may well lack); how many went."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            os.write(w, str(_remove_own_ipc(uid, proc)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        report = os.read(r, 32)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    return int(report) if report.isdigit() else 0
+
+
+def _remove_own_ipc(uid: int, proc: str) -> int:
+    removed = 0
+    removers: dict[str, Callable[[int], int]] = {
+        "shm": lambda i: int(_libc.shmctl(i, _IPC_RMID, None)),
+        "sem": lambda i: int(_libc.semctl(i, 0, _IPC_RMID)),
+        "msg": lambda i: int(_libc.msgctl(i, _IPC_RMID, None)),
+    }
+    for kind, remove in removers.items():
+        try:
+            with open(os.path.join(proc, kind), encoding="ascii") as f:
+                objects = parse_sysvipc(f.read())
+        except OSError:
+            continue
+        for ident, owner, creator in objects:
+            if uid in (owner, creator) and remove(ident) == 0:
+                removed += 1
+    return removed
+
+
+def _remove_files_of(uid: int, top: str) -> int:
+    """Remove every file and directory of ``uid`` below ``top`` (through directory fds, never
+    following a symlink: another user cannot redirect the sweep)."""
+    removed = 0
+    for _, dirnames, filenames, dfd in os.fwalk(top, topdown=False, follow_symlinks=False):
+        for name in filenames + dirnames:
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if st.st_uid != uid:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    _remove_tree_at(dfd, name)
+                else:
+                    os.unlink(name, dir_fd=dfd)
+                removed += 1
+            except FileNotFoundError:
+                continue  # gone meanwhile (someone else's, or removed with its directory)
+            except OSError as exc:
+                log.warning("cannot remove %s/%s of uid %d: %s", top, name, uid, exc)
+    return removed
+
+
+def _remove_tree_at(dfd: int, name: str) -> None:
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    try:
+        for entry in os.listdir(fd):
+            st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                _remove_tree_at(fd, entry)
+            else:
+                os.unlink(entry, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dfd)
+
+
+def sweep_uid(uid: int) -> None:
+    """Remove what pool user ``uid`` left outside a sandbox (its processes are gone already): its
+    files in ``SWEPT_DIRS``, its SysV IPC objects and its POSIX message queues. Root only."""
+    if os.geteuid() != 0:
+        return
+    files = sum(_remove_files_of(uid, top) for top in SWEPT_DIRS if os.path.isdir(top))
+    ipc = _remove_ipc(uid)
+    queues = 0
+    where = "/dev/mqueue"
+    mounted_here = False
+    if not os.path.ismount(where):
+        where = os.path.join("/run", f"gpud-mqueue-{os.getpid()}")
+        try:
+            os.makedirs(where, 0o700, exist_ok=True)
+            _mount("mqueue", where, "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            mounted_here = True
+        except OSError as exc:
+            log.debug("cannot mount mqueue to sweep uid %d: %s", uid, exc)
+            where = ""
+    if where:
+        queues = _remove_files_of(uid, where)
+        if mounted_here:
+            unmount(where)
+            os.rmdir(where)
+    if files or ipc or queues:
+        log.info("uid %d left %d file(s), %d SysV IPC object(s) and %d message queue(s): removed", uid, files, ipc, queues)

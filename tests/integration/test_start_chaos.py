@@ -1,7 +1,10 @@
 """Chaos: workers SIGKILLed at random moments under bursts of non-idempotent jobs, round after round.
 
-Each job's first command leaves a mark file (named by its job id and its shell's pid) in a
-directory that outlives the workers, so the marks say which jobs began, and how often. A job may
+Each job's first command writes a mark (its job id and its shell's pid) into a FIFO that the
+test reads and that outlives the workers, so the marks say which jobs began, and how often. A
+FIFO because a job runs in its sandbox (gpud_worker.sandbox): its
+/tmp is its own and the VM's files are read-only there, but a FIFO of the VM (under /run) can
+still be written. A job may
 fail (WORKER_LOST) only if it may have begun: the broker told its worker GO (PROTOCOL.md §4.4,
 one broker DEBUG line per GO). Between a GO and the job's first command lies the fork and exec of
 its shell, which a kill can hit: such a job failed with no mark, and is counted apart. A job that
@@ -15,6 +18,7 @@ import os
 import random
 import re
 import signal
+import tempfile
 import threading
 from collections import Counter
 from pathlib import Path
@@ -31,17 +35,43 @@ _GO = re.compile(r"GO ([0-9a-f]{32}) to ")
 _LOST = re.compile(r"worker w\d+ lost \(.*?\): (\d+) task")
 
 
-def marks_by_job(marks: Path) -> Counter[str]:
-    return Counter(p.name.split(".")[0] for p in marks.iterdir())
+class Marks:
+    """A FIFO that jobs write one line each into, read by a thread of the test."""
+
+    def __init__(self) -> None:
+        base = "/run" if os.geteuid() == 0 and os.access("/run", os.W_OK) else None
+        self.dir = Path(tempfile.mkdtemp(prefix="gpud-chaos-", dir=base))
+        self.dir.chmod(0o755)
+        self.path = self.dir / "marks"
+        os.mkfifo(self.path, 0o622)
+        self.path.chmod(0o622)  # pool users write, whatever the umask
+        self.fd = os.open(self.path, os.O_RDWR)  # held open both ways: a writer never blocks
+        self.data = bytearray()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while True:
+            chunk = os.read(self.fd, 65536)
+            if not chunk or b"\0" in chunk:
+                self.data += chunk.replace(b"\0", b"")
+                return
+            self.data += chunk
+
+    def close(self) -> Counter[str]:
+        os.write(self.fd, b"\0")
+        self.thread.join(10)
+        os.close(self.fd)
+        self.path.unlink()
+        self.dir.rmdir()
+        return Counter(line.split(".")[0] for line in self.data.decode().split())
 
 
 def test_jobs_that_never_began_survive_workers_killed_at_random() -> None:
     rng = random.Random()
     with LocalCluster(workers=0, heartbeat_ms=200, log_level="DEBUG", dynamic_uid_base=UID_BASE) as c:
         assert c.rundir is not None
-        marks = c.rundir / "marks"
-        marks.mkdir()
-        marks.chmod(0o1777)  # the jobs' pool users write there
+        marks = Marks()
         names = ["w0", "w1", "w2"]
         c.add_worker("w0")
         c.add_worker("w1", extra=["--replica-of", "w0"])
@@ -55,7 +85,7 @@ def test_jobs_that_never_began_survive_workers_killed_at_random() -> None:
                 pend = []
                 for i in range(JOBS):
                     tag = f"{rnd}-{i}"
-                    script = f': > {marks}/"$GPUD_JOB_ID".$$; sleep {rng.uniform(0.05, 0.4):.2f}; echo {tag}'
+                    script = f'echo "$GPUD_JOB_ID".$$ > {marks.path}; sleep {rng.uniform(0.05, 0.4):.2f}; echo {tag}'
                     pend.append((tag, client.submit(["sh", "-c", script], gpu_milli=10, time_limit=30)))
                 killer = threading.Timer(rng.uniform(0.0, KILL_WITHIN_S),
                                          lambda v=victim: c.kill_worker(v, signal.SIGKILL))  # type: ignore[misc]
@@ -80,7 +110,7 @@ def test_jobs_that_never_began_survive_workers_killed_at_random() -> None:
         broker_log = (c.rundir / "broker.log").read_text(errors="replace")
         told_go = set(_GO.findall(broker_log))
         lost_with_work = sum(int(n) for n in _LOST.findall(broker_log))
-        began = marks_by_job(marks)
+        began = marks.close()
 
     assert len(outcomes) == ROUNDS * JOBS
     assert wrong == []

@@ -35,6 +35,7 @@ from gpud.security import HANDSHAKE_FAILURES, CurveKeys, apply_client_keys
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
 from gpud_client import _request as rq
 from gpud_client._request import JobResult
+from gpud_client.direct import DataLink, DataOffer
 
 __all__ = [
     "DEFAULT_KEEPALIVE_S",
@@ -98,7 +99,7 @@ class Pending(Generic[T]):
 
     def __init__(
         self,
-        conn: Connection,
+        conn: Connection | DataLink,
         rid: bytes,
         convert: Converter[T],
         default_timeout: float,
@@ -659,6 +660,11 @@ class Connection:
     def _session_ids(self) -> list[bytes]:
         with self._lock:
             return list(self._sessions.keys())
+
+    def data_link(self, offer: DataOffer) -> DataLink:
+        """A direct socket to a session's worker (PROTOCOL.md §10), on this connection's context
+        and keys; the caller probes and closes it."""
+        return DataLink(self._ctx, offer, self._curve, self._ping_interval)
 
     def add_session(self, sid: bytes, session: Any) -> None:
         """Keep session ``sid`` alive (its lease renewed) while ``session`` is referenced and

@@ -28,9 +28,12 @@ def renew_leases(sessions: dict[bytes, Session], worker: str, running: list[dict
     """A HEARTBEAT of ``worker`` listed ``running`` (unchecked wire input): the sessions it holds
     that were used ``idle`` seconds ago count as heard from their client then."""
     for r in running:
-        idle = r.get("idle")
-        if r.get("kind") != "session" or type(idle) not in (int, float) or not 0 <= idle < 1e9:
+        idle, sid = r.get("idle"), r.get("id")
+        if r.get("kind") != "session" or type(sid) is not bytes or not isinstance(idle, (int, float)):
             continue
-        s = sessions.get(r.get("id")) if type(r.get("id")) is bytes else None
-        if s is not None and s.worker == worker and now - idle > s.last_seen:
-            s.last_seen = now - idle
+        if not 0 <= idle < 1e9:  # NaN fails this too
+            continue
+        s = sessions.get(sid)
+        used = now - float(idle)
+        if s is not None and s.worker == worker and used > s.last_seen:
+            s.last_seen = used

@@ -7,6 +7,12 @@ the handshake only keys some open direct session was granted for; and the checks
 (signature, command, capability, key) before a CALL reaches the session's code. What comes in is
 handed to the worker as ``(routing id, header, frames)``; replies go out as the client dialog's
 REPLY. Nothing here touches the broker links or the sessions themselves.
+
+The socket is served by a thread of its own, which blocks in a zmq poll whenever it has nothing to
+do, so that a direct CALL waits for no turn of the worker's loop: it is handed to the session's
+thread at once, and the session's thread sends the REPLY back through an inproc PUSH socket of its
+own (``send_from_thread``), which wakes this thread to forward it (zmq sockets are never shared
+between threads).
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ import hmac
 import logging
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 import zmq.utils.z85
@@ -41,6 +49,8 @@ _SIG = Peer.CLIENT.value
 _REPLY = P.CMD_BYTES[Command.REPLY]
 _PONG = [_SIG, P.CMD_BYTES[Command.PONG], P.packb({})]
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+_REPLIES = "inproc://gpud-data-replies"
+POLL_MS = 100  # how often the serving thread looks at its stop flag
 
 CallHandler = Callable[[bytes, dict[str, Any], list[Any]], None]
 
@@ -79,7 +89,16 @@ class DataSocket:
         self.refused = 0  # CALLs refused (wrong session, capability or key), for tests and logs
         self._log_at = 0.0
         self._held = 0
+        self._local = threading.local()  # each session thread's PUSH socket
+        self._pushes: dict[int, zmq.Socket[bytes]] = {}  # by thread ident, closed with their thread
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         try:
+            self.pull: zmq.Socket[bytes] = self.ctx.socket(zmq.PULL)
+            self.pull.setsockopt(zmq.LINGER, 0)
+            self.pull.setsockopt(zmq.RCVHWM, 0)
+            self.pull.bind(_REPLIES)
             if curve is not None:
                 self.zap = self.ctx.socket(zmq.REP)
                 self.zap.setsockopt(zmq.LINGER, 0)
@@ -101,11 +120,78 @@ class DataSocket:
         log.info("data socket bound at %s, advertised as %s (%s)", actual, self.endpoint,
                  "CURVE" if curve is not None else "capabilities only, no CURVE")
 
+    def start(self, on_call: CallHandler) -> None:
+        """Serve the socket in a thread of its own until ``close``."""
+        self._thread = threading.Thread(target=self._serve, args=(on_call,), name="data-socket", daemon=True)
+        self._thread.start()
+
     def close(self) -> None:
-        for s in (getattr(self, "sock", None), self.zap):
+        """Stop serving and close every socket (the session threads' included)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        with self._lock:
+            pushes = list(self._pushes.values())
+            self._pushes.clear()
+        for s in (getattr(self, "sock", None), self.zap, getattr(self, "pull", None), *pushes):
             if s is not None:
                 s.close(0)
         self.ctx.term()
+
+    def _serve(self, on_call: CallHandler) -> None:
+        poller = zmq.Poller()
+        for s in (self.sock, self.pull, self.zap):
+            if s is not None:
+                poller.register(s, zmq.POLLIN)
+        pull, sock = self.pull, self.sock
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(POLL_MS))
+                if not ready:
+                    continue
+                if self.zap is not None and self.zap in ready:
+                    self.serve_zap()
+                if pull in ready:
+                    for _ in range(BATCH):
+                        try:
+                            frames = pull.recv_multipart(NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        try:
+                            sock.send_multipart(frames, NOBLOCK, copy=False)
+                        except zmq.ZMQError as exc:
+                            self._note(f"a reply on the data socket was not sent: {exc}")
+                if sock in ready:
+                    self.drain(on_call)
+        except zmq.ContextTerminated:
+            pass
+        except Exception:
+            log.exception("the data socket's thread stopped on a bug; direct calls are no longer served")
+
+    def send_from_thread(self, ident: bytes, frames: list[Any]) -> None:
+        """Send a REPLY to client ``ident`` from any thread but the serving one (a session's):
+        through that thread's own PUSH socket to the serving thread."""
+        push: zmq.Socket[bytes] | None = getattr(self._local, "push", None)
+        if push is None:
+            if self._stop.is_set():
+                return
+            push = self.ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.setsockopt(zmq.SNDHWM, 0)
+            push.connect(_REPLIES)
+            self._local.push = push
+            with self._lock:
+                self._pushes[threading.get_ident()] = push
+        push.send_multipart([ident, *frames], copy=False)
+
+    def thread_done(self) -> None:
+        """The calling thread (a session's) ends: close its PUSH socket."""
+        push = getattr(self._local, "push", None)
+        if push is not None:
+            self._local.push = None
+            with self._lock:
+                self._pushes.pop(threading.get_ident(), None)
+            push.close(0)
 
     # ------------------------------------------------------------------ admission table
 
@@ -215,7 +301,8 @@ class DataSocket:
         self.send(ident, [_SIG, _REPLY, P.packb(header), *frames])
 
     def send(self, ident: bytes, frames: list[Any]) -> None:
-        """Send to the client ``ident``; one that is gone (or whose queue is full) loses it."""
+        """Send to the client ``ident`` (from the serving thread); one that is gone (or whose
+        queue is full) loses it."""
         try:
             send_frames(self.sock, [ident, *frames], NOBLOCK)
         except zmq.ZMQError as exc:

@@ -205,7 +205,7 @@ class Worker:
         self.running: dict[bytes, tuple[str, float, list[str]]] = {}  # id -> kind, since, gpus
         self.gpu_faults: dict[str, str] = {}  # GPUs out of service (probe.failed()): uuid -> reason
         self._job_cancels: dict[bytes, threading.Event] = {}  # set: kill the job, answer GPU_FAULT
-        self.results: queue.SimpleQueue[tuple[Route, bytes, list[Any]]] = queue.SimpleQueue()
+        self.results: queue.SimpleQueue[tuple[int, bytes, list[Any]]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -285,6 +285,8 @@ class Worker:
 
     def run(self) -> None:
         """Serve until stop(); then drain for at most ``drain_timeout`` and disconnect."""
+        if self.data is not None:
+            self.data.start(self._on_direct_call)
         try:
             self._loop()
         finally:
@@ -293,11 +295,6 @@ class Worker:
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
-        data = self.data
-        if data is not None:
-            poller.register(data.sock, zmq.POLLIN)
-            if data.zap is not None:
-                poller.register(data.zap, zmq.POLLIN)
         drain_deadline: float | None = None
         next_housekeeping = 0.0
         busy = False
@@ -340,10 +337,6 @@ class Worker:
                 busy = True
             if not self._start_asks.empty():
                 self._ask_starts(now, fresh=True)
-            if data is not None:
-                data.serve_zap()
-                if data.drain(self._on_direct_call):
-                    busy = True
             for i, link in enumerate(self.links):
                 sock = link.sock
                 if sock is not None and self._drain(i, link, sock, poller):
@@ -591,10 +584,7 @@ class Worker:
                 idx, rid, frames = self.results.get_nowait()
             except queue.Empty:
                 return
-            if type(idx) is bytes:  # a direct call: back to its client on the data socket
-                if self.data is not None:
-                    self.data.send(idx, frames)
-            elif frames:
+            if frames:
                 self._deliver(idx, rid, frames)
             else:  # a job that never started (its START refused): no longer ours, and no RESULT
                 self.running.pop(rid, None)
@@ -605,12 +595,13 @@ class Worker:
     def _result(self, idx: Route, rid: bytes, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> None:
         """Queue a RESULT (a REPLY for a direct call) from any thread; the loop sends it."""
         header["id"] = rid
-        if type(idx) is bytes:
+        if isinstance(idx, bytes):  # a direct call: back to its client on the data socket, at once
             header["worker"] = self.config.name
-            self.results.put((idx, rid, [_CLIENT_SIG, _REPLY, P.packb(header), *frames]))
-        else:
-            self._stamp(rid, header)
-            self.results.put((idx, rid, [_SIG, _RESULT, P.packb(header), *frames]))
+            if self.data is not None:
+                self.data.send_from_thread(idx, [_CLIENT_SIG, _REPLY, P.packb(header), *frames])
+            return
+        self._stamp(rid, header)
+        self.results.put((idx, rid, [_SIG, _RESULT, P.packb(header), *frames]))
         self._wake()
 
     def _error(self, idx: Route, rid: bytes, exc: GpudError) -> None:
@@ -865,6 +856,13 @@ class Worker:
         s.ops.put((idx, h, frames))
 
     def _session_thread(self, s: SessionRunner, idx: int, device: Device, mem: int, env: dict[str, str] | None) -> None:
+        try:
+            self._serve_session(s, idx, device, mem, env)
+        finally:
+            if self.data is not None:
+                self.data.thread_done()
+
+    def _serve_session(self, s: SessionRunner, idx: int, device: Device, mem: int, env: dict[str, str] | None) -> None:
         if not self._start_session(s, idx, device, mem, env):
             return
         while True:

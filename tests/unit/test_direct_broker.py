@@ -3,8 +3,8 @@ what a session's DISPATCH says about the direct path, and the leases the worker'
 
 from __future__ import annotations
 
-from gpud.heartbeat import HeartbeatPolicy
 from gpud import protocol as P
+from gpud.heartbeat import HeartbeatPolicy
 from gpud.protocol import Command, Peer
 from tests.unit.test_broker_core import C1, W1, Harness, open_session, rid
 

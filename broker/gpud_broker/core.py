@@ -48,7 +48,7 @@ from gpud.protocol import Command, Message, Peer, user_tenant_key
 from gpud.resources import Grant, Need, TenantLimits
 from gpud_broker import replication
 from gpud_broker.accounts import Accounts
-from gpud_broker.direct import renew_leases, session_body
+from gpud_broker.direct import renew_leases, session_body, silent_worker
 from gpud_broker.leases import SessionLeases
 from gpud_broker.mix import TaskMix
 from gpud_broker.policies import (
@@ -272,6 +272,8 @@ class BrokerCore:
         if request.replaces is not None:
             self.counters["session_replays"] += 1  # a client replays a lost session's journal
             lost = self.leases.lost.get(request.replaces)
+            if lost is None:  # still open here: its client found it silent on the direct path first
+                lost = silent_worker(self.leases.sessions, request.replaces, tenant)
         if (lost is not None and self._try_replica(task, lost)) or self._try_dispatch(task):
             self.stats.accept(kind, task.tenant)
             return

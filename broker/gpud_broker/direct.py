@@ -37,3 +37,15 @@ def renew_leases(sessions: dict[bytes, Session], worker: str, running: list[dict
         used = now - float(idle)
         if s is not None and s.worker == worker and used > s.last_seen:
             s.last_seen = used
+
+
+def silent_worker(sessions: dict[bytes, Session], replaces: Any, tenant: str | None) -> str | None:
+    """The worker of the session that a session REQUEST ``replaces`` (unchecked wire input) when
+    this broker still holds it open: its client found it silent on the direct path before the
+    broker found the worker lost. The replacement goes to that worker's replica first (not away
+    from it: the worker may be alive, only its data endpoint out of reach). None for a session
+    this broker does not hold, or another tenant's."""
+    old = sessions.get(replaces) if type(replaces) is bytes else None
+    if old is None or (tenant is not None and old.tenant != tenant):
+        return None
+    return old.worker

@@ -391,6 +391,10 @@ class Session:
             len(entries),
         )
         assert self._need is not None  # checked by _recover
+        if isinstance(self._link, DataLink):
+            # Found silent on the direct path: the worker may live on with only its data endpoint
+            # out of reach, so end the old session through the broker (unanswered if it is gone).
+            self._abandon()
         sid, worker, gpu, data = open_session(conn, self._need, limit, replaces=old)
         conn.remove_session(old)
         self.id, self.worker, self.gpu = sid, worker, gpu
@@ -436,7 +440,7 @@ class Session:
                 del handles[entry.handle]
 
     def _abandon(self) -> None:
-        """Close the current session without waiting (its rebuild failed)."""
+        """Close the current session without waiting (its rebuild failed, or it went silent)."""
         self._drop_link()
         conn = self._conn
         conn.remove_session(self.id)

@@ -80,3 +80,17 @@ def test_another_workers_heartbeat_renews_nothing() -> None:
     h.heartbeat(b"W2", 1, running=[{"id": sid, "kind": "session", "since": 1.0, "idle": 0.0}])
     h.tick(1.5)
     assert h.core.sessions[sid].closing
+
+
+def test_a_replacement_for_a_session_still_open_goes_to_the_replica_first() -> None:
+    h = Harness()
+    h.ready(W1, "w1")
+    h.take_worker()
+    sid = rid(100)
+    open_session(h, sid)  # on w1
+    h.ready(b"W2", "w2")
+    h.ready(b"W3", "w3", replica_of="w1")
+    h.take_worker()
+    # The client found w1 silent on the direct path; the broker has not lost w1 yet.
+    h.request(C1, rid(101), kind="session", replaces=sid)
+    assert h.one_dispatch(b"W3").header["kind"] == "session"

@@ -13,11 +13,13 @@
 Figures: ``*_call_p50_us``, the median of ``--calls`` ``sync`` calls (``bare``: round trips);
 ``*_copy_gbps``, 2 x ``--copy-mib`` bytes (htod then dtoh) over the median time of ``--reps``
 copies, in 1e9 bytes per second; ``broker_cpu_us_per_call_*``, the broker process's CPU time
-(user + system, /proc) over the calls, per call. The last line of output is one JSON object.
+(user + system, /proc, 10 ms ticks) over the calls, per call. The three systems alternate for
+``--rounds`` rounds; each figure is the median over the rounds (``*_rounds``: every round's).
+The last line of output is one JSON object.
 
 Usage::
 
-    .venv/bin/python bench/session.py [--json] [--calls 2000] [--copy-mib 256] [--reps 3]
+    .venv/bin/python bench/session.py [--json] [--calls 2000] [--copy-mib 256] [--reps 3] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -95,25 +97,38 @@ def copy_gbps(s: Session, nbytes: int, reps: int) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
-def bare(nbytes: int, calls: int, reps: int, chunk: int, window: int) -> tuple[float, float]:
-    proc = subprocess.Popen([sys.executable, "-c", _BARE_SERVER, str(nbytes)], stdout=subprocess.PIPE)
-    ctx = zmq.Context()
-    try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline())
-        d = ctx.socket(zmq.DEALER)
-        d.setsockopt(zmq.LINGER, 0)
-        d.connect(f"tcp://127.0.0.1:{port}")
-        times = []
+class Bare:
+    """The bare baseline: a ROUTER process, one hop, and a DEALER here."""
+
+    def __init__(self, nbytes: int, chunk: int, window: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _BARE_SERVER, str(nbytes)], stdout=subprocess.PIPE)
+        self.ctx = zmq.Context()
+        assert self.proc.stdout is not None
+        port = int(self.proc.stdout.readline())
+        self.d = self.ctx.socket(zmq.DEALER)
+        self.d.setsockopt(zmq.LINGER, 0)
+        self.d.connect(f"tcp://127.0.0.1:{port}")
+        self.nbytes, self.window = nbytes, window
+        self.spans = [(o, min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]
+
+    def close(self) -> None:
+        self.ctx.destroy(0)
+        self.proc.kill()
+        self.proc.wait()
+
+    def call_p50(self, calls: int) -> float:
+        d, times = self.d, []
         for _ in range(calls):
             t = time.perf_counter()
             d.send_multipart([b"c", b""])
             d.recv_multipart()
             times.append(time.perf_counter() - t)
-        p50 = statistics.median(times) * 1e6
-        src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+        return statistics.median(times) * 1e6
+
+    def copy_gbps(self, reps: int) -> float:
+        d, spans, window = self.d, self.spans, self.window
+        src = np.random.default_rng(1).integers(0, 255, self.nbytes, dtype=np.uint8)
         dst = np.empty_like(src)
-        spans = [(o, min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]
         copies = []
         for _ in range(reps):
             t = time.perf_counter()
@@ -132,13 +147,7 @@ def bare(nbytes: int, calls: int, reps: int, chunk: int, window: int) -> tuple[f
                     out += 1
             copies.append(time.perf_counter() - t)
         assert np.array_equal(src, dst)
-        d.send_multipart([b"q", b""])
-        d.close(0)
-        return p50, 2 * nbytes / statistics.median(copies) / 1e9
-    finally:
-        ctx.destroy(0)
-        proc.kill()
-        proc.wait()
+        return 2 * self.nbytes / statistics.median(copies) / 1e9
 
 
 def _bare_answer(d: zmq.Socket[Any], op: str, dst: np.ndarray, span: tuple[int, int]) -> None:
@@ -153,29 +162,45 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="end with the JSON line (always printed)")
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--copy-mib", type=int, default=256)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3, help="copies per round")
+    p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     nbytes = a.copy_mib * MIB
-    out: dict[str, Any] = {"calls": a.calls, "copy_mib": a.copy_mib, "reps": a.reps,
+    out: dict[str, Any] = {"calls": a.calls, "copy_mib": a.copy_mib, "reps": a.reps, "rounds": a.rounds,
                            "chunk_bytes": DEFAULT_CHUNK_BYTES, "chunk_window": DEFAULT_CHUNK_WINDOW}
-    with LocalCluster(workers=1, log_level="WARNING") as c:
+    rounds: dict[str, list[float]] = {}
+    with LocalCluster(workers=1, log_level="WARNING") as c, \
+            Client(c.frontend, timeout=120, data_path="broker") as relay_client, \
+            Client(c.frontend, timeout=120, data_path="auto") as direct_client:
         c.wait_workers(1)
         broker = c.broker.pid if c.broker is not None else None
-        for path, data_path in (("relay", "broker"), ("direct", "auto")):
-            with Client(c.frontend, timeout=120, data_path=data_path) as cl, \
-                    cl.session(mem=nbytes + MIB) as s:
-                assert s.info()["path"] == ("broker" if path == "relay" else "direct"), s.info()
+        sessions = {"relay": relay_client.session(mem=nbytes + MIB), "direct": direct_client.session(mem=nbytes + MIB)}
+        assert sessions["relay"].info()["path"] == "broker" and sessions["direct"].info()["path"] == "direct"
+        bare = Bare(nbytes, DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_WINDOW)
+        try:
+            for s in sessions.values():
                 calls_p50(s, 200)  # warm up
-                before = cpu_s(broker) if broker else 0.0
-                out[f"{path}_call_p50_us"] = round(calls_p50(s, a.calls), 1)
-                if broker:
-                    out[f"broker_cpu_us_per_call_{path}"] = round((cpu_s(broker) - before) / a.calls * 1e6, 2)
-                out[f"{path}_copy_gbps"] = round(copy_gbps(s, nbytes, a.reps), 3)
-                print(f"{path:6}  call p50 {out[f'{path}_call_p50_us']:8.1f} us   copy {out[f'{path}_copy_gbps']:6.3f} GB/s"
-                      f"   broker CPU {out.get(f'broker_cpu_us_per_call_{path}', float('nan')):7.2f} us/call", flush=True)
-    p50, gbps = bare(nbytes, a.calls, a.reps, DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_WINDOW)
-    out["bare_call_p50_us"], out["bare_copy_gbps"] = round(p50, 1), round(gbps, 3)
-    print(f"bare    call p50 {p50:8.1f} us   copy {gbps:6.3f} GB/s")
+            # The three alternate round by round; each figure is the median over the rounds.
+            for r in range(a.rounds):
+                for path, s in sessions.items():
+                    before = cpu_s(broker) if broker else 0.0
+                    rounds.setdefault(f"{path}_call_p50_us", []).append(calls_p50(s, a.calls))
+                    if broker:
+                        rounds.setdefault(f"broker_cpu_us_per_call_{path}", []).append((cpu_s(broker) - before) / a.calls * 1e6)
+                    rounds.setdefault(f"{path}_copy_gbps", []).append(copy_gbps(s, nbytes, a.reps))
+                rounds.setdefault("bare_call_p50_us", []).append(bare.call_p50(a.calls))
+                rounds.setdefault("bare_copy_gbps", []).append(bare.copy_gbps(a.reps))
+                print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3g}" for k, v in rounds.items()), flush=True)
+        finally:
+            bare.close()
+            for s in sessions.values():
+                s.close()
+    for key, values in rounds.items():
+        out[key] = round(statistics.median(values), 3)
+        out[f"{key}_rounds"] = [round(v, 3) for v in values]
+    for path in ("relay", "direct", "bare"):
+        print(f"{path:6}  call p50 {out[f'{path}_call_p50_us']:8.1f} us   copy {out[f'{path}_copy_gbps']:6.3f} GB/s"
+              + (f"   broker CPU {out[f'broker_cpu_us_per_call_{path}']:7.2f} us/call" if path != "bare" and broker else ""))
     out["direct_over_relay_call"] = round(out["direct_call_p50_us"] / out["relay_call_p50_us"], 3)
     out["direct_over_bare_call"] = round(out["direct_call_p50_us"] / out["bare_call_p50_us"], 3)
     out["direct_over_relay_copy"] = round(out["direct_copy_gbps"] / out["relay_copy_gbps"], 3)

@@ -168,7 +168,6 @@ class Client:
             chunk_bytes,
             chunk_window,
             data_path,
-            float(ping_interval),
         )
         self._conn = Connection(
             endpoint_list,

@@ -4,8 +4,8 @@ data socket, the CALLs outstanding on it, and the worker's liveness while one wa
 This module owns that conversation: the probe that decides whether the path is usable (a PING
 answered by a PONG), sending CALLs with the session's capability, matching their REPLYs by id, and
 the lazy-pirate watch of the worker (PING after ``ping_interval`` of silence, then the worker is
-taken as lost after another one, which the session handles as SESSION_LOST: it replays through
-the broker). A DataLink offers the methods of a :class:`~gpud_client.connection.Connection` that a
+taken as lost when that PING goes unanswered for ``WORKER_GRACE_S``, which the session handles as
+SESSION_LOST: it replays through the broker). A DataLink offers the methods of a :class:`~gpud_client.connection.Connection` that a
 :class:`~gpud_client.connection.Pending` uses, so a session's calls are the same code on either path.
 """
 
@@ -29,6 +29,11 @@ __all__ = ["DataLink", "DataOffer", "parse_offer"]
 
 log = logging.getLogger(__name__)
 
+WORKER_GRACE_S = 3.0
+"""Seconds a PING to a silent worker may go unanswered before the worker counts as lost: what a
+broker allows a worker by default (3 heartbeats of 1 s), since a false loss costs a replay."""
+PROBE_S = 2.0
+"""Seconds a new direct path has to answer its probe before the session falls back to the relay."""
 TRANSFER_RATE_FLOOR = 10 << 20
 """Bytes per second a copy to or from the worker is assumed to reach at least: while payloads are
 in flight, the worker may look silent for as long as they take at this rate, on top of
@@ -141,7 +146,8 @@ class DataLink:
 
     def wait(self, rid: bytes, timeout: float, what: str) -> Message:
         """The REPLY to ``rid`` within ``timeout`` seconds; SessionLost when the worker stops
-        answering (no REPLY and no PONG for twice its allowance): the session then replays."""
+        answering (no REPLY and no PONG for ``WORKER_GRACE_S`` after a PING): the session then
+        replays."""
         if rid not in self._table:
             raise GpudError(f"{what}: not outstanding (already collected or forgotten)")
         deadline = monotonic() + max(0.0, timeout)
@@ -160,10 +166,12 @@ class DataLink:
 
     def _watch(self, now: float, what: str) -> float:
         """PING a silent worker; SessionLost once it stays silent. Returns when to look again."""
-        interval = self._ping_interval + self._inflight / TRANSFER_RATE_FLOOR
+        transfer = self._inflight / TRANSFER_RATE_FLOOR
+        interval = self._ping_interval + transfer
         if self._ping_at is not None:
-            if now - self._ping_at < interval:
-                return self._ping_at + interval
+            grace = WORKER_GRACE_S + transfer
+            if now - self._ping_at < grace:
+                return self._ping_at + grace
             self.close()
             raise SessionLost(f"{what}: the worker at {self.endpoint} stopped answering "
                               f"(silent for {now - self._quiet_since:.1f}s on the direct path)")

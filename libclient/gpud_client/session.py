@@ -30,7 +30,7 @@ from gpud_client import _request as rq
 from gpud_client._request import DevicePtr
 from gpud_client.chunks import plan, run_windowed
 from gpud_client.connection import Connection, Converter, Pending, collect
-from gpud_client.direct import DataLink, parse_offer
+from gpud_client.direct import PROBE_S, DataLink, parse_offer
 from gpud_client.journal import Entry, Journal
 
 if TYPE_CHECKING:
@@ -65,7 +65,6 @@ class SessionSettings:
     chunk_bytes: int
     chunk_window: int
     data_path: str = "auto"  # auto | direct | broker (PROTOCOL.md §10.1)
-    ping_interval: float = 0.5  # the worker's silence before a PING on the direct path
     fallbacks: int = 0  # sessions of this client that fell back to the broker (logged once)
 
 
@@ -196,7 +195,7 @@ class Session:
             why = "the broker offered no direct path (worker without data_bind, or broker data_path broker)"
         else:
             link = self._conn.data_link(offer)
-            if link.probe(2 * settings.ping_interval):
+            if link.probe(PROBE_S):
                 self._link, self._cap, self._path_why = link, offer.cap, ""
                 log.debug("session %s calls worker %s directly at %s", id_text(self.id), self.worker, offer.endpoint)
                 return

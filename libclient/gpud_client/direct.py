@@ -88,6 +88,7 @@ class DataLink:
         self._poller.register(sock, zmq.POLLIN)
         self._table: dict[bytes, Message | None] = {}
         self._sizes: dict[bytes, int] = {}
+        self._awaiting = 0  # entries of _table still without a reply
         self._inflight = 0
         self._quiet_since = monotonic()
         self._ping_at: float | None = None
@@ -99,6 +100,8 @@ class DataLink:
             self.closed = True
             self._sock.close(0)
             self._table.clear()
+            self._sizes.clear()
+            self._awaiting = self._inflight = 0
 
     def probe(self, limit: float) -> bool:
         """Whether the worker answers a PING within ``limit`` seconds (the path works)."""
@@ -117,13 +120,14 @@ class DataLink:
     def submit(self, rid: bytes, frames: list[Any], what: str, expect: int = 0, nbytes: int | None = None) -> None:
         if self.closed:
             raise SessionLost("the session's direct path is closed")
-        if not any(v is None for v in self._table.values()):
+        if not self._awaiting:  # nothing was expected until now: the worker's silence counts from here
             self._quiet_since = monotonic()
             self._ping_at = None
         self.send(frames)
         size = sum([f.nbytes if type(f) is memoryview else len(f) for f in frames[3:]]) + expect if nbytes is None else nbytes
         self._table[rid] = None
         self._sizes[rid] = size
+        self._awaiting += 1
         self._inflight += size
 
     def send(self, frames: Sequence[Any]) -> None:
@@ -131,8 +135,9 @@ class DataLink:
 
     def forget(self, rid: bytes) -> None:
         if rid in self._table:
-            del self._table[rid]
-            self._inflight -= self._sizes.pop(rid, 0)
+            if self._table.pop(rid) is None:
+                self._awaiting -= 1
+                self._inflight -= self._sizes.pop(rid, 0)
 
     def has_reply(self, rid: bytes) -> bool:
         return self._table.get(rid) is not None
@@ -218,6 +223,7 @@ class DataLink:
                 continue
             if rid in self._table and self._table[rid] is None:
                 self._table[rid] = one
+                self._awaiting -= 1
                 self._inflight -= self._sizes.pop(rid, 0)
             else:
                 log.debug("dropped a stale reply for %s", id_text(rid))

@@ -182,7 +182,10 @@ class DataSocket:
             self._local.push = push
             with self._lock:
                 self._pushes[threading.get_ident()] = push
-        push.send_multipart([ident, *frames], copy=False)
+        try:
+            push.send_multipart([ident, *frames], copy=False)
+        except zmq.ZMQError as exc:  # the worker is stopping: the socket or its context is closed
+            log.debug("a direct reply was not sent: %s", exc)
 
     def thread_done(self) -> None:
         """The calling thread (a session's) ends: close its PUSH socket."""

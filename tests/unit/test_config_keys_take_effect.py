@@ -41,6 +41,8 @@ ALT: dict[tuple[str, str], object] = {
     ("worker", "fault_file"): "/tmp/f.json", ("worker", "instance_id"): "abc", ("worker", "cgroups"): "off",
     ("worker", "cgroup_parent"): "/sys/fs/cgroup/x", ("worker", "mps_pipe_dir"): "/tmp/p",
     ("worker", "mps_log_dir"): "/tmp/l",
+    ("worker", "data_bind"): "tcp://127.0.0.1:6559", ("worker", "data_advertise"): "tcp://10.0.0.9:6559",
+    ("broker", "data_path"): "broker",
     ("security", "mode"): "none", ("security", "keys_dir"): "/srv/k", ("security", "secret_key_file"): "/srv/s.key_secret",
     ("security", "public_key_file"): "/srv/p.key", ("security", "broker_public_key_file"): "/srv/b.key",
     ("security", "worker_keys_dir"): "/srv/w", ("security", "client_keys_dir"): "/srv/c",

@@ -241,6 +241,8 @@ class Connection:
         self._busy = threading.Lock()
         self._lock = threading.Lock()  # guards _sessions and _ka_thread against the keepalive
         self._sessions: weakref.WeakValueDictionary[bytes, Any] = weakref.WeakValueDictionary()
+        # Sessions' direct sockets on this context: closed with it, even a dropped session's.
+        self._links: weakref.WeakSet[DataLink] = weakref.WeakSet()
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
         try:
@@ -297,6 +299,8 @@ class Connection:
                 log.debug("could not send a message on closing: %s", exc)
         if thread is not None:
             thread.join(timeout=5.0)
+        for link in list(self._links):
+            link.close()
         self._close_monitor()
         self._sock.close(linger=linger)
         self._table.clear()
@@ -664,7 +668,9 @@ class Connection:
     def data_link(self, offer: DataOffer) -> DataLink:
         """A direct socket to a session's worker (PROTOCOL.md §10), on this connection's context
         and keys; the caller probes and closes it."""
-        return DataLink(self._ctx, offer, self._curve, self._ping_interval)
+        link = DataLink(self._ctx, offer, self._curve, self._ping_interval)
+        self._links.add(link)
+        return link
 
     def add_session(self, sid: bytes, session: Any) -> None:
         """Keep session ``sid`` alive (its lease renewed) while ``session`` is referenced and

@@ -95,6 +95,11 @@ class DataLink:
         self._ponged = False
         self.closed = False
 
+    def __del__(self) -> None:
+        # A session dropped without close: its socket goes with it, quietly.
+        if not getattr(self, "closed", True):
+            self.close()
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True

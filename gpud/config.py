@@ -166,6 +166,7 @@ class BrokerSection:
     result_ttl: float = _key(60.0, _above(0))
     aging: float = _key(60.0, _above(0))
     reserve_after: float = _key(30.0, _at_least(0))
+    data_path: str = _key("auto", _one_of("auto", "direct", "broker"))  # broker: no session goes direct
     tenants: Mapping[str, TenantLimits] = _key({})
     tenant_pool_share: float = _key(0.5, _share)  # most of a worker's pool users one tenant may hold
 
@@ -202,6 +203,8 @@ class WorkerSection:
     compile_user: str = _key("nobody", _nonempty)  # as root, nvcc runs as this user
     drain_timeout: float = _key(30.0, _at_least(0))
     replica_of: str = _key("")  # the worker whose work this one takes first when it is lost
+    data_bind: str = _key("", _optional_endpoint)  # where clients send session CALLs directly; empty: nowhere
+    data_advertise: str = _key("", _optional_endpoint)  # the endpoint clients are told (empty: from data_bind)
     probation_s: float = _key(300.0, _at_least(0))  # a failed GPU's checks pass this long before it serves
     fault_file: str = _key("")  # SIMULATED GPU faults, read on SIGUSR2; empty: none
     instance_id: str = _key("", _instance_id)  # its Nova server id; "auto": the metadata service

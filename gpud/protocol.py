@@ -329,6 +329,13 @@ def _nbytes(frame: Any) -> int:
 # --------------------------------------------------------------------------- field validation
 
 
+def user_tenant_key(user: str) -> tuple[str, str]:
+    """(tenant, Z85 public key) of a client's ZAP User-Id ``TENANT KEY`` (``security.client_user``);
+    the key is "" where the User-Id is a bare tenant."""
+    tenant, _, key = user.partition(" ")
+    return tenant, key
+
+
 def get_id(header: dict[str, Any], key: str = "id") -> bytes:
     """The 16-byte id under ``key``; ProtocolError when missing or malformed."""
     rid = header.get(key)

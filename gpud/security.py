@@ -6,8 +6,10 @@ Keys are zmq.auth certificates: ``NAME.key`` holds the public key, ``NAME.key_se
 
 - ``gpud-backend``: workers whose public key is a ``*.key`` file in ``worker_keys_dir``;
 - ``gpud-frontend``: clients whose public key is a ``*.key`` file in ``client_keys_dir/TENANT/``;
-  the tenant is handed back as the ZAP User-Id, which libzmq attaches to every message of that
-  connection (``zmq.Frame.get("User-Id")``), so the broker knows each request's tenant;
+  the tenant and the key are handed back as the ZAP User-Id ``TENANT KEY`` (KEY: the public key,
+  Z85), which libzmq attaches to every message of that connection (``zmq.Frame.get("User-Id")``),
+  so the broker knows each request's tenant, and the key it names for a direct session
+  (``client_user``, ``protocol.user_tenant_key``);
 - ``gpud-admin`` (a TCP admin endpoint only): keys in ``keys_dir/admins/``;
 - ``gpud-peer`` (the broker pair's link): the brokers' own public key (the pair shares its keys).
 
@@ -496,6 +498,11 @@ class _Limiter:
         return 0 if last is None else last[1]
 
 
+def client_user(tenant: str, key: bytes) -> str:
+    """The ZAP User-Id of a client: its tenant and its public key (Z85), space-separated."""
+    return f"{tenant} {zmq.utils.z85.encode(key).decode('ascii')}"
+
+
 class ZapHandler:
     """The broker's ZAP policy (RFC 27) over a ``KeyStore``."""
 
@@ -517,7 +524,8 @@ class ZapHandler:
             return self._refuse(domain, address, key, "400", "malformed CURVE credentials")
         self.keys.refresh()
         if domain == FRONTEND_DOMAIN:
-            user = self.keys.clients.get(key)
+            tenant = self.keys.clients.get(key)
+            user = None if tenant is None else client_user(tenant, key)
             what = "client"
         elif domain == BACKEND_DOMAIN:
             user = self.keys.workers.get(key)

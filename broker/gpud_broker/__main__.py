@@ -26,7 +26,7 @@ _D = config.BrokerSection()  # the defaults, for the help texts
 DEFAULT_FRONTEND = _D.frontend
 DEFAULT_BACKEND = _D.backend
 FLAGS = ("name", "frontend", "backend", "admin", "policy", "heartbeat_ms", "liveness", "max_queue",
-         "session_lease", "result_ttl", "aging", "reserve_after")
+         "session_lease", "result_ttl", "aging", "reserve_after", "data_path")
 """The [broker] keys that have a flag of the same name (--heartbeat-ms for heartbeat_ms)."""
 LIMIT_KEYS = ("max_milli", "max_mem", "max_sessions", "max_queued")
 STANDBY_FLAGS = ("role", "peer", "peer_bind", "peer_heartbeat_ms", "peer_expiry_ms")
@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--liveness", type=int, help=f"heartbeats missed before a worker is gone (default {_D.liveness})")
     p.add_argument("--max-queue", type=int, help=f"queued requests at most, then BUSY (default {_D.max_queue})")
     p.add_argument("--session-lease", type=float, help=f"seconds a session survives a silent client (default {_D.session_lease:g})")
+    p.add_argument("--data-path", choices=("auto", "direct", "broker"),
+                   help=f"broker: every session CALL is relayed here; auto/direct: sessions may call their worker directly (default {_D.data_path})")
     p.add_argument("--result-ttl", type=float, help=f"seconds finished replies are kept for retries (default {_D.result_ttl:g})")
     p.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=W",
                    help="fair-share weight of a tenant (default 1); repeat for each tenant")
@@ -129,6 +131,7 @@ def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | Non
         aging_s=b.aging,
         reserve_after=b.reserve_after,
         tenant_pool_share=b.tenant_pool_share,
+        data_path=b.data_path,
     )
 
 

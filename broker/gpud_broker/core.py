@@ -44,10 +44,11 @@ from gpud.errors import (
     WorkerLost,
 )
 from gpud.heartbeat import HeartbeatPolicy
-from gpud.protocol import Command, Message, Peer
+from gpud.protocol import Command, Message, Peer, user_tenant_key
 from gpud.resources import Grant, Need, TenantLimits
 from gpud_broker import replication
 from gpud_broker.accounts import Accounts
+from gpud_broker.direct import renew_leases, session_body, silent_worker
 from gpud_broker.leases import SessionLeases
 from gpud_broker.mix import TaskMix
 from gpud_broker.policies import (
@@ -92,6 +93,7 @@ class BrokerConfig:
     reserve_after: float = DEFAULT_RESERVE_AFTER_S  # seconds before a blocked request reserves a worker
     drain_timeout: float = 10.0  # seconds dispatched work may take to finish after SIGTERM (the shell's)
     tenant_pool_share: float = 0.5  # most of a worker's pool users one tenant may hold (policies.pool_allows)
+    data_path: str = "auto"  # "broker": no session's CALLs go straight to its worker (PROTOCOL.md §10)
 
     def __post_init__(self) -> None:
         if self.policy not in FACTORIES:
@@ -218,13 +220,20 @@ class BrokerCore:
     # ------------------------------------------------------------------ client dialog
 
     def on_client(self, identity: bytes, msg: Message, tenant: str | None = None) -> None:
-        """``tenant``: the tenant the sender authenticated as (CURVE: its key's tenant); its work is
-        then its tenant's whatever ``need.tenant`` says, and ids of other tenants' work behave as
-        unknown. None (security none): the declared tenant is taken at its word, no scoping."""
+        """``tenant``: the tenant the sender authenticated as (CURVE: its ZAP User-Id, ``TENANT
+        KEY``); its work is then its tenant's whatever ``need.tenant`` says, and ids of other
+        tenants' work behave as unknown. None (security none): the declared tenant is taken at its
+        word, no scoping."""
         cmd = msg.command
         if cmd is Command.REQUEST:
-            self._on_request(identity, msg, tenant)
-        elif cmd is Command.CALL:
+            key = ""
+            if tenant is not None:
+                tenant, key = user_tenant_key(tenant)
+            self._on_request(identity, msg, tenant, key)
+            return
+        if tenant is not None:
+            tenant = user_tenant_key(tenant)[0]
+        if cmd is Command.CALL:
             self._on_call(identity, msg, tenant)
         elif cmd is Command.PING:
             self.leases.heard(msg.header.get("sessions"), tenant, self.now)
@@ -234,7 +243,7 @@ class BrokerCore:
         else:
             raise UnknownCommand(f"command {cmd.name} is not valid from a client")
 
-    def _on_request(self, identity: bytes, msg: Message, tenant: str | None = None) -> None:
+    def _on_request(self, identity: bytes, msg: Message, tenant: str | None = None, key: str = "") -> None:
         header = msg.header
         rid = protocol.get_id(header)
         self.counters["requests"] += 1
@@ -255,7 +264,8 @@ class BrokerCore:
         if self._observe is not None:
             self._observe(need)
         now = self.now
-        task = Task(id=rid, kind=kind, need=need, body=request.body, frames=msg.frames, route=identity, created=now,
+        body = session_body(self.config.data_path, key) if kind == "session" else request.body
+        task = Task(id=rid, kind=kind, need=need, body=body, frames=msg.frames, route=identity, created=now,
                     deadline=now + request.deadline_ms / 1000.0, priority=need.priority, tenant=need.tenant,
                     retryable=request.retryable)
         self.tasks.add(task)
@@ -264,6 +274,8 @@ class BrokerCore:
         if request.replaces is not None:
             self.counters["session_replays"] += 1  # a client replays a lost session's journal
             lost = self.leases.lost.get(request.replaces)
+            if lost is None:  # still open here: its client found it silent on the direct path first
+                lost = silent_worker(self.leases.sessions, request.replaces, tenant)
         if (lost is not None and self._try_replica(task, lost)) or self._try_dispatch(task):
             self.stats.accept(kind, task.tenant)
             return
@@ -667,6 +679,8 @@ class BrokerCore:
         if type(running) is list:
             worker.running = [r for r in running[:MAX_RUNNING_KEPT] if type(r) is dict]
             worker.running_at = self.now if len(running) < MAX_RUNNING_KEPT else 0.0  # a full list: maybe cut short
+            if self.leases.sessions:
+                renew_leases(self.leases.sessions, worker.name, worker.running, self.now)
         if header.get("draining") is True and not worker.draining:
             log.info("worker %s is draining: no new work goes to it", worker.name)
             self.set_draining(worker, True)

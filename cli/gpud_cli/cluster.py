@@ -95,6 +95,9 @@ class LocalCluster:
     broker_netns: dict[str, str] = field(default_factory=dict)
     broker_hosts: dict[str, str] = field(default_factory=dict)
     peer_hosts: dict[str, str] = field(default_factory=dict)
+    # Each worker binds a data socket on loopback (an ephemeral port), so sessions call it
+    # directly (PROTOCOL.md §10); False: no data socket, every CALL relayed by the broker.
+    direct: bool = True
 
     def __post_init__(self) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -305,6 +308,8 @@ class LocalCluster:
             args += ["--job-uids", f"{block.start}-{block.start + max(1, min(self.pool_size, len(block))) - 1}"]
         if self.simulate:
             args += ["--simulate", str(self.gpus_per_worker)]
+        if self.direct:
+            args += ["--data-bind", "tcp://127.0.0.1:*"]
         proc = self._spawn(name, [*args, *self.worker_args, *(extra or [])])
         self.worker_procs[name] = proc
         return proc

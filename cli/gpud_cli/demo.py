@@ -52,14 +52,20 @@ def run_demo(cluster: LocalCluster, echoes: int = 500, jobs: int = 8, sessions: 
 
         # Sessions: every built-in kernel, checked against numpy.
         rng = np.random.default_rng(7)
+        paths: collections.Counter[str] = collections.Counter()
         for i in range(sessions):
             with client.session(gpu_milli=250, mem=64 << 20) as s:
                 where = f"{s.worker}/{s.gpu.get('uuid')}"
                 placed["session"][where] += 1
+                info = s.info()
+                paths[f"{info['path']} ({info.get('endpoint') or info.get('why')})"] += 1
                 for name, err in _check_kernels(s, BUILTIN, rng).items():
                     if err is not None:
                         failures.append(f"session {i} kernel {name}: {err}")
         print(f"sessions {sessions} x 4 built-in kernels checked against numpy")
+        print("         their calls went " + ", ".join(
+            f"{'straight to the worker' if p.startswith('direct') else 'through the broker'}: {n} "
+            f"session(s), {p.split(' ', 1)[1]}" for p, n in sorted(paths.items())))
         if cluster.pair:
             failures += _failover(cluster, client)
 

@@ -298,10 +298,18 @@ def request_frames(
 
 
 def call_frames(
-    rid: bytes, session: bytes, op: str, args: Mapping[str, Any], payload: Sequence[Any] = ()
+    rid: bytes,
+    session: bytes,
+    op: str,
+    args: Mapping[str, Any],
+    payload: Sequence[Any] = (),
+    cap: bytes | None = None,
 ) -> list[Any]:
-    """A CALL on an open session (PROTOCOL.md §5.4); ``args`` holds the op's named arguments."""
-    header = {"id": rid, "session": session, "op": op, "args": dict(args)}
+    """A CALL on an open session (PROTOCOL.md §5.4); ``args`` holds the op's named arguments;
+    ``cap``: the session's capability, on the direct path (§10)."""
+    header: dict[str, Any] = {"id": rid, "session": session, "op": op, "args": dict(args)}
+    if cap is not None:
+        header["cap"] = cap
     return protocol.encode(Peer.CLIENT, Command.CALL, header, payload)
 
 
@@ -459,15 +467,16 @@ def parse_job_result(msg: Message) -> JobResult:
     )
 
 
-def parse_session_open(msg: Message, rid: bytes) -> tuple[bytes, str, dict[str, Any]]:
-    """``(session id, worker, gpu)`` from the REPLY to a session REQUEST."""
+def parse_session_open(msg: Message, rid: bytes) -> tuple[bytes, str, dict[str, Any], Any]:
+    """``(session id, worker, gpu, data)`` from the REPLY to a session REQUEST; ``data``: the
+    direct path's offer as it came (None: none, PROTOCOL.md §10.2)."""
     header = check_reply(msg)
     sid = header.get("session", rid)
     if type(sid) is not bytes or len(sid) != protocol.ID_BYTES:
         raise ProtocolError("session reply field 'session' must be 16 bytes")
     worker = _field(header, "worker", str, "")
     gpu = _field(header, "gpu", dict, {})
-    return sid, worker, dict(gpu)
+    return sid, worker, dict(gpu), header.get("data")
 
 
 def parse_handle(msg: Message) -> int:

@@ -106,6 +106,11 @@ class Client:
         ``CurveKeys.from_files("alice.key_secret", "broker.key")``. Needed when the broker runs
         with security ``curve`` (the default); the broker then takes the tenant from the key, and
         ``tenant`` is only a declaration it ignores. None: no encryption (security ``none``).
+    data_path:
+        How sessions' CALLs travel (PROTOCOL.md §10): ``auto`` (default) straight to the session's
+        worker when the broker offers it and the worker answers, else relayed through the broker
+        (logged once, said in :meth:`Session.info`); ``direct``: straight or the session fails;
+        ``broker``: always relayed.
 
     Notes
     -----
@@ -129,8 +134,11 @@ class Client:
         chunk_window: int = DEFAULT_CHUNK_WINDOW,
         context: zmq.Context[Any] | None = None,
         curve: CurveKeys | None = None,
+        data_path: str = "auto",
     ) -> None:
         endpoint_list = _endpoint_list(endpoints)
+        if data_path not in ("auto", "direct", "broker"):
+            raise ConfigError(f"data_path must be 'auto', 'direct' or 'broker', got {data_path!r}")
         if curve is not None and (not isinstance(curve, CurveKeys) or curve.server_public is None):
             raise ConfigError("curve must be CurveKeys with the broker's public key (server_public)")
         for name, value in (
@@ -154,7 +162,12 @@ class Client:
             raise ConfigError(f"bad tenant {tenant!r}: {exc.message}") from None
         self.tenant = tenant
         self._settings = SessionSettings(
-            float(timeout), journal_bytes, session_replays, chunk_bytes, chunk_window
+            float(timeout),
+            journal_bytes,
+            session_replays,
+            chunk_bytes,
+            chunk_window,
+            data_path,
         )
         self._conn = Connection(
             endpoint_list,
@@ -426,9 +439,9 @@ class Client:
         wire_need = need_of(need, given).wire("session", self.tenant)
         limit = self.timeout if timeout is None else timeout
         conn, settings = self._conn, self._settings
-        sid, worker, gpu = open_session(conn, wire_need, limit)
+        sid, worker, gpu, data = open_session(conn, wire_need, limit)
         journal = Journal(settings.journal_bytes)
-        session = Session(conn, settings, sid, worker, gpu, need=wire_need, journal=journal)
+        session = Session(conn, settings, sid, worker, gpu, need=wire_need, journal=journal, data=data)
         conn.add_session(sid, session)
         return session
 

@@ -35,6 +35,7 @@ from gpud.security import HANDSHAKE_FAILURES, CurveKeys, apply_client_keys
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
 from gpud_client import _request as rq
 from gpud_client._request import JobResult
+from gpud_client.direct import DataLink, DataOffer
 
 __all__ = [
     "DEFAULT_KEEPALIVE_S",
@@ -98,7 +99,7 @@ class Pending(Generic[T]):
 
     def __init__(
         self,
-        conn: Connection,
+        conn: Connection | DataLink,
         rid: bytes,
         convert: Converter[T],
         default_timeout: float,
@@ -240,6 +241,8 @@ class Connection:
         self._busy = threading.Lock()
         self._lock = threading.Lock()  # guards _sessions and _ka_thread against the keepalive
         self._sessions: weakref.WeakValueDictionary[bytes, Any] = weakref.WeakValueDictionary()
+        # Sessions' direct sockets on this context: closed with it, even a dropped session's.
+        self._links: weakref.WeakSet[DataLink] = weakref.WeakSet()
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
         try:
@@ -296,6 +299,8 @@ class Connection:
                 log.debug("could not send a message on closing: %s", exc)
         if thread is not None:
             thread.join(timeout=5.0)
+        for link in list(self._links):
+            link.close()
         self._close_monitor()
         self._sock.close(linger=linger)
         self._table.clear()
@@ -659,6 +664,13 @@ class Connection:
     def _session_ids(self) -> list[bytes]:
         with self._lock:
             return list(self._sessions.keys())
+
+    def data_link(self, offer: DataOffer) -> DataLink:
+        """A direct socket to a session's worker (PROTOCOL.md §10), on this connection's context
+        and keys; the caller probes and closes it."""
+        link = DataLink(self._ctx, offer, self._curve, self._ping_interval)
+        self._links.add(link)
+        return link
 
     def add_session(self, sid: bytes, session: Any) -> None:
         """Keep session ``sid`` alive (its lease renewed) while ``session`` is referenced and

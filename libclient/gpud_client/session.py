@@ -30,6 +30,7 @@ from gpud_client import _request as rq
 from gpud_client._request import DevicePtr
 from gpud_client.chunks import plan, run_windowed
 from gpud_client.connection import Connection, Converter, Pending, collect
+from gpud_client.direct import PROBE_S, DataLink, parse_offer
 from gpud_client.journal import Entry, Journal
 
 if TYPE_CHECKING:
@@ -63,19 +64,22 @@ class SessionSettings:
     session_replays: int
     chunk_bytes: int
     chunk_window: int
+    data_path: str = "auto"  # auto | direct | broker (PROTOCOL.md §10.1)
+    fallbacks: int = 0  # sessions of this client that fell back to the broker (logged once)
 
 
 def open_session(
     conn: Connection, need: dict[str, Any], limit: float, replaces: bytes | None = None
-) -> tuple[bytes, str, dict[str, Any]]:
-    """Send a session REQUEST and wait for it: ``(session id, worker, gpu)``. ``replaces``
+) -> tuple[bytes, str, dict[str, Any], Any]:
+    """Send a session REQUEST and wait for it: ``(session id, worker, gpu, data)`` (``data``:
+    the direct path's offer, or None). ``replaces``
     names a lost session that this one replaces (the broker prefers the lost worker's
     replica for it, PROTOCOL.md §9.4)."""
     rid = new_id()
     body = {"replaces": replaces} if replaces is not None else None
     frames = rq.request_frames(rid, "session", need, rq.timeout_ms(limit), body)
 
-    def convert(msg: Message) -> tuple[bytes, str, dict[str, Any]]:
+    def convert(msg: Message) -> tuple[bytes, str, dict[str, Any], Any]:
         return rq.parse_session_open(msg, rid)
 
     what = f"session request {id_text(rid)}"
@@ -123,6 +127,7 @@ class Session:
         *,
         need: dict[str, Any] | None = None,
         journal: Journal | None = None,
+        data: Any = None,
     ) -> None:
         self._conn = conn
         self._settings = settings
@@ -137,6 +142,10 @@ class Session:
         self._top = 0  # the largest handle handed to the caller: never hand out one twice
         self._replays = 0
         self._modules: dict[str, list[str]] = {}  # modules loaded (module_load) -> their kernels
+        self._link: Connection | DataLink = conn  # where CALLs go: the broker, or the worker (§10)
+        self._cap: bytes | None = None  # the capability of the direct path
+        self._path_why = ""  # why the CALLs are relayed through the broker
+        self._take_path(data)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"on {self.worker}"
@@ -167,6 +176,50 @@ class Session:
     def journal(self) -> Journal:
         """The session's journal (read it, do not record into it)."""
         return self._journal
+
+    def _take_path(self, data: Any) -> None:
+        """Choose the path of the current session's CALLs from its REPLY's ``data`` and the
+        client's ``data_path``: direct when offered and the worker answers the probe, else
+        relayed (``auto``; logged once per client) or an error (``direct``)."""
+        old = self._link
+        if isinstance(old, DataLink):
+            old.close()
+        self._link, self._cap = self._conn, None
+        settings = self._settings
+        if settings.data_path == "broker":
+            self._path_why = "the client's data_path is broker"
+            return
+        offer = parse_offer(data)
+        why = ""
+        if offer is None:
+            why = "the broker offered no direct path (worker without data_bind, or broker data_path broker)"
+        else:
+            link = self._conn.data_link(offer)
+            if link.probe(PROBE_S):
+                self._link, self._cap, self._path_why = link, offer.cap, ""
+                log.debug("session %s calls worker %s directly at %s", id_text(self.id), self.worker, offer.endpoint)
+                return
+            link.close()
+            why = f"the worker's data endpoint {offer.endpoint} did not answer"
+        self._path_why = why
+        if settings.data_path == "direct":
+            self._abandon()
+            raise GpudError(f"session {id_text(self.id)}: no direct path ({why}) and data_path is direct")
+        settings.fallbacks += 1
+        log.log(logging.WARNING if settings.fallbacks == 1 else logging.DEBUG,
+                "session %s: %s; its calls are relayed through the broker", id_text(self.id), why)
+
+    def info(self) -> dict[str, Any]:
+        """Where the session is and how its CALLs travel: ``id``, ``worker``, ``gpu``, ``path``
+        (``direct``: straight to the worker; ``broker``: relayed), ``endpoint`` (the worker's
+        data endpoint, on the direct path) or ``why`` (why they are relayed), ``replays``."""
+        link = self._link
+        out: dict[str, Any] = {"id": self.id, "worker": self.worker, "gpu": dict(self.gpu), "replays": self._replays}
+        if isinstance(link, DataLink):
+            out["path"], out["endpoint"] = "direct", link.endpoint
+        else:
+            out["path"], out["why"] = "broker", self._path_why
+        return out
 
     @property
     def replays(self) -> int:
@@ -222,10 +275,11 @@ class Session:
         payload: Sequence[Any] = (),
         expect: int = 0,
     ) -> T:
-        """One CALL on the current session, as it is (``args`` with its real handles)."""
-        conn = self._conn
+        """One CALL on the current session, as it is (``args`` with its real handles); ``close``
+        always through the broker, which ends the session (PROTOCOL.md §10.3)."""
+        conn = self._conn if op == "close" else self._link
         rid = new_id()
-        frames = rq.call_frames(rid, self.id, op, args, payload)
+        frames = rq.call_frames(rid, self.id, op, args, payload, None if op == "close" else self._cap)
         what = f"session {id_text(self.id)} {op} {id_text(rid)}"
         conn.submit(rid, frames, what, expect)
         pending = Pending(conn, rid, convert, limit, what, cancellable=False)
@@ -247,7 +301,8 @@ class Session:
         """One copy on the current session (``args`` with its real handle) as chunk CALLs of at
         most ``chunk_bytes``, ``chunk_window`` of them outstanding; each waits at most ``limit``
         seconds once it is the oldest. The first chunk that fails fails the copy."""
-        conn = self._conn
+        conn = self._link
+        cap = self._cap
         base = args["offset"]
         sid = self.id
 
@@ -268,7 +323,7 @@ class Session:
 
             rid = new_id()
             what = f"session {id_text(sid)} {op} {id_text(rid)} (bytes {start}..{start + size})"
-            conn.submit(rid, rq.call_frames(rid, sid, op, wire, payload), what, expect)
+            conn.submit(rid, rq.call_frames(rid, sid, op, wire, payload, cap), what, expect)
             return Pending(conn, rid, convert, limit, what, cancellable=False)
 
         run_windowed(
@@ -335,9 +390,14 @@ class Session:
             len(entries),
         )
         assert self._need is not None  # checked by _recover
-        sid, worker, gpu = open_session(conn, self._need, limit, replaces=old)
+        if isinstance(self._link, DataLink):
+            # Found silent on the direct path: the worker may live on with only its data endpoint
+            # out of reach, so end the old session through the broker (unanswered if it is gone).
+            self._abandon()
+        sid, worker, gpu, data = open_session(conn, self._need, limit, replaces=old)
         conn.remove_session(old)
         self.id, self.worker, self.gpu = sid, worker, gpu
+        self._take_path(data)
         conn.add_session(sid, self)  # the keepalive renews the new one from now on
         handles: dict[int, int] = {}
         try:
@@ -379,7 +439,8 @@ class Session:
                 del handles[entry.handle]
 
     def _abandon(self) -> None:
-        """Close the current session without waiting (its rebuild failed)."""
+        """Close the current session without waiting (its rebuild failed, or it went silent)."""
+        self._drop_link()
         conn = self._conn
         conn.remove_session(self.id)
         try:
@@ -644,6 +705,14 @@ class Session:
             self._closed = True
             self._journal.disable("the session is closed")
             self._handles.clear()
+            self._drop_link()
+
+    def _drop_link(self) -> None:
+        """Close the direct path, if any: later CALLs go nowhere but the broker."""
+        link = self._link
+        if isinstance(link, DataLink):
+            link.close()
+        self._link, self._cap = self._conn, None
 
     def _detach(self) -> list[Any] | None:
         """The client is closing: mark the session closed and return its close CALL, to be sent
@@ -651,6 +720,7 @@ class Session:
         if self._closed:
             return None
         self._closed = True
+        self._drop_link()
         return rq.call_frames(new_id(), self.id, "close", {})
 
 

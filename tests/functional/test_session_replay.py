@@ -490,7 +490,8 @@ def test_a_chunked_copy_is_replayed_after_the_loss_of_its_worker(cluster: LocalC
     rng = np.random.default_rng(11)
     n = 7 * chunk + 333  # 8 chunks, the last one short
     data = rng.integers(0, 256, n, np.uint8)
-    with Client(cluster.frontend, timeout=30, chunk_bytes=chunk, chunk_window=2) as client:
+    # Relayed (data_path="broker"): the spy below counts the CALLs on the broker connection.
+    with Client(cluster.frontend, timeout=30, chunk_bytes=chunk, chunk_window=2, data_path="broker") as client:
         s = client.session(gpu_milli=500, mem=16 << 20)
         first_worker = s.worker
         p = s.mem_alloc(n + 100)

@@ -16,6 +16,7 @@ import pytest
 from gpud.errors import InvalidRequest
 from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
+from gpud_client.direct import DataLink
 from gpud_client.journal import ENTRY_COST
 
 CHUNK = 64 << 10
@@ -28,27 +29,41 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-@pytest.fixture
-def client(cluster: LocalCluster) -> Iterator[Client]:
-    with Client(cluster.frontend, timeout=30, chunk_bytes=CHUNK, chunk_window=WINDOW) as c:
+@pytest.fixture(params=["broker", "direct"])
+def client(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[Client]:
+    """A client on each data path (PROTOCOL.md §10): relayed by the broker, and straight to the
+    worker; ``Counter`` counts the CALLs on whichever the sessions use."""
+    with Client(cluster.frontend, timeout=30, chunk_bytes=CHUNK, chunk_window=WINDOW, data_path=request.param) as c:
         yield c
 
 
 class Counter:
-    """Wraps the connection's ``submit``: counts the CALLs sent and the most awaited at once."""
+    """Wraps ``submit`` of the broker connection and of every direct link: counts the CALLs sent
+    and the most awaited at once."""
 
     def __init__(self, client: Client) -> None:
         self.client = client
         self.calls = 0
         self.most = 0
-        self._submit = client._conn.submit
+        conn_submit = client._conn.submit
+        link_submit = DataLink.submit
 
         def submit(*a: Any, **kw: Any) -> None:
-            self._submit(*a, **kw)
+            conn_submit(*a, **kw)
             self.calls += 1
             self.most = max(self.most, client._conn._awaiting)
 
+        def link(link: DataLink, *a: Any, **kw: Any) -> None:
+            link_submit(link, *a, **kw)
+            self.calls += 1
+            self.most = max(self.most, link._awaiting)
+
         client._conn.submit = submit  # type: ignore[method-assign]
+        self._restore = link_submit
+        DataLink.submit = link  # type: ignore[method-assign]
+
+    def __del__(self) -> None:
+        DataLink.submit = self._restore  # type: ignore[method-assign]
 
     def reset(self) -> None:
         self.calls = self.most = 0

@@ -53,7 +53,8 @@ def test_ready_file_names_the_metrics_url(cluster: LocalCluster) -> None:
 
 def test_scrape_after_echoes_and_a_session(cluster: LocalCluster) -> None:
     n = 50
-    with Client(cluster.frontend, timeout=30) as client:
+    # Relayed (data_path="broker"): the broker counts the session calls it sees; direct ones it never sees.
+    with Client(cluster.frontend, timeout=30, data_path="broker") as client:
         for i in range(n):
             assert client.echo(b"x%d" % i) == b"x%d" % i
         with client.session(gpu_milli=500, mem=1 << 20) as s:

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 _D = WorkerSection()  # the defaults, for the help texts
 FLAGS = {"brokers": "broker", **{key: key for key in (
     "name", "simulate", "gpu_model", "gpu_mem", "slots", "heartbeat_ms", "liveness", "workdir",
-    "job_user_prefix", "job_uids", "session_idle", "session_processes", "session_staging", "compile_user", "drain_timeout", "fault_file", "instance_id", "replica_of",
+    "job_user_prefix", "job_uids", "session_idle", "session_processes", "session_staging", "compile_user", "drain_timeout", "fault_file", "instance_id", "replica_of", "data_bind", "data_advertise",
     "cgroups", "cgroup_parent", "job_memory", "mps", "mps_pipe_dir", "mps_log_dir", "job_network", "job_tmp_size",
     "job_dir_size")}, "probation_s": "probation"}
 """[worker] key -> its flag's argparse dest (--broker, repeated, gives brokers)."""
@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, help=f"seconds running work may take to finish on SIGTERM (default {_D.drain_timeout:g})")
     p.add_argument("--replica-of", default=None, metavar="WORKER",
                    help="take the work of worker WORKER first when it is lost (its replica)")
+    p.add_argument("--data-bind", default=None, metavar="ENDPOINT",
+                   help="bind a socket here for clients' session calls, straight to this worker (e.g. tcp://*:5557; default none)")
+    p.add_argument("--data-advertise", default=None, metavar="ENDPOINT",
+                   help="the data endpoint clients are told to connect to (default: --data-bind, the host name for a wildcard)")
     p.add_argument("--probation", type=float, metavar="SECONDS", help=f"seconds a GPU that failed a health check must pass its checks again before it serves (default {_D.probation_s:g})")
     p.add_argument("--fault-file", default=None, metavar="PATH", help="SIMULATED GPUs only: JSON file of GPU faults to inject, read on SIGUSR2 (e.g. [{\"gpu\": 0, \"fault\": \"xid\", \"xid\": 79}]; [] clears them)")
     p.add_argument("--instance-id", default=None, metavar="ID",
@@ -247,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
         curve=curve,
         instance_id=resolve_instance_id(w.instance_id),
         replica_of=w.replica_of,
+        data_bind=w.data_bind,
+        data_advertise=w.data_advertise,
     )
     worker = Worker(config, probe, devices, runner)
     gc.freeze()  # as in the broker: few cycles, many small short-lived objects per message

@@ -41,6 +41,7 @@ from gpud.protocol import Command, Peer
 from gpud.resources import GpuInfo
 from gpud.security import HANDSHAKE_FAILURES, CurveKeys, HandshakeLog, apply_client_keys
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
+from gpud_worker.data import DataSocket
 from gpud_worker.device import Device, DeviceSession
 from gpud_worker.gpu import GpuProbe
 from gpud_worker.jobs import JobGrant, JobRunner
@@ -52,6 +53,12 @@ UNACKED_TTL_S = 600.0  # seconds a RESULT is kept for a broker that never ACKs i
 _SIG = Peer.WORKER.value
 _RESULT = P.CMD_BYTES[Command.RESULT]
 _START = P.CMD_BYTES[Command.START]
+_CLIENT_SIG = Peer.CLIENT.value
+_REPLY = P.CMD_BYTES[Command.REPLY]
+
+# Where a session call's answer goes: an int is the index of the broker link it came on; bytes are
+# the routing id of the client that sent it on the data socket.
+Route = int | bytes
 
 
 class JobNotStarted(Exception):
@@ -85,6 +92,8 @@ class WorkerConfig:
     curve: CurveKeys | None = None  # CURVE keys (ours and the broker's); None: security none
     replica_of: str = ""  # the worker whose work this one takes first when that one is lost
     instance_id: str = ""  # this GPU VM's Nova server id, for the broker's OpenStack view ("": unknown)
+    data_bind: str = ""  # where clients send session CALLs directly (PROTOCOL.md §10); "": nowhere
+    data_advertise: str = ""  # the endpoint clients are told to use ("": from data_bind)
 
 
 class BrokerLink:
@@ -163,12 +172,14 @@ class SessionRunner:
         self.dev = dev_session
         self.gpu = gpu
         self.tenant = tenant
-        self.ops: queue.SimpleQueue[tuple[int, dict[str, Any], list[Any]] | None] = queue.SimpleQueue()
+        self.ops: queue.SimpleQueue[tuple[Route, dict[str, Any], list[Any]] | None] = queue.SimpleQueue()
         self.opened = self.last_used = time.monotonic()
         self.closed = False
         self.busy = False  # a call is running (a long kernel is not idleness)
         self.lost = ""  # why its GPU failed: its calls are answered SESSION_LOST
         self.thread: threading.Thread | None = None
+        self.direct = False  # the broker offered the direct path (DISPATCH 'direct')
+        self.client_key = ""  # the client key the broker named for it (CURVE)
 
 
 class Worker:
@@ -214,6 +225,7 @@ class Worker:
         # add and remove entries, the loop asks START for them and answers them.
         self.start_waits: dict[bytes, StartWait] = {}
         self._start_asks: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self.data = DataSocket(config.data_bind, config.data_advertise, config.curve) if config.data_bind else None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -274,6 +286,8 @@ class Worker:
 
     def run(self) -> None:
         """Serve until stop(); then drain for at most ``drain_timeout`` and disconnect."""
+        if self.data is not None:
+            self.data.start(self._on_direct_call)
         try:
             self._loop()
         finally:
@@ -377,6 +391,8 @@ class Worker:
             link.close()
         self.jobs.shutdown(wait=False, cancel_futures=True)
         self.close_wake_pipe()
+        if self.data is not None:
+            self.data.close()
         self.probe.close()
         log.info("worker %s stopped", self.config.name)
 
@@ -400,7 +416,8 @@ class Worker:
         gpus = [P.gpu_state_to_wire(u, s) for u, s in states.items()]
         running: list[dict[str, Any]] = [
             {"id": rid, "kind": kind, "since": round(now - since, 3)} for rid, (kind, since, _) in self.running.items()]
-        running += [{"id": s.id, "kind": "session", "since": round(now - s.opened, 3)} for s in self.sessions.values()]
+        running += [{"id": s.id, "kind": "session", "since": round(now - s.opened, 3),
+                     "idle": 0.0 if s.busy else round(max(0.0, now - s.last_used), 3)} for s in self.sessions.values()]
         for r in running:
             tenant = self.owner.get(r["id"])
             if tenant is not None:
@@ -576,14 +593,19 @@ class Worker:
 
     # ---------------------------------------------------------------- work
 
-    def _result(self, idx: int, rid: bytes, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> None:
-        """Queue a RESULT from any thread; the loop sends it."""
+    def _result(self, idx: Route, rid: bytes, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> None:
+        """Queue a RESULT (a REPLY for a direct call) from any thread; the loop sends it."""
         header["id"] = rid
+        if isinstance(idx, bytes):  # a direct call: back to its client on the data socket, at once
+            header["worker"] = self.config.name
+            if self.data is not None:
+                self.data.send_from_thread(idx, [_CLIENT_SIG, _REPLY, P.packb(header), *frames])
+            return
         self._stamp(rid, header)
         self.results.put((idx, rid, [_SIG, _RESULT, P.packb(header), *frames]))
         self._wake()
 
-    def _error(self, idx: int, rid: bytes, exc: GpudError) -> None:
+    def _error(self, idx: Route, rid: bytes, exc: GpudError) -> None:
         self._result(idx, rid, P.error_header(rid, exc))
 
     def _on_dispatch(self, idx: int, link: BrokerLink, h: dict[str, Any], frames: list[Any], now: float) -> None:
@@ -640,7 +662,9 @@ class Worker:
         if kind == "job":
             self.jobs.submit(self._run_job, idx, rid, h, frames, uuids, tenant)
         elif kind == "session":
-            self._open_session(idx, rid, uuids[0], mem, tenant, grant)
+            key = h.get("client_key")
+            self._open_session(idx, rid, uuids[0], mem, tenant, grant, h.get("direct") is True,
+                               key if type(key) is str else "")
         else:
             self.running.pop(rid, None)
             self._send_now(idx, rid, P.error_header(rid, InvalidRequest(f"unknown kind {kind!r}")))
@@ -758,7 +782,8 @@ class Worker:
 
     # ---------------------------------------------------------------- sessions
 
-    def _open_session(self, idx: int, rid: bytes, uuid: str, mem: int, tenant: str, grant: dict[str, Any] | None = None) -> None:
+    def _open_session(self, idx: int, rid: bytes, uuid: str, mem: int, tenant: str, grant: dict[str, Any] | None = None,
+                      direct: bool = False, client_key: str = "") -> None:
         """Open a session in its own thread (a device may take a while: a session process, a CUDA
         context), which then runs its calls; the reply goes out when it is open."""
         device = self.devices.get(uuid)
@@ -769,6 +794,7 @@ class Worker:
         mps = self.runner.mps  # where MPS runs, a session gets its grant's MPS limits as a job does
         env = None if mps is None else mps.environment(JobGrant.from_wire(grant).gpu_milli, [mem])
         s = SessionRunner(rid, None, self.gpus[uuid], tenant)
+        s.direct, s.client_key = direct, client_key
         s.thread = threading.Thread(target=self._session_thread, args=(s, idx, device, mem, env), name=f"session-{rid.hex()[:8]}", daemon=True)
         self.sessions[rid] = s
         self._session_threads = [t for t in self._session_threads if t.is_alive()]
@@ -795,8 +821,24 @@ class Worker:
             self._error(idx, rid, SessionLost(s.lost or "the session was closed while it opened"))
             return False
         log.info("session %s opened on GPU %s (%d bytes granted)", P.id_text(rid), s.gpu.uuid, mem)
-        self._result(idx, rid, {"ok": True, "session": rid, "gpu": P.gpu_info_to_wire(s.gpu)})
+        header: dict[str, Any] = {"ok": True, "session": rid, "gpu": P.gpu_info_to_wire(s.gpu)}
+        data = self.data
+        # Under CURVE a direct session needs the key the broker named: without one, none is offered.
+        if data is not None and s.direct and (data.curve is None or s.client_key):
+            header["data"] = data.offer(rid, s.client_key)
+        self._result(idx, rid, header)
         return True
+
+    def _on_direct_call(self, ident: bytes, h: dict[str, Any], frames: list[Any]) -> None:
+        """A CALL that the data socket admitted (its session's capability and key): queued for
+        the session's thread like a relayed one, answered on the data socket."""
+        s = self.sessions.get(h["session"])
+        if s is None or s.closed:  # the session thread is ending it (idle, GPU fault)
+            assert self.data is not None
+            self.data.reply(ident, P.error_header(h["id"], SessionLost("the session is not open on this worker")))
+            return
+        s.last_used = time.monotonic()
+        s.ops.put((ident, h, frames))
 
     def _on_call(self, idx: int, rid: bytes, h: dict[str, Any], frames: list[Any]) -> None:
         sid = h.get("session")
@@ -808,6 +850,8 @@ class Worker:
         if h.get("op") == "close":
             s.closed = True
             del self.sessions[s.id]
+            if self.data is not None:
+                self.data.revoke(s.id)
             if s.busy and s.dev is not None and hasattr(s.dev, "kill"):
                 # Closed (by its client, or by the broker for a client gone) while a call runs:
                 # nobody waits for that call, and a kernel that never ends would hold it for good.
@@ -815,13 +859,20 @@ class Worker:
         s.ops.put((idx, h, frames))
 
     def _session_thread(self, s: SessionRunner, idx: int, device: Device, mem: int, env: dict[str, str] | None) -> None:
+        try:
+            self._serve_session(s, idx, device, mem, env)
+        finally:
+            if self.data is not None:
+                self.data.thread_done()
+
+    def _serve_session(self, s: SessionRunner, idx: int, device: Device, mem: int, env: dict[str, str] | None) -> None:
         if not self._start_session(s, idx, device, mem, env):
             return
         while True:
             item = s.ops.get()
             if item is None:
                 break
-            idx, h, frames = item
+            route, h, frames = item
             rid: bytes = h["id"]
             op = h.get("op")
             s.busy = True
@@ -830,12 +881,12 @@ class Worker:
                     raise SessionLost(f"the session's GPU failed ({s.lost})")
                 header, out = self._session_op(s, op, h.get("args") or {}, frames)
                 header["ok"] = True
-                self._result(idx, rid, header, out)
+                self._result(route, rid, header, out)
             except GpudError as exc:
-                self._error(idx, rid, exc)
+                self._error(route, rid, exc)
             except Exception as exc:
                 log.exception("session op %s failed", op)
-                self._error(idx, rid, InternalError(f"session op {op!r} failed in the worker: {exc.__class__.__name__}"))
+                self._error(route, rid, InternalError(f"session op {op!r} failed in the worker: {exc.__class__.__name__}"))
             finally:
                 s.last_used = time.monotonic()
                 s.busy = False
@@ -894,6 +945,8 @@ class Worker:
         a process of its own at once, also mid-call (``HostedSession.kill``)."""
         s.closed = True
         self.sessions.pop(s.id, None)
+        if self.data is not None:
+            self.data.revoke(s.id)
         s.ops.put(None)
         if kill and s.dev is not None and hasattr(s.dev, "kill"):
             s.dev.kill(kill)

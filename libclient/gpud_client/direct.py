@@ -1,0 +1,234 @@
+"""A session's direct path to its worker (docs/PROTOCOL.md §10): one DEALER socket on the worker's
+data socket, the CALLs outstanding on it, and the worker's liveness while one waits.
+
+This module owns that conversation: the probe that decides whether the path is usable (a PING
+answered by a PONG), sending CALLs with the session's capability, matching their REPLYs by id, and
+the lazy-pirate watch of the worker (PING after ``ping_interval`` of silence, then the worker is
+taken as lost when that PING goes unanswered for ``WORKER_GRACE_S``, which the session handles as
+SESSION_LOST: it replays through the broker). A DataLink offers the methods of a :class:`~gpud_client.connection.Connection` that a
+:class:`~gpud_client.connection.Pending` uses, so a session's calls are the same code on either path.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from time import monotonic
+from typing import Any
+
+import zmq
+
+from gpud.errors import GpudError, SessionLost, Timeout
+from gpud.protocol import Command, Message, Peer, decode, id_text, unbatch
+from gpud.security import CurveKeys, client_socket_options
+from gpud.sockets import NOBLOCK, recv_frames, send_frames
+from gpud_client import _request as rq
+
+__all__ = ["DataLink", "DataOffer", "parse_offer"]
+
+log = logging.getLogger(__name__)
+
+WORKER_GRACE_S = 3.0
+"""Seconds a PING to a silent worker may go unanswered before the worker counts as lost: what a
+broker allows a worker by default (3 heartbeats of 1 s), since a false loss costs a replay."""
+PROBE_S = 2.0
+"""Seconds a new direct path has to answer its probe before the session falls back to the relay."""
+TRANSFER_RATE_FLOOR = 10 << 20
+"""Bytes per second a copy to or from the worker is assumed to reach at least: while payloads are
+in flight, the worker may look silent for as long as they take at this rate, on top of
+``ping_interval``."""
+
+
+class DataOffer:
+    """What a session's REPLY says about its direct path: endpoint, capability, worker key."""
+
+    __slots__ = ("endpoint", "cap", "key")
+
+    def __init__(self, endpoint: str, cap: bytes, key: str) -> None:
+        self.endpoint = endpoint
+        self.cap = cap
+        self.key = key
+
+
+def parse_offer(data: Any) -> DataOffer | None:
+    """The ``data`` field of a session's REPLY (None when absent or malformed: no direct path)."""
+    if type(data) is not dict:
+        return None
+    endpoint, cap, key = data.get("endpoint"), data.get("cap"), data.get("key", "")
+    if type(endpoint) is not str or not endpoint or type(cap) is not bytes or len(cap) < 16 or type(key) is not str:
+        log.warning("ignored a malformed direct path offer from the broker")
+        return None
+    return DataOffer(endpoint, cap, key)
+
+
+class DataLink:
+    """The direct socket of one session (not thread-safe: used by the session's caller only)."""
+
+    def __init__(self, ctx: zmq.Context[Any], offer: DataOffer, curve: CurveKeys | None, ping_interval: float) -> None:
+        self.offer = offer
+        self.endpoint = offer.endpoint
+        self._ping_interval = ping_interval
+        sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if curve is not None:
+            if not offer.key:
+                sock.close(0)
+                raise GpudError("the worker offered a direct path without its CURVE key")
+            client_socket_options(sock, curve.secret, curve.public, offer.key.encode("ascii"))
+        try:
+            sock.connect(offer.endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise GpudError(f"cannot connect to the worker's data endpoint {offer.endpoint!r}: {exc}") from None
+        self._sock = sock
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._table: dict[bytes, Message | None] = {}
+        self._sizes: dict[bytes, int] = {}
+        self._awaiting = 0  # entries of _table still without a reply
+        self._inflight = 0
+        self._quiet_since = monotonic()
+        self._ping_at: float | None = None
+        self._ponged = False
+        self.closed = False
+
+    def __del__(self) -> None:
+        # A session dropped without close: its socket goes with it, quietly.
+        if not getattr(self, "closed", True):
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._sock.close(0)
+            self._table.clear()
+            self._sizes.clear()
+            self._awaiting = self._inflight = 0
+
+    def probe(self, limit: float) -> bool:
+        """Whether the worker answers a PING within ``limit`` seconds (the path works)."""
+        self._ponged = False
+        self.send(rq.ping_frames())
+        deadline = monotonic() + limit
+        while not self._ponged:
+            left = deadline - monotonic()
+            if left <= 0:
+                return False
+            self._pump(left, None)
+        return True
+
+    # ------------------------------------------------------------------ what Pending uses
+
+    def submit(self, rid: bytes, frames: list[Any], what: str, expect: int = 0, nbytes: int | None = None) -> None:
+        if self.closed:
+            raise SessionLost("the session's direct path is closed")
+        if not self._awaiting:  # nothing was expected until now: the worker's silence counts from here
+            self._quiet_since = monotonic()
+            self._ping_at = None
+        self.send(frames)
+        size = sum([f.nbytes if type(f) is memoryview else len(f) for f in frames[3:]]) + expect if nbytes is None else nbytes
+        self._table[rid] = None
+        self._sizes[rid] = size
+        self._awaiting += 1
+        self._inflight += size
+
+    def send(self, frames: Sequence[Any]) -> None:
+        send_frames(self._sock, frames, NOBLOCK)
+
+    def forget(self, rid: bytes) -> None:
+        if rid in self._table:
+            if self._table.pop(rid) is None:
+                self._awaiting -= 1
+                self._inflight -= self._sizes.pop(rid, 0)
+
+    def has_reply(self, rid: bytes) -> bool:
+        return self._table.get(rid) is not None
+
+    def poll(self) -> None:
+        if not self.closed:
+            self._pump(0.0, None)
+
+    def cancel(self, rid: bytes) -> None:
+        """A session CALL cannot be cancelled."""
+
+    def wait(self, rid: bytes, timeout: float, what: str) -> Message:
+        """The REPLY to ``rid`` within ``timeout`` seconds; SessionLost when the worker stops
+        answering (no REPLY and no PONG for ``WORKER_GRACE_S`` after a PING): the session then
+        replays."""
+        if rid not in self._table:
+            raise GpudError(f"{what}: not outstanding (already collected or forgotten)")
+        deadline = monotonic() + max(0.0, timeout)
+        while True:
+            msg = self._table.get(rid)
+            if msg is not None:
+                del self._table[rid]
+                return msg
+            now = monotonic()
+            if now >= deadline:
+                raise Timeout(f"{what}: no reply within {timeout:g}s from the worker at {self.endpoint}")
+            wake = self._watch(now, what)
+            self._pump(min(deadline, wake) - now, rid)
+
+    # ------------------------------------------------------------------ internals
+
+    def _watch(self, now: float, what: str) -> float:
+        """PING a silent worker; SessionLost once it stays silent. Returns when to look again."""
+        transfer = self._inflight / TRANSFER_RATE_FLOOR
+        interval = self._ping_interval + transfer
+        if self._ping_at is not None:
+            grace = WORKER_GRACE_S + transfer
+            if now - self._ping_at < grace:
+                return self._ping_at + grace
+            self.close()
+            raise SessionLost(f"{what}: the worker at {self.endpoint} stopped answering "
+                              f"(silent for {now - self._quiet_since:.1f}s on the direct path)")
+        if now - self._quiet_since < interval:
+            return self._quiet_since + interval
+        self.send(rq.ping_frames())
+        self._ping_at = now
+        return now + interval
+
+    def _pump(self, timeout: float, rid: bytes | None) -> None:
+        sock = self._sock
+        handled = False
+        while True:
+            try:
+                frames = recv_frames(sock, NOBLOCK, copy_first=3)
+            except zmq.Again:
+                if handled or timeout <= 0:
+                    return
+                if not self._poller.poll(max(0, math.ceil(timeout * 1000))):
+                    return
+                handled = True
+                continue
+            self._handle(frames)
+            handled = True
+            if rid is not None and self._table.get(rid) is not None:
+                return
+
+    def _handle(self, frames: list[Any]) -> None:
+        self._quiet_since = monotonic()
+        self._ping_at = None
+        try:
+            msg = decode(frames, expect=Peer.CLIENT)
+            batch = [m for m, _ in unbatch(msg)] if msg.command is Command.BATCH else [msg]
+        except GpudError as exc:
+            log.warning("from worker %s: dropped a malformed message (%s: %s)", self.endpoint, exc.code, exc.message)
+            return
+        for one in batch:
+            if one.command is Command.PONG:
+                self._ponged = True
+                continue
+            rid = one.header.get("id")
+            if one.command not in (Command.REPLY, Command.ERROR) or type(rid) is not bytes:
+                log.warning("from worker %s: dropped an unexpected %s", self.endpoint, one.command.name)
+                continue
+            if rid in self._table and self._table[rid] is None:
+                self._table[rid] = one
+                self._awaiting -= 1
+                self._inflight -= self._sizes.pop(rid, 0)
+            else:
+                log.debug("dropped a stale reply for %s", id_text(rid))

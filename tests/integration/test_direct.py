@@ -1,0 +1,232 @@
+"""The direct data path (PROTOCOL.md §10) with real daemons: sessions call their worker straight,
+the worker admits only the session's capability and the key the broker named, a broker failover
+does not touch a direct session, a worker loss is replayed through the broker, and an unreachable
+data endpoint falls back to the broker relay. SIMULATED GPUs, labelled so.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from gpud import protocol as P
+from gpud.protocol import Command, Peer
+from gpud.security import CurveKeys, client_socket_options
+from gpud_cli.cluster import LocalCluster
+from gpud_client import BUILTIN, Client, Session
+
+N = 4096
+
+
+def vector_add(s: Session, seed: int) -> None:
+    """A verified kernel on ``s``: out = a + b, checked against numpy."""
+    rng = np.random.default_rng(seed)
+    a = rng.random(N, dtype=np.float32)
+    b = rng.random(N, dtype=np.float32)
+    pa, pb, po = s.mem_alloc(4 * N), s.mem_alloc(4 * N), s.mem_alloc(4 * N)
+    s.memcpy_htod(pa, a)
+    s.memcpy_htod(pb, b)
+    s.launch(BUILTIN, "vector_add", grid=16, block=256, args=[pa, pb, po, ("i32", N)])
+    out = np.empty(N, dtype=np.float32)
+    s.memcpy_dtoh(po, out=out)
+    assert np.array_equal(out, a + b)
+    for p in (pa, pb, po):
+        s.mem_free(p)
+
+
+class Raw:
+    """A bare DEALER on a worker's data socket, for what the library never sends."""
+
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, keys: CurveKeys | None = None, server: str = "") -> None:
+        self.sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            client_socket_options(self.sock, keys.secret, keys.public, server.encode())
+        self.sock.connect(endpoint)
+
+    def call(self, sid: bytes, cap: bytes | None, op: str = "sync", timeout: float = 5.0) -> P.Message | None:
+        header: dict[str, Any] = {"id": P.new_id(), "session": sid, "op": op, "args": {}}
+        if cap is not None:
+            header["cap"] = cap
+        self.sock.send_multipart(P.encode(Peer.CLIENT, Command.CALL, header))
+        return self.recv(timeout)
+
+    def recv(self, timeout: float = 5.0) -> P.Message | None:
+        if not self.sock.poll(int(timeout * 1000)):
+            return None
+        return P.decode(self.sock.recv_multipart(), Peer.CLIENT)
+
+
+def direct(s: Session) -> tuple[str, bytes]:
+    """(data endpoint, capability) of a session on the direct path."""
+    info = s.info()
+    assert info["path"] == "direct", info
+    assert s._cap is not None
+    return info["endpoint"], s._cap
+
+
+def refused(msg: P.Message | None) -> bool:
+    return msg is not None and msg.header.get("ok") is False and msg.header.get("code") == "SESSION_LOST"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    with LocalCluster(workers=1, rundir=tmp_path) as c:
+        c.wait_workers(1)
+        yield c
+
+
+def test_capability_is_required_and_dies_with_its_session(cluster: LocalCluster) -> None:
+    ctx = zmq.Context()
+    try:
+        with Client(cluster.frontend, timeout=10) as c:
+            s = c.session()
+            endpoint, cap = direct(s)
+            raw = Raw(ctx, endpoint)
+            assert refused(raw.call(s.id, None))  # no capability
+            assert refused(raw.call(s.id, bytes(16)))  # a wrong one
+            assert refused(raw.call(s.id, cap[:-1] + bytes([cap[-1] ^ 1])))  # one bit off
+            assert refused(raw.call(P.new_id(), cap))  # the capability on another session id
+            ok = raw.call(s.id, cap)  # the right one works from any socket without CURVE
+            assert ok is not None and ok.header.get("ok") is True
+            closing = raw.call(s.id, cap, op="close")  # close goes through the broker
+            assert closing is not None and closing.header.get("code") == "INVALID_REQUEST"
+            # Garbage: the worker answers what it can and keeps serving the session.
+            for junk in ([b"x"], [b"GPUDC1", b"\x04", b"\xc1"], [b"GPUDW1", b"\x10", P.packb({})],
+                         [b"GPUDC1", b"\x40", P.packb({"msgs": []})], [b"GPUDC1", b"\x01", P.packb({"id": P.new_id()})]):
+                raw.sock.send_multipart(junk)
+            got = [raw.recv(2.0) for _ in range(5)]
+            assert all(m is not None and m.command is Command.ERROR for m in got), got
+            vector_add(s, 1)
+            assert s.info()["path"] == "direct" and s.replays == 0
+            s.close()
+            deadline = time.monotonic() + 5
+            assert refused(raw.call(s.id, cap))  # replayed after the close: refused
+            assert time.monotonic() < deadline
+            with c.session() as s2:  # the worker still serves
+                vector_add(s2, 2)
+                assert s2.info()["path"] == "direct"
+            raw.sock.close(0)
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def curve_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    with LocalCluster(workers=1, rundir=tmp_path, security="curve") as c:
+        c.wait_workers(1)
+        yield c
+
+
+def test_curve_admits_only_the_key_the_broker_named(curve_cluster: LocalCluster) -> None:
+    c = curve_cluster
+    alice1, alice2, bob = c.client_keys("alice", "a1"), c.client_keys("alice", "a2"), c.client_keys("bob", "b1")
+    ctx = zmq.Context()
+    try:
+        with Client(c.frontend, curve=alice1, timeout=10) as a1:
+            s = a1.session()
+            endpoint, cap = direct(s)
+            server = s._link.offer.key  # type: ignore[union-attr]
+            # Another client of the same tenant and another tenant, with the capability even:
+            # refused at the handshake, since no session was granted for their keys.
+            for keys in (alice2, bob):
+                raw = Raw(ctx, endpoint, keys, server)
+                assert raw.call(s.id, cap, timeout=1.5) is None
+                raw.sock.close(0)
+            # Once they hold a session of their own there, the handshake passes, and a CALL on
+            # alice1's session, with its capability, is still refused: it is not their key's.
+            with Client(c.frontend, curve=alice2, timeout=10) as a2, Client(c.frontend, curve=bob, timeout=10) as b:
+                for cl in (a2, b):
+                    own = cl.session()
+                    assert own.info()["path"] == "direct"
+                    raw = Raw(ctx, endpoint, cl._conn._curve, server)
+                    assert refused(raw.call(s.id, cap))
+                    ok = raw.call(own.id, own._cap)  # its own session, with its own key: fine
+                    assert ok is not None and ok.header.get("ok") is True
+                    raw.sock.close(0)
+                    vector_add(own, 3)
+                    own.close()
+            # A key without CURVE at all gets nowhere either.
+            raw = Raw(ctx, endpoint)
+            assert raw.call(s.id, cap, timeout=1.0) is None
+            raw.sock.close(0)
+            vector_add(s, 4)
+            assert s.replays == 0 and s.info()["path"] == "direct"
+            s.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_unreachable_data_endpoint_falls_back_to_the_broker(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    port = _closed_port()
+    with LocalCluster(workers=0, rundir=tmp_path) as c:
+        c.add_worker("w0", extra=["--data-advertise", f"tcp://127.0.0.1:{port}"])
+        c.wait_workers(1)
+        with Client(c.frontend, timeout=10) as cl:
+            with caplog.at_level("WARNING", logger="gpud_client.session"):
+                s1, s2 = cl.session(), cl.session()
+            for s in (s1, s2):
+                info = s.info()
+                assert info["path"] == "broker" and f"127.0.0.1:{port}" in info["why"], info
+                vector_add(s, 5)
+                s.close()
+            assert sum("relayed through the broker" in r.getMessage() for r in caplog.records) == 1  # once
+        with Client(c.frontend, timeout=10, data_path="direct") as strict:
+            with pytest.raises(Exception, match="no direct path"):
+                strict.session()
+        with Client(c.frontend, timeout=10, data_path="broker") as relayed, relayed.session() as s:
+            assert s.info()["path"] == "broker"
+            vector_add(s, 6)
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[LocalCluster]:
+    with LocalCluster(workers=0, pair=True, heartbeat_ms=250, rundir=tmp_path,
+                      worker_args=["--log-level", "DEBUG"]) as c:
+        c.wait_active()
+        c.add_worker("w0")
+        c.add_worker("w1", extra=["--replica-of", "w0"])
+        c.wait_workers(2)
+        yield c
+
+
+def test_direct_session_through_a_broker_kill_then_a_worker_kill(pair: LocalCluster) -> None:
+    with Client(pair.frontends, timeout=30) as c, c.session() as s:
+        endpoint, _ = direct(s)
+        vector_add(s, 10)
+        sid, worker = s.id, s.worker
+        time.sleep(0.5)  # the session reaches the passive broker
+        active = pair.wait_active()
+        pair.kill_broker(active)
+        t0 = time.monotonic()
+        for i in range(20):  # calls keep flowing, straight to the worker: no replay
+            vector_add(s, 11 + i)
+        assert time.monotonic() - t0 < 10
+        assert (s.id, s.worker, s.replays) == (sid, worker, 0)
+        assert s.info() == {**s.info(), "path": "direct", "endpoint": endpoint}
+        # The new active broker knows the session (replication and heartbeats): it relays too.
+        pair.wait_active()
+        ptr = s.mem_alloc(16)
+        s.memcpy_htod(ptr, np.arange(4, dtype=np.float32))
+        # The worker dies: the client sees it silent, replaces the session through the broker
+        # (on w0's replica first) and replays its journal; the data comes back right.
+        pair.kill_worker(s.worker)
+        out = np.empty(4, dtype=np.float32)
+        s.memcpy_dtoh(ptr, out=out)
+        assert np.array_equal(out, np.arange(4, dtype=np.float32))
+        assert s.replays == 1 and s.id != sid and s.worker != worker
+        vector_add(s, 40)
+        assert s.info()["path"] == "direct"

@@ -6,8 +6,10 @@ Keys are zmq.auth certificates: ``NAME.key`` holds the public key, ``NAME.key_se
 
 - ``gpud-backend``: workers whose public key is a ``*.key`` file in ``worker_keys_dir``;
 - ``gpud-frontend``: clients whose public key is a ``*.key`` file in ``client_keys_dir/TENANT/``;
-  the tenant is handed back as the ZAP User-Id, which libzmq attaches to every message of that
-  connection (``zmq.Frame.get("User-Id")``), so the broker knows each request's tenant;
+  the tenant and the key are handed back as the ZAP User-Id ``TENANT KEY`` (KEY: the public key,
+  Z85), which libzmq attaches to every message of that connection (``zmq.Frame.get("User-Id")``),
+  so the broker knows each request's tenant and binds its reply to the key that sent it
+  (``client_user``, ``protocol.parse_client_user``);
 - ``gpud-admin`` (a TCP admin endpoint only): keys in ``keys_dir/admins/``;
 - ``gpud-peer`` (the broker pair's link): the brokers' own public key (the pair shares its keys).
 
@@ -475,6 +477,11 @@ class KeyStore:
 # --------------------------------------------------------------------------- ZAP
 
 
+def client_user(tenant: str, key: bytes) -> str:
+    """The ZAP User-Id of a client: its tenant and its public key (Z85), space-separated."""
+    return f"{tenant} {zmq.utils.z85.encode(key).decode('ascii')}"
+
+
 class _Limiter:
     """At most one log line per key and interval; counts what it held back."""
 
@@ -533,6 +540,8 @@ class ZapHandler:
         if user is None:
             return self._refuse(domain, address, key, "400", f"unknown {what} key")
         self.admitted += 1
+        if what == "client":
+            user = client_user(user, key)
         (log.info if what != "client" else log.debug)(
             "admitted %s key %s (%s) from %s", what, key_prefix(key), user, address)
         return "200", "OK", user

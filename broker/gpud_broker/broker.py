@@ -5,6 +5,7 @@ what the core answers. Each ready socket is drained in a batch before polling ag
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import logging
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 BATCH = 256  # messages drained from one socket before looking at the others
 TICK_S = 0.05  # how often timers run (heartbeats, expiries)
+DROP_LOG_S = 10.0  # at most one log line per this many seconds for dropped client messages
 _NEW_WORK = (protocol.CMD_BYTES[Command.REQUEST], protocol.CMD_BYTES[Command.CALL])
 
 
@@ -77,6 +79,8 @@ class Broker:
         self.zap_handler: ZapHandler | None = None
         self.reloader: Callable[[], BrokerConfig] | None = None  # re-reads the configuration
         self._monitors: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes], HandshakeLog]] = []
+        self._route_log_at = 0.0
+        _seed_routing_ids()
         keys: CurveKeys | None = None
         admin_tcp = bool(endpoints.admin) and not str(endpoints.admin).startswith(("ipc://", "inproc://"))
         if self.security.curve:
@@ -246,18 +250,37 @@ class Broker:
         for _, monitor, handshakes in self._monitors:
             handshakes.drain(monitor)
 
-    def _drain_tenants(self, sock: zmq.Socket[bytes]) -> int:
-        """``_drain`` for the CURVE frontend: each message with its tenant, the ZAP User-Id."""
+    def _drain_clients(self, sock: zmq.Socket[bytes]) -> int:
+        """``_drain`` for the frontend: under CURVE each message with its sender's ZAP User-Id
+        (tenant and key). A message whose routing id is not a client's (16 bytes, PROTOCOL.md §2)
+        is dropped: such a peer may hold one of libzmq's own automatic ids."""
+        curve = self.zap is not None
         for n in range(BATCH):
             try:
-                frames, tenant = recv_frames_user(sock, NOBLOCK, copy_first=4)
+                if curve:
+                    frames, user = recv_frames_user(sock, NOBLOCK, copy_first=4)
+                else:
+                    frames, user = recv_frames(sock, NOBLOCK, copy_first=4), None
             except zmq.Again:
                 return n
-            if not tenant:  # cannot happen with our ZAP handler; never serve a message without one
+            if len(frames[0]) != protocol.ROUTING_ID_BYTES:
+                self._dropped_route()
+                continue
+            if curve and not user:  # cannot happen with our ZAP handler; never serve a message without one
                 log.warning("dropped a client message without a tenant (User-Id)")
                 continue
-            self._on_client(frames, tenant)
+            self._on_client(frames, user)
         return BATCH
+
+    def _dropped_route(self) -> None:
+        """Count a message dropped for its routing id; log at most once per DROP_LOG_S. The id is
+        not shown: an automatic one would tell a peer what libzmq hands out next."""
+        self.core.counters["bad_routes"] += 1
+        now = time.monotonic()
+        if now >= self._route_log_at:
+            log.warning("dropped client message(s) whose routing id is not 16 random bytes (%d so far): "
+                        "an old client or not a gpud client", self.core.counters["bad_routes"])
+            self._route_log_at = now + DROP_LOG_S
 
     def stop(self) -> None:
         """Stop at once (dispatched work is abandoned); see ``drain`` for the graceful way."""
@@ -330,7 +353,6 @@ class Broker:
         pair = self.pair
         if pair is not None:
             poller.register(pair.inbound, zmq.POLLIN)
-        curve = self.zap is not None
         core = self.core
         front, back, admin = self.frontend, self.backend, self.admin
         to_workers, to_clients = self._to_workers, self._to_clients
@@ -360,7 +382,7 @@ class Broker:
             if to_workers or to_clients:
                 self._flush()
             if busy or front in ready:
-                got += self._drain_tenants(front) if curve else self._drain(front, self._on_client)
+                got += self._drain_clients(front)
             if pair is not None and (busy or pair.inbound in ready):
                 got += self._drain(pair.inbound, pair.on_peer)
             if admin is not None and admin in ready:  # at once, not at the next tick
@@ -512,6 +534,17 @@ class Broker:
         if rid is not None:
             header["id"] = rid
         sock.send_multipart([ident, *protocol.encode(peer, Command.ERROR, header)])
+
+
+def _seed_routing_ids() -> None:
+    """Seed the C library's ``rand()``, from which libzmq draws the first automatic routing id of
+    each ROUTER it creates: unseeded, that id is the same in every process, and a peer that claims
+    the next one before libzmq hands it out aborts libzmq (an assertion). Clients set their own
+    16-byte ids (PROTOCOL.md §2); this keeps the automatic ones unguessable."""
+    try:
+        ctypes.CDLL(None).srand(int.from_bytes(os.urandom(4), "big"))
+    except (OSError, AttributeError):
+        log.warning("cannot seed rand(): libzmq's automatic routing ids stay predictable")
 
 
 def _queue_in(box: dict[bytes, list[list[Any]]]) -> Callable[[bytes, list[Any]], None]:

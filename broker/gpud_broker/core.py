@@ -66,6 +66,7 @@ Send = Callable[[bytes, list[Any]], object]
 SAMPLE_ABOVE = 64  # workers: above this many, ``balanced`` looks at a random sample first
 SAMPLE_K = 16  # workers in that sample
 MAX_RUNNING_KEPT = 1000  # entries of a heartbeat's running list kept (more: it may be cut short)
+MAX_OWNERS = 1 << 18  # routing ids whose authenticated sender is remembered (oldest forgotten first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,7 @@ class BrokerCore:
         self.mix = TaskMix()
         self.policy = make_policy(config.policy, mix=self.mix)
         self._observe = self.mix.observe if config.policy.startswith("fgd") else None
-        self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0, "worker_losses": 0, "takeovers": 0,
+        self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0, "bad_routes": 0, "worker_losses": 0, "takeovers": 0,
                          "job_timeouts": 0, "session_replays": 0}
         self.stats = RequestStats()  # by kind and by error code, for the metrics endpoint
         self.placement_times = PlacementTimes()  # seconds per placement decision (admin status)
@@ -146,6 +147,11 @@ class BrokerCore:
         self.acking = False  # in a pair: workers keep results until ACKed (standalone: no ACKs)
         self.unacked: deque[tuple[int, bytes, bytes]] = deque()  # (seq, worker, RESULT id) to ACK once durable
         self.starts = StartGate()  # jobs' STARTs: which may have begun, and the GOs waiting to be durable
+        # CURVE: who (tenant and key, the ZAP User-Id) last sent from each routing id. A reply
+        # goes to its task's route only while the route's last sender is the task's owner: a
+        # connection that took over a routing id under another key never gets another's reply.
+        self.owners: dict[bytes, str] = {}
+        self._users: dict[str, tuple[str, str]] = {}  # User-Id -> (tenant, owner), memoized
 
     @property
     def sessions(self) -> dict[bytes, Session]:
@@ -210,15 +216,29 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ client dialog
 
-    def on_client(self, identity: bytes, msg: Message, tenant: str | None = None) -> None:
-        """``tenant``: the tenant the sender authenticated as (CURVE: its key's tenant); its work is
-        then its tenant's whatever ``need.tenant`` says, and ids of other tenants' work behave as
-        unknown. None (security none): the declared tenant is taken at its word, no scoping."""
+    def on_client(self, identity: bytes, msg: Message, user: str | None = None) -> None:
+        """``user``: who the sender authenticated as (CURVE: the ZAP User-Id, ``TENANT KEY``); its
+        work is then its tenant's whatever ``need.tenant`` says, ids of other tenants' work behave
+        as unknown, and replies are bound to the key as well as the routing id. None (security
+        none): the declared tenant is taken at its word, no scoping; replies by routing id only."""
         cmd = msg.command
+        tenant = owner = None
+        if user is not None:
+            who = self._users.get(user)
+            if who is None:
+                if len(self._users) >= 4096:
+                    self._users.clear()
+                who = self._users[user] = protocol.parse_client_user(user)
+            tenant, owner = who
+            owners = self.owners
+            if owners.get(identity) is not owner:
+                if len(owners) >= MAX_OWNERS:
+                    del owners[next(iter(owners))]
+                owners[identity] = owner
         if cmd is Command.REQUEST:
-            self._on_request(identity, msg, tenant)
+            self._on_request(identity, msg, tenant, owner)
         elif cmd is Command.CALL:
-            self._on_call(identity, msg, tenant)
+            self._on_call(identity, msg, tenant, owner)
         elif cmd is Command.PING:
             self.leases.heard(msg.header.get("sessions"), tenant, self.now)
             self.send_client(identity, protocol.pong())
@@ -227,11 +247,11 @@ class BrokerCore:
         else:
             raise UnknownCommand(f"command {cmd.name} is not valid from a client")
 
-    def _on_request(self, identity: bytes, msg: Message, tenant: str | None = None) -> None:
+    def _on_request(self, identity: bytes, msg: Message, tenant: str | None = None, owner: str | None = None) -> None:
         header = msg.header
         rid = protocol.get_id(header)
         self.counters["requests"] += 1
-        if self._retry(identity, rid, tenant):
+        if self._retry(identity, rid, tenant, owner):
             return
         try:
             request = protocol.parse_request(header, len(msg.frames), self._needs, self.config.default_deadline_ms)
@@ -250,7 +270,7 @@ class BrokerCore:
         now = self.now
         task = Task(id=rid, kind=kind, need=need, body=request.body, frames=msg.frames, route=identity, created=now,
                     deadline=now + request.deadline_ms / 1000.0, priority=need.priority, tenant=need.tenant,
-                    retryable=request.retryable)
+                    retryable=request.retryable, owner=owner)
         self.tasks.add(task)
         self.journal.task(task, now)
         lost = None
@@ -304,15 +324,16 @@ class BrokerCore:
         log.info("refused %s: %s %s", protocol.id_text(rid), exc.code, exc.message)
         self.send_client(identity, protocol.error_reply(rid, exc))
 
-    def _retry(self, identity: bytes, rid: bytes, tenant: str | None) -> bool:
+    def _retry(self, identity: bytes, rid: bytes, tenant: str | None, owner: str | None = None) -> bool:
         """A REQUEST or CALL whose id is known: attach it (never run twice; answered with the
-        original's reply once there is one), or, when the id is another tenant's, refuse it
-        without saying anything about that work (its client is not touched). False if unknown."""
+        original's reply once there is one), or, when the id is another tenant's or another key's,
+        refuse it without saying anything about that work (its client is not touched). False if
+        unknown."""
         known = self.tasks.tasks.get(rid)
         if known is None:
             return False
-        if tenant is not None and known.tenant != tenant:
-            log.warning("tenant %s sent an id of another tenant's work (%s); refused", tenant, protocol.id_text(rid))
+        if tenant is not None and (known.tenant != tenant or (known.owner is not None and known.owner != owner)):
+            log.warning("tenant %s sent an id of another tenant's or key's work (%s); refused", tenant, protocol.id_text(rid))
             self._refuse(identity, rid, InvalidRequest(ID_IN_USE))
             return True
         self.counters["retries"] += 1
@@ -321,10 +342,10 @@ class BrokerCore:
             self.send_client(identity, known.reply)
         return True
 
-    def _on_call(self, identity: bytes, msg: Message, tenant: str | None = None) -> None:
+    def _on_call(self, identity: bytes, msg: Message, tenant: str | None = None, owner: str | None = None) -> None:
         header = msg.header
         rid = protocol.get_id(header)
-        if self._retry(identity, rid, tenant):
+        if self._retry(identity, rid, tenant, owner):
             return
         try:
             call = protocol.parse_call(header)
@@ -353,6 +374,7 @@ class BrokerCore:
             deadline=now,
             tenant=session.tenant,
             session=call.session,
+            owner=owner,
         )
         self.tasks.add(task)
         self.journal.task(task, now)
@@ -550,8 +572,19 @@ class BrokerCore:
         self.tasks.finish(task, reply, self.now)
         self.journal.done(task.id, reply)
         self.stats.finish(task.kind, self.now - task.created)
-        if task.route is not None:
-            self.send_client(task.route, reply)
+        self.reply_to(task, reply)
+
+    def reply_to(self, task: Task, reply: list[Any]) -> None:
+        """Send ``reply`` to ``task``'s client: to its route, and under CURVE only while that
+        route's last sender is the task's owner (else it waits in the reply store for a retry)."""
+        route = task.route
+        if route is None:
+            return
+        owner = task.owner
+        if owner is not None and self.owners.get(route) != owner:
+            log.warning("reply %s withheld: its routing id is now used by another key", protocol.id_text(task.id))
+            return
+        self.send_client(route, reply)
 
     def fail(self, task: Task, exc: GpudError) -> None:
         """End ``task`` with ``exc`` (its client is answered; a retry gets the same answer)."""

@@ -45,6 +45,7 @@ class Task:
     reply_bytes: int = 0  # what keeping ``reply`` costs, counted against the table's budget
     dispatched_at: float = 0.0
     started: bool = False  # marked started: its worker asked START and may have been told GO (starts.py)
+    owner: str | None = None  # CURVE: the User-Id (tenant and key) that sent it; its reply goes only there
 
 
 @dataclass(slots=True, eq=False)

@@ -4,6 +4,7 @@ still serves, its memory has not grown without bound, and it logged the bad inpu
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -63,6 +64,7 @@ def mutate(rng: random.Random, frames: list[bytes]) -> list[bytes]:
 
 def blast(ctx: zmq.Context[Any], endpoint: str, rng: random.Random) -> int:
     sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(endpoint)

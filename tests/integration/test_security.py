@@ -7,6 +7,7 @@ to loopback.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -48,6 +49,7 @@ class Raw:
 
     def __init__(self, ctx: zmq.Context[Any], endpoint: str, keys: CurveKeys) -> None:
         self.sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
         self.sock.setsockopt(zmq.LINGER, 0)
         apply_client_keys(self.sock, keys)
         self.sock.connect(endpoint)

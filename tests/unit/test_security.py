@@ -17,6 +17,7 @@ import zmq.utils.z85
 from gpud.clock import FakeClock
 from gpud.config import SecurityConfig
 from gpud.errors import ConfigError
+from gpud.protocol import parse_client_user
 from gpud.security import (
     ADMIN_DOMAIN,
     BACKEND_DOMAIN,
@@ -27,6 +28,7 @@ from gpud.security import (
     SecuritySettings,
     ZapHandler,
     check_bind,
+    client_user,
     is_local_endpoint,
     keygen,
     load_public_key,
@@ -129,8 +131,11 @@ def test_workers_are_admitted_on_the_backend_only_from_the_allow_list(keys: Simp
 
 
 def test_clients_are_admitted_on_the_frontend_with_their_tenant(keys: SimpleNamespace) -> None:
-    assert keys.zap.decide(FRONTEND_DOMAIN, "10.0.0.9", "CURVE", [keys.a1]) == ("200", "OK", "alice")
-    assert keys.zap.decide(FRONTEND_DOMAIN, "10.0.0.9", "CURVE", [keys.b1]) == ("200", "OK", "bob")
+    # A client's User-Id is its tenant and its key: the broker binds replies to the key.
+    assert keys.zap.decide(FRONTEND_DOMAIN, "10.0.0.9", "CURVE", [keys.a1]) == ("200", "OK", client_user("alice", keys.a1))
+    assert keys.zap.decide(FRONTEND_DOMAIN, "10.0.0.9", "CURVE", [keys.b1]) == ("200", "OK", client_user("bob", keys.b1))
+    assert parse_client_user(client_user("alice", keys.a1)) == ("alice", client_user("alice", keys.a1))
+    assert client_user("alice", keys.a1) != client_user("alice", keys.b1)
     for k in (keys.stranger, keys.w0):
         assert keys.zap.decide(FRONTEND_DOMAIN, "10.0.0.9", "CURVE", [k])[0] == "400"
     assert keys.zap.decide(ADMIN_DOMAIN, "10.0.0.9", "CURVE", [keys.adm]) == ("200", "OK", "adm")
@@ -173,7 +178,7 @@ def test_new_keys_are_picked_up_without_restart(keys: SimpleNamespace) -> None:
     assert keys.zap.decide(FRONTEND_DOMAIN, "h", "CURVE", [keys.stranger])[0] == "400"
     (keys.dir / "clients" / "carol").mkdir()
     shutil.copy(keys.dir / "private" / "stranger.key", keys.dir / "clients" / "carol" / "stranger.key")
-    assert keys.zap.decide(FRONTEND_DOMAIN, "h", "CURVE", [keys.stranger]) == ("200", "OK", "carol")
+    assert keys.zap.decide(FRONTEND_DOMAIN, "h", "CURVE", [keys.stranger]) == ("200", "OK", client_user("carol", keys.stranger))
     (keys.dir / "workers" / "w0.key").unlink()
     assert keys.zap.decide(BACKEND_DOMAIN, "h", "CURVE", [keys.w0])[0] == "400"
 
@@ -191,7 +196,7 @@ def test_a_key_under_two_tenants_is_refused(keys: SimpleNamespace, caplog: pytes
 
 def test_handle_speaks_rfc27(keys: SimpleNamespace) -> None:
     req = [b"1.0", b"7", FRONTEND_DOMAIN.encode(), b"127.0.0.1", b"", b"CURVE", keys.a1]
-    assert keys.zap.handle(req) == [b"1.0", b"7", b"200", b"OK", b"alice", b""]
+    assert keys.zap.handle(req) == [b"1.0", b"7", b"200", b"OK", client_user("alice", keys.a1).encode(), b""]
     assert keys.zap.handle([b"2.0", *req[1:]])[2] == b"500"
     assert keys.zap.handle([b"1.0", b"8"])[:3] == [b"1.0", b"8", b"500"]
     assert keys.zap.handle([])[2] == b"500"

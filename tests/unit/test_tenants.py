@@ -16,7 +16,7 @@ from gpud.resources import TenantLimits
 from gpud_broker.core import ID_IN_USE, BrokerConfig, BrokerCore
 
 GiB = 1 << 30
-A, B = b"client-a", b"client-b"
+A, B, C = b"client-a", b"client-b", b"client-c"
 W1 = b"conn-w1"
 
 
@@ -119,6 +119,55 @@ def test_retry_of_another_tenants_id_never_returns_its_reply() -> None:
     h.request(A, rid(1), "alice")
     [(who, msg)] = h.replies()
     assert who == A and msg.header["ok"] is True and msg.header["worker"] == "w1"
+
+
+# ----------------------------------------------------------------------------- replies to their owner
+
+A1 = "alice " + "k" * 40  # User-Ids: tenant and key (security.client_user)
+A2 = "alice " + "m" * 40
+B1 = "bob " + "n" * 40
+
+
+def test_reply_never_goes_to_a_routing_id_another_key_took_over() -> None:
+    h = H()
+    h.ready()
+    h.request(A, rid(1), A1)
+    h.dispatched()
+    # A went away; a connection of another key (even of A's tenant) took A's routing id.
+    h.client(A, Command.PING, {}, A2)
+    [(who, pong)] = h.replies()
+    assert who == A and pong.command is Command.PONG
+    h.result(rid(1), worker="w1")
+    assert h.replies() == []  # withheld: the route's latest sender is not its owner
+    # The other key's retry of the id is refused and learns nothing; A's own retry gets it.
+    h.request(B, rid(1), A2)
+    [(who, msg)] = h.replies()
+    assert who == B and code(msg) == "INVALID_REQUEST" and "worker" not in msg.header
+    h.request(C, rid(1), A1)
+    [(who, msg)] = h.replies()
+    assert who == C and msg.header["ok"] is True and msg.header["worker"] == "w1"
+
+
+def test_reply_goes_to_its_owner_on_the_same_route() -> None:
+    h = H()
+    h.ready()
+    h.request(A, rid(1), A1)
+    h.request(B, rid(2), B1)
+    h.dispatched()
+    h.result(rid(2), worker="w1")
+    h.result(rid(1), worker="w1")
+    assert [(who, m.header["id"]) for who, m in h.replies()] == [(B, rid(2)), (A, rid(1))]
+    assert h.core.tasks.get(rid(1)).owner == A1  # type: ignore[union-attr]
+
+
+def test_without_authentication_the_reply_goes_to_the_routing_id() -> None:
+    h = H()
+    h.ready()
+    h.request(A, rid(1), None)
+    h.dispatched()
+    h.result(rid(1), worker="w1")
+    [(who, msg)] = h.replies()
+    assert who == A and msg.header["ok"] is True
 
 
 def test_cancel_of_another_tenants_request_is_ignored() -> None:

@@ -1,0 +1,148 @@
+"""The broker under a hostile tenant (bob) and outsiders, with CURVE on and an honest tenant (alice):
+real broker and worker daemons, real keys. Each attack is a test that ends with alice's requests
+accepted and answered by the same broker process."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from gpud import protocol as P
+from gpud.protocol import Command, Peer
+from gpud.security import CurveKeys, apply_client_keys
+from gpud_cli.cluster import LocalCluster
+from gpud_client import Client
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+class Raw:
+    """A bare CURVE DEALER speaking the client protocol, with the routing id the test chooses
+    (None: libzmq's automatic one)."""
+
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, keys: CurveKeys, routing_id: bytes | None) -> None:
+        self.sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        if routing_id is not None:
+            self.sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        apply_client_keys(self.sock, keys)
+        self.sock.connect(endpoint)
+
+    def send(self, cmd: Command, header: dict[str, Any]) -> None:
+        self.sock.send_multipart(P.encode(Peer.CLIENT, cmd, header))
+
+    def recv(self, timeout: float = 10.0) -> P.Message | None:
+        if not self.sock.poll(int(timeout * 1000)):
+            return None
+        return P.decode(self.sock.recv_multipart(), Peer.CLIENT)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, security="curve", log_level="INFO") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ctx() -> Iterator[zmq.Context[Any]]:
+    context: zmq.Context[Any] = zmq.Context()
+    try:
+        yield context
+    finally:
+        context.term()
+
+
+@pytest.fixture(scope="module")
+def alice(cluster: LocalCluster) -> CurveKeys:
+    return cluster.client_keys("alice")
+
+
+@pytest.fixture(scope="module")
+def bob(cluster: LocalCluster) -> CurveKeys:
+    return cluster.client_keys("bob")
+
+
+def assert_alice_served(cluster: LocalCluster, alice: CurveKeys) -> None:
+    """The broker process is the one started, and alice's echo and job are accepted and answered."""
+    assert cluster.broker is not None and cluster.broker.poll() is None, cluster.log_tail("broker")
+    with Client(cluster.frontend, timeout=20, curve=alice) as a:
+        assert a.echo(b"still here") == b"still here"
+        assert a.run(["true"], gpu_milli=10).exit_code == 0
+
+
+# ----------------------------------------------------------------------------- replies to their owner
+
+
+def test_a_routing_id_taken_over_by_another_key_gets_no_reply(cluster: LocalCluster, ctx: zmq.Context[Any],
+                                                              alice: CurveKeys, bob: CurveKeys) -> None:
+    route, rid = os.urandom(16), P.new_id()
+    a = Raw(ctx, cluster.frontend, alice, route)
+    a.send(Command.REQUEST, {"id": rid, "kind": "job", "argv": ["sleep", "1.5"], "need": {"gpu_milli": 10}})
+    a.send(Command.PING, {})
+    pong = a.recv()
+    assert pong is not None and pong.command is Command.PONG  # the request reached the broker
+    a.close()
+    b = Raw(ctx, cluster.frontend, bob, route)  # bob claims alice's routing id once she is gone
+    try:
+        b.send(Command.PING, {})
+        got = b.recv()
+        assert got is not None and got.command is Command.PONG
+        assert b.recv(timeout=4.0) is None, "bob received alice's reply"
+    finally:
+        b.close()
+    a2 = Raw(ctx, cluster.frontend, alice, os.urandom(16))  # alice's retry, from a new connection
+    try:
+        a2.send(Command.REQUEST, {"id": rid, "kind": "job", "argv": ["sleep", "1.5"], "need": {"gpu_milli": 10}})
+        reply = a2.recv()
+        assert reply is not None and reply.header["ok"] is True and reply.header["exit_code"] == 0, reply
+    finally:
+        a2.close()
+    assert_alice_served(cluster, alice)
+
+
+def _unseeded_automatic_ids(n: int) -> list[int]:
+    """The first automatic routing ids libzmq hands out in a process that never seeded rand()
+    (libzmq draws each ROUTER's first id from two rand() calls)."""
+    libc = ctypes.CDLL(None)
+    libc.srand(1)
+    out = [(libc.rand() | (libc.rand() << 31)) & 0xFFFFFFFF for _ in range(n)]
+    libc.srand(int.from_bytes(os.urandom(4), "big"))
+    return out
+
+
+def test_claimed_automatic_routing_ids_abort_nothing(cluster: LocalCluster, ctx: zmq.Context[Any],
+                                                     alice: CurveKeys, bob: CurveKeys) -> None:
+    # Bob claims the ids libzmq would hand out next if its counters were predictable, then
+    # connects without ids: libzmq asserts when an automatic id is already taken.
+    claims = [Raw(ctx, cluster.frontend, bob, b"\0" + (base + k).to_bytes(4, "big"))
+              for base in _unseeded_automatic_ids(8) for k in range(3)]
+    anonymous = [Raw(ctx, cluster.frontend, bob, None) for _ in range(6)]
+    try:
+        for r in (*claims, *anonymous):
+            r.send(Command.REQUEST, {"id": P.new_id(), "kind": "echo"})
+        # Neither kind of connection is served: their ids are not 16 random bytes.
+        assert all(r.recv(timeout=0.2) is None for r in (*claims, *anonymous))
+        wait_for("the broker to log the dropped messages",
+                 lambda: "routing id is not 16 random bytes" in cluster.log_tail("broker", 2000))
+        assert_alice_served(cluster, alice)
+    finally:
+        for r in (*claims, *anonymous):
+            r.close()
+    assert_alice_served(cluster, alice)

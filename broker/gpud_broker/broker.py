@@ -37,7 +37,14 @@ from gpud.security import (
     check_bind,
     server_socket_options,
 )
-from gpud.sockets import NOBLOCK, SNDMORE, recv_frames, recv_frames_user, send_frames
+from gpud.sockets import (
+    NOBLOCK,
+    SNDMORE,
+    recv_frames,
+    recv_frames_user,
+    recv_frames_user_if,
+    send_frames,
+)
 from gpud_broker.commands import ADMIN
 from gpud_broker.core import BrokerConfig, BrokerCore
 from gpud_standby.pair import Pair, PairConfig
@@ -48,6 +55,7 @@ BATCH = 256  # messages drained from one socket before looking at the others
 TICK_S = 0.05  # how often timers run (heartbeats, expiries)
 DROP_LOG_S = 10.0  # at most one log line per this many seconds for dropped client messages
 _NEW_WORK = (protocol.CMD_BYTES[Command.REQUEST], protocol.CMD_BYTES[Command.CALL])
+_WHO_WORKER = frozenset((protocol.CMD_BYTES[Command.READY], protocol.CMD_BYTES[Command.BATCH]))  # worker messages read with their key's name
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +124,7 @@ class Broker:
         self._outboxes = ((back, self._to_workers), (front, self._to_clients))
         to_client = _queue_in(self._to_clients)
         self.core = BrokerCore(config, time.monotonic(), send_client=to_client, send_worker=_queue_in(self._to_workers))
+        self.core.worker_names_bound = self.security.curve
         self.endpoints = Endpoints(
             frontend=bind(self.frontend, endpoints.frontend),
             backend=bind(self.backend, endpoints.backend),
@@ -378,7 +387,7 @@ class Broker:
             core.now = now
             # Sent after each socket's batch: what results freed is dispatched before the clients'
             # new requests are read (a worker must not idle through a batch of them).
-            got = self._drain(back, self._on_worker) if busy or back in ready else 0
+            got = self._drain_workers(back) if busy or back in ready else 0
             if to_workers or to_clients:
                 self._flush()
             if busy or front in ready:
@@ -467,7 +476,19 @@ class Broker:
             handle(frames)
         return BATCH
 
-    def _on_worker(self, frames: list[bytes]) -> None:
+    def _drain_workers(self, sock: zmq.Socket[bytes]) -> int:
+        """``_drain`` for the backend: a READY (or a BATCH) with its worker's key name under CURVE."""
+        if self.zap is None:
+            return self._drain(sock, self._on_worker)
+        for n in range(BATCH):
+            try:
+                frames, user = recv_frames_user_if(sock, _WHO_WORKER, NOBLOCK, copy_first=4)
+            except zmq.Again:
+                return n
+            self._on_worker(frames, user)
+        return BATCH
+
+    def _on_worker(self, frames: list[bytes], user: str | None = None) -> None:
         ident = frames[0]
         try:
             msg = protocol.decode(frames[1:], Peer.WORKER, self.config.max_message_bytes)
@@ -481,15 +502,17 @@ class Broker:
             self._bad(self.backend, Peer.WORKER, ident, frames, InternalError("internal error in the broker"))
             return
         if msg.command is not Command.BATCH:
-            self._from_worker(ident, msg, frames[3], frames)
+            self._from_worker(ident, msg, frames[3], frames, user)
             return
         for one, raw in inner:
-            self._from_worker(ident, one, raw, None)
+            self._from_worker(ident, one, raw, None, user)
 
-    def _from_worker(self, ident: bytes, msg: protocol.Message, raw: bytes, frames: list[bytes] | None) -> None:
-        """One message of a worker, alone or out of a BATCH (``frames`` None: rebuilt when needed)."""
+    def _from_worker(self, ident: bytes, msg: protocol.Message, raw: bytes, frames: list[bytes] | None,
+                     user: str | None = None) -> None:
+        """One message of a worker, alone or out of a BATCH (``frames`` None: rebuilt when needed).
+        ``user``: its key's name (CURVE; read for READY and BATCH only)."""
         try:
-            self.core.on_worker(ident, msg, raw)
+            self.core.on_worker(ident, msg, raw, user)
         except Exception as exc:
             if frames is None:
                 frames = [ident, *protocol.encode_raw(Peer.WORKER, msg.command, raw)]

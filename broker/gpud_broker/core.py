@@ -128,7 +128,7 @@ class BrokerCore:
         self.policy = make_policy(config.policy, mix=self.mix)
         self._observe = self.mix.observe if config.policy.startswith("fgd") else None
         self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0, "bad_routes": 0, "worker_losses": 0, "takeovers": 0,
-                         "job_timeouts": 0, "session_replays": 0}
+                         "job_timeouts": 0, "session_replays": 0, "refused_workers": 0}
         self.stats = RequestStats()  # by kind and by error code, for the metrics endpoint
         self.placement_times = PlacementTimes()  # seconds per placement decision (admin status)
         self.open_workers = 0  # registered workers with a free slot (see the module docstring)
@@ -152,6 +152,7 @@ class BrokerCore:
         # connection that took over a routing id under another key never gets another's reply.
         self.owners: dict[bytes, str] = {}
         self._users: dict[str, tuple[str, str]] = {}  # User-Id -> (tenant, owner), memoized
+        self.worker_names_bound = False  # CURVE: a worker's name must be its key's name
 
     @property
     def sessions(self) -> dict[bytes, Session]:
@@ -596,11 +597,12 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ worker dialog
 
-    def on_worker(self, identity: bytes, msg: Message, raw_header: bytes) -> None:
+    def on_worker(self, identity: bytes, msg: Message, raw_header: bytes, user: str | None = None) -> None:
+        """``user``: for a READY under CURVE, the name of the worker's key (the ZAP User-Id)."""
         cmd = msg.command
         worker = self.registry.by_identity.get(identity)
         if cmd is Command.READY:
-            self._on_ready(identity, worker, msg.header)
+            self._on_ready(identity, worker, msg.header, user)
             return
         if worker is None:
             log.info("%s from an unknown worker connection; asking it to reconnect", cmd.name)
@@ -624,7 +626,10 @@ class BrokerCore:
         else:
             raise UnknownCommand(f"command {cmd.name} is not valid from a worker")
 
-    def _on_ready(self, identity: bytes, current: WorkerRecord | None, header: dict[str, Any]) -> None:
+    def _on_ready(self, identity: bytes, current: WorkerRecord | None, header: dict[str, Any],
+                  user: str | None = None) -> None:
+        """A worker's READY. Under CURVE (``worker_names_bound``) ``user`` is its key's name (the
+        ZAP User-Id): the allow-list file ``workers/NAME.key`` admits worker NAME and no other."""
         try:
             ready = protocol.parse_ready(header)
         except ProtocolError as exc:
@@ -634,19 +639,27 @@ class BrokerCore:
             return
         name = ready.name
         # Refuse before tearing anything down: a refused READY must not cost a live worker.
-        replaced = {w.name for w in (current, self.registry.by_name.get(name)) if w is not None}
+        if self.worker_names_bound and user != name:
+            self._refuse_worker(identity, name, f"refused: this worker's key is workers/{user}.key, which admits "
+                                f"worker {user} only, not {name}: start it with --name {user}")
+            return
+        previous = self.registry.by_name.get(name)
+        if previous is not None and previous is not current:
+            if not previous.liveness.expired(self.now):
+                self._refuse_worker(identity, name, (
+                    f"refused: worker {name} is already connected from host {previous.hostname} (for "
+                    f"{self.now - previous.connected_at:.0f}s); give each worker a name of its own (--name)"))
+                return
+        replaced = {w.name for w in (current, previous) if w is not None}
         for gpu in ready.gpus:
             holder = self.registry.gpus.get(gpu.uuid)
             if holder is not None and holder.worker.name not in replaced:
-                log.error("worker %s announces GPU %s, held by worker %s; refused", name, gpu.uuid, holder.worker.name)
-                self.send_worker(identity, protocol.encode(Peer.WORKER, Command.DISCONNECT,
-                                                           {"reason": f"GPU {gpu.uuid} is already registered"}))
+                self._refuse_worker(identity, name, f"refused: GPU {gpu.uuid} is already registered by worker {holder.worker.name}")
                 return
         if current is not None:
             self.worker_lost(current, "sent READY again")
-        previous = self.registry.by_name.get(name)
-        if previous is not None:
-            self.worker_lost(previous, "replaced by a new connection of the same name")
+        if previous is not None and previous is not current:
+            self.worker_lost(previous, "silent past its liveness, and a new connection of the same name came")
         policy = self.config.heartbeat.negotiate(ready.heartbeat_ms / 1000.0, ready.liveness)
         worker = self.registry.add(
             name=name,
@@ -673,6 +686,12 @@ class BrokerCore:
             "heartbeat_ms": round(policy.interval * 1000), "liveness": policy.liveness, "broker": self.config.name,
             "active": self.active, "epoch": self.epoch, "acks": self.acking}))
         self.place_queued()
+
+    def _refuse_worker(self, identity: bytes, name: str, reason: str) -> None:
+        """Refuse a READY: logged here, and the worker is told why (DISCONNECT: it retries later)."""
+        self.counters["refused_workers"] += 1
+        log.error("worker %s %s", name, reason)
+        self.send_worker(identity, protocol.encode(Peer.WORKER, Command.DISCONNECT, {"reason": reason}))
 
     def _on_heartbeat(self, worker: WorkerRecord, header: dict[str, Any]) -> None:
         seq = header.get("seq")

@@ -146,3 +146,43 @@ def test_claimed_automatic_routing_ids_abort_nothing(cluster: LocalCluster, ctx:
         for r in (*claims, *anonymous):
             r.close()
     assert_alice_served(cluster, alice)
+
+
+# ----------------------------------------------------------------------------- worker identity
+
+
+def test_a_worker_key_admits_its_own_name_only(cluster: LocalCluster, alice: CurveKeys) -> None:
+    with Client(cluster.frontend, timeout=30, curve=alice) as a:
+        running = a.submit(["sleep", "2"], gpu_milli=10)
+        # An allowed key, workers/imp.key, announcing itself as the connected worker w0.
+        cluster.add_worker("imp", extra=["--name", "w0"])
+        try:
+            wait_for("the broker to refuse the impostor", lambda: "this worker's key is workers/imp.key, which admits "
+                     "worker imp only, not w0" in cluster.log_tail("broker", 2000))
+            wait_for("the impostor to be told", lambda: "workers/imp.key" in cluster.log_tail("imp", 200))
+            assert running.wait().exit_code == 0  # w0 kept its job: no WORKER_LOST
+            st = cluster.status()
+            assert [w["name"] for w in st["workers"]] == ["w0"]
+            assert st["counters"]["worker_losses"] == 0
+        finally:
+            cluster.kill_worker("imp")
+            del cluster.worker_procs["imp"]
+    assert_alice_served(cluster, alice)
+
+
+def test_two_workers_of_one_name_do_not_flap(tmp_path: Any) -> None:
+    """Security none (the name check is then the only one): two workers started under one name."""
+    with LocalCluster(workers=0, gpus_per_worker=1, heartbeat_ms=200, log_level="INFO") as c:
+        c.add_worker("d1", extra=["--name", "dup"])
+        c.wait_workers(1)
+        c.add_worker("d2", extra=["--name", "dup"])
+        wait_for("the second to be refused", lambda: "worker dup is already connected from host"
+                 in c.log_tail("d2", 200) and "already connected" in c.log_tail("broker", 500))
+        first = c.status()["workers"]
+        time.sleep(2.0)  # ten heartbeat intervals: the first is never evicted
+        then = c.status()
+        assert [w["name"] for w in then["workers"]] == ["dup"]
+        assert then["workers"][0]["connected_s"] > first[0]["connected_s"] + 1.5
+        assert then["counters"]["worker_losses"] == 0
+        with Client(c.frontend, timeout=20) as client:
+            assert client.echo(b"one of them serves") == b"one of them serves"

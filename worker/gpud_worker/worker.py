@@ -500,7 +500,8 @@ class Worker:
             self._beat(link, now)
         elif cmd is Command.DISCONNECT:
             reason = h.get("reason")
-            log.warning("broker %s disconnected us (%s); reconnecting", link.endpoint, reason)
+            (log.error if type(reason) is str and reason.startswith("refused") else log.warning)(
+                "broker %s disconnected us (%s); reconnecting", link.endpoint, reason)
             self._reconnect(link, poller, now)
         elif cmd is Command.ERROR:
             log.warning("broker %s reports an error: %s %s", link.endpoint, h.get("code"), h.get("message"))

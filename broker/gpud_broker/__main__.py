@@ -18,6 +18,7 @@ from gpud_broker.policies import FACTORIES
 if TYPE_CHECKING:
     from gpud.config import OpenStackConfig
     from gpud.resources import TenantLimits
+    from gpud_broker.accounts import Budgets
     from gpud_broker.broker import Endpoints
     from gpud_broker.core import BrokerConfig
     from gpud_standby.pair import PairConfig
@@ -114,10 +115,14 @@ def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | Non
                   limits: dict[str, dict[str, int]] | None = None) -> BrokerConfig:
     """The broker's runtime config from [broker]; ``tenant_weights`` and ``limits`` (from flags)
     override the file's."""
-    from gpud_broker.core import BrokerConfig
+    from gpud_broker.core import DEFAULT_RESULT_BYTES, BrokerConfig, default_max_message_bytes
 
     b = cfg.broker
+    own = budgets(b)
     return BrokerConfig(
+        budgets=own if own != budgets(config.BrokerSection(max_queue=b.max_queue, result_bytes=b.result_bytes)) else None,
+        max_message_bytes=b.max_message_bytes or default_max_message_bytes(),
+        result_bytes=b.result_bytes or DEFAULT_RESULT_BYTES,
         name=b.name,
         heartbeat=HeartbeatPolicy(b.heartbeat_ms / 1000.0, b.liveness),
         policy=b.policy,
@@ -129,6 +134,27 @@ def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | Non
         aging_s=b.aging,
         reserve_after=b.reserve_after,
     )
+
+
+def budgets(b: config.BrokerSection) -> Budgets:
+    """Every tenant's budgets: ``[broker] tenant_*`` over the defaults sized from the machine, and
+    each ``[broker.tenants.NAME]``'s own over those (0: not set)."""
+    from gpud_broker.accounts import Budgets, default_budget, default_held_bytes, with_overrides
+    from gpud_broker.core import DEFAULT_RESULT_BYTES
+
+    base = default_budget(b.max_queue, result_bytes=b.result_bytes or DEFAULT_RESULT_BYTES)
+    if b.tenant_max_queued and not b.tenant_max_outstanding:
+        base = with_overrides(base, {"max_outstanding": max(base.max_outstanding, 2 * b.tenant_max_queued)})
+    base = with_overrides(base, {
+        "max_queued": b.tenant_max_queued, "max_outstanding": b.tenant_max_outstanding, "max_bytes": b.tenant_max_bytes,
+        "max_sessions": b.tenant_max_sessions, "max_deadline_ms": b.tenant_max_deadline_ms,
+        "reply_bytes": b.tenant_reply_bytes})
+    own = {name: with_overrides(base, {
+        "max_queued": t.max_queued, "max_outstanding": t.max_outstanding, "max_bytes": t.max_bytes,
+        "max_sessions": t.max_sessions, "max_deadline_ms": t.max_deadline_ms, "reply_bytes": t.reply_bytes})
+        for name, t in b.tenants.items()}
+    return Budgets(default=base, tenants={n: t for n, t in own.items() if t != base},
+                   max_held_bytes=b.max_held_bytes or default_held_bytes())
 
 
 def pair_config(cfg: config.GpudConfig) -> PairConfig | None:

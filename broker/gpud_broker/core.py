@@ -40,6 +40,7 @@ from gpud.errors import (
     SessionLost,
     ShuttingDown,
     Timeout,
+    TooLarge,
     UnknownCommand,
     WorkerLost,
 )
@@ -47,7 +48,13 @@ from gpud.heartbeat import HeartbeatPolicy
 from gpud.protocol import Command, Message, Peer
 from gpud.resources import Grant, Need, TenantLimits
 from gpud_broker import replication
-from gpud_broker.accounts import Accounts
+from gpud_broker.accounts import (
+    Accounts,
+    Budgets,
+    default_budget,
+    default_held_bytes,
+    machine_memory,
+)
 from gpud_broker.leases import SessionLeases
 from gpud_broker.mix import TaskMix
 from gpud_broker.policies import FACTORIES, could_ever_fit, make_policy
@@ -66,7 +73,13 @@ Send = Callable[[bytes, list[Any]], object]
 SAMPLE_ABOVE = 64  # workers: above this many, ``balanced`` looks at a random sample first
 SAMPLE_K = 16  # workers in that sample
 MAX_RUNNING_KEPT = 1000  # entries of a heartbeat's running list kept (more: it may be cut short)
+DEFAULT_RESULT_BYTES = 256 << 20  # the reply store's default size
 MAX_OWNERS = 1 << 18  # routing ids whose authenticated sender is remembered (oldest forgotten first)
+
+
+def default_max_message_bytes() -> int:
+    """The largest message by default: 1 GiB, or an eighth of this machine's memory if less."""
+    return min(protocol.DEFAULT_MAX_MESSAGE_BYTES, machine_memory() // 8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,15 +90,16 @@ class BrokerConfig:
     max_queue: int = 10_000
     default_deadline_ms: int = 30_000
     result_ttl: float = 60.0  # seconds a finished reply is kept for retries
-    result_bytes: int = 256 << 20  # bytes of finished replies kept at most
+    result_bytes: int = DEFAULT_RESULT_BYTES  # bytes of finished replies kept at most
     session_lease: float = 30.0  # seconds without hearing from a session's client
     max_attempts: int = 3  # placements of one request across worker losses
-    max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES
+    max_message_bytes: int = field(default_factory=lambda: default_max_message_bytes())
     tenant_weights: dict[str, float] = field(default_factory=dict)  # fair-share weights (default 1)
     tenant_limits: dict[str, TenantLimits] = field(default_factory=dict)  # per tenant (default: none)
     aging_s: float = DEFAULT_AGING_S  # seconds of waiting worth one priority level
     reserve_after: float = DEFAULT_RESERVE_AFTER_S  # seconds before a blocked request reserves a worker
     drain_timeout: float = 10.0  # seconds dispatched work may take to finish after SIGTERM (the shell's)
+    budgets: Budgets | None = None  # what the broker holds per tenant and in all (None: sized from the machine)
 
     def __post_init__(self) -> None:
         if self.policy not in FACTORIES:
@@ -119,7 +133,7 @@ class BrokerCore:
         self.send_worker = send_worker
         self.registry = WorkerRegistry()
         self.tasks = TaskTable(config.result_ttl, config.result_bytes)
-        self.accounts = Accounts(self.registry, config.tenant_weights, config.tenant_limits)
+        self.accounts = Accounts(self.registry, config.tenant_weights, config.tenant_limits, self._budgets(config))
         self.queue: PendingQueue[Task] = PendingQueue(config.max_queue, self.accounts.fair, config.aging_s, config.reserve_after)
         self.leases = SessionLeases(config.session_lease)
         # The running mix of requests the fragmentation-aware policies judge against: fed with
@@ -263,6 +277,16 @@ class BrokerCore:
         if tenant is not None and need.tenant != tenant:
             need = self._as_tenant(need, tenant)
         accounts = self.accounts
+        budget = accounts.budgets.of(need.tenant)
+        if request.deadline_ms > budget.max_deadline_ms:
+            self._refuse(identity, rid, TooLarge(f"deadline_ms {request.deadline_ms} is over tenant {need.tenant}'s "
+                                                 f"budget max_deadline_ms ({budget.max_deadline_ms})"), need.tenant)
+            return
+        nbytes = sum([len(f) for f in msg.frames]) if msg.frames else 0
+        why = accounts.over_budget(need.tenant, nbytes, self._sessions_of(need.tenant) if kind == "session" else -1)
+        if why is not None:
+            self._refuse(identity, rid, Busy(why), need.tenant)
+            return
         if accounts.limits and not accounts.could_ever_admit(need.tenant, need, kind == "session"):
             self._refuse(identity, rid, NoCapacity(f"the request is over tenant {need.tenant}'s limits"), need.tenant)
             return
@@ -271,8 +295,9 @@ class BrokerCore:
         now = self.now
         task = Task(id=rid, kind=kind, need=need, body=request.body, frames=msg.frames, route=identity, created=now,
                     deadline=now + request.deadline_ms / 1000.0, priority=need.priority, tenant=need.tenant,
-                    retryable=request.retryable, owner=owner)
+                    retryable=request.retryable, owner=owner, held=nbytes)
         self.tasks.add(task)
+        accounts.hold(task.tenant, nbytes, kind == "session")
         self.journal.task(task, now)
         lost = None
         if request.replaces is not None:
@@ -284,9 +309,15 @@ class BrokerCore:
         if len(self.registry) and not self._could_ever_fit(need):
             self._forget(task)
             self._refuse(identity, rid, NoCapacity("no connected worker has GPUs that could satisfy this request"), task.tenant)
-        elif accounts.limits and accounts.queue_full(task.tenant, self.queue.queued_for(task.tenant)):
+            return
+        queued = self.queue.queued_for(task.tenant)
+        if accounts.limits and accounts.queue_full(task.tenant, queued):
             self._forget(task)
             self._refuse(identity, rid, Busy(f"tenant {task.tenant} has as many requests queued as its limit allows; try later"),
+                         task.tenant)
+        elif queued >= budget.max_queued:
+            self._forget(task)
+            self._refuse(identity, rid, Busy(f"tenant {task.tenant} has {queued} requests queued, its budget max_queued; try later"),
                          task.tenant)
         elif self.queue.push(task):
             self.stats.accept(kind, task.tenant)
@@ -295,9 +326,20 @@ class BrokerCore:
             self._forget(task)
             self._refuse(identity, rid, Busy(f"the queue is full ({self.config.max_queue} requests); try later"), task.tenant)
 
+    def _sessions_of(self, tenant: str) -> int:
+        """Open sessions of ``tenant`` (counted when it asks for one more: sessions are few)."""
+        return sum([1 for s in self.leases.sessions.values() if s.tenant == tenant])
+
     def _forget(self, task: Task) -> None:
+        """Drop a task refused after it was made (it never ran; its budgets are let go)."""
+        self._let_go(task)
         self.tasks.forget(task)
         self.journal.forget(task.id)
+
+    def _let_go(self, task: Task) -> None:
+        if task.held >= 0:
+            self.accounts.let_go(task.tenant, task.held, task.kind == "session")
+            task.held = -1
 
     def _as_tenant(self, need: Need, tenant: str) -> Need:
         """``need`` with the authenticated tenant in place of the declared one (memoized)."""
@@ -359,6 +401,11 @@ class BrokerCore:
         except GpudError as exc:
             self._refuse(identity, rid, exc)
             return
+        nbytes = sum([len(f) for f in msg.frames]) if msg.frames else 0
+        why = self.accounts.over_budget(session.tenant, nbytes)
+        if why is not None:
+            self._refuse(identity, rid, Busy(why), session.tenant)
+            return
         now = self.now
         session.last_seen = now
         session.route = identity
@@ -376,8 +423,10 @@ class BrokerCore:
             tenant=session.tenant,
             session=call.session,
             owner=owner,
+            held=nbytes,
         )
         self.tasks.add(task)
+        self.accounts.hold(task.tenant, nbytes)
         self.journal.task(task, now)
         self.stats.accept("call", session.tenant)
         self._send_dispatch(worker, task)
@@ -525,7 +574,15 @@ class BrokerCore:
     # Fields a running broker can take from a reloaded configuration; the rest need a restart.
     RELOADABLE = ("policy", "max_queue", "default_deadline_ms", "result_ttl", "result_bytes",
                   "session_lease", "max_attempts", "tenant_weights", "tenant_limits", "aging_s",
-                  "reserve_after", "drain_timeout")
+                  "reserve_after", "drain_timeout", "budgets")
+
+    @staticmethod
+    def _budgets(config: BrokerConfig) -> Budgets:
+        """The configured budgets, or the defaults sized from the queue and this machine."""
+        if config.budgets is not None:
+            return config.budgets
+        return Budgets(default=default_budget(config.max_queue, result_bytes=config.result_bytes),
+                       max_held_bytes=default_held_bytes())
 
     def apply_config(self, new: BrokerConfig) -> tuple[list[str], list[str]]:
         """Take a reloaded configuration: returns (fields applied, fields that need a restart)."""
@@ -549,6 +606,8 @@ class BrokerCore:
             self.accounts.fair.set_weights(cfg.tenant_weights)
         if "tenant_limits" in applied:
             self.set_tenant_limits(cfg.tenant_limits)
+        if "budgets" in applied or "max_queue" in applied:
+            self.accounts.budgets = self._budgets(cfg)
         self.place_queued()
         return applied, kept
 
@@ -570,6 +629,8 @@ class BrokerCore:
     # ------------------------------------------------------------------ finishing
 
     def _finish(self, task: Task, reply: list[Any]) -> None:
+        if task.held >= 0:
+            self._let_go(task)
         self.tasks.finish(task, reply, self.now)
         self.journal.done(task.id, reply)
         self.stats.finish(task.kind, self.now - task.created)

@@ -46,6 +46,7 @@ class Task:
     dispatched_at: float = 0.0
     started: bool = False  # marked started: its worker asked START and may have been told GO (starts.py)
     owner: str | None = None  # CURVE: the User-Id (tenant and key) that sent it; its reply goes only there
+    held: int = -1  # payload bytes counted against its tenant's budgets until answered (-1: not counted)
 
 
 @dataclass(slots=True, eq=False)

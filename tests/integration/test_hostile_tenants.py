@@ -50,6 +50,13 @@ class Raw:
             return None
         return P.decode(self.sock.recv_multipart(), Peer.CLIENT)
 
+    def replies(self, timeout: float = 10.0) -> list[P.Message]:
+        """The next message, a BATCH's inner messages one by one (empty: nothing came)."""
+        msg = self.recv(timeout)
+        if msg is None:
+            return []
+        return [one for one, _ in P.unbatch(msg)] if msg.command is Command.BATCH else [msg]
+
     def close(self) -> None:
         self.sock.close(0)
 
@@ -186,3 +193,40 @@ def test_two_workers_of_one_name_do_not_flap(tmp_path: Any) -> None:
         assert then["counters"]["worker_losses"] == 0
         with Client(c.frontend, timeout=20) as client:
             assert client.echo(b"one of them serves") == b"one of them serves"
+
+
+# ----------------------------------------------------------------------------- budgets
+
+
+def test_queue_flood_holds_bob_at_his_budget_and_alice_is_served(cluster: LocalCluster, ctx: zmq.Context[Any],
+                                                                 alice: CurveKeys, bob: CurveKeys) -> None:
+    budget = cluster.status()["budgets"]["default"]["max_queued"]
+    b = Raw(ctx, cluster.frontend, bob, os.urandom(16))
+    ids = [P.new_id() for _ in range(budget + 300)]
+    try:
+        # One of bob's jobs holds 90% of the one GPU; the rest cannot run yet and queue.
+        for rid in ids:
+            b.send(Command.REQUEST, {"id": rid, "kind": "job", "argv": ["sleep", "6"], "need": {"gpu_milli": 900},
+                                     "time_limit": 10})
+        busy = []
+        while len(busy) < 299:
+            got = b.replies(timeout=20)
+            assert got, f"only {len(busy)} BUSY answers"
+            for msg in got:
+                assert msg.header.get("code") == "BUSY", msg.header
+                busy.append(msg.header["message"])
+        assert all("max_queued" in m for m in busy)
+        st = cluster.status()
+        assert st["counts"]["queued"] == budget
+        # Alice: echo, job and session are all accepted and answered meanwhile.
+        with Client(cluster.frontend, timeout=20, curve=alice) as a:
+            assert a.echo(b"through the flood") == b"through the flood"
+            assert a.run(["true"], gpu_milli=10).exit_code == 0
+            with a.session(gpu_milli=100, mem=1 << 20) as s:
+                assert s.worker == "w0"
+    finally:
+        for rid in ids:
+            b.send(Command.CANCEL, {"id": rid})
+        wait_for("bob's queue to be cancelled", lambda: cluster.status()["counts"]["queued"] == 0)
+        b.close()
+    assert_alice_served(cluster, alice)

@@ -287,3 +287,72 @@ def test_reload_recounts_usage() -> None:
 def test_limits_are_checked(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         TenantLimits(**bad)
+
+
+# ----------------------------------------------------------------------------- budgets
+
+
+def _budgeted(**held: int) -> H:
+    from gpud_broker.accounts import Budgets, TenantBudget
+
+    budget = TenantBudget(max_queued=3, max_outstanding=5, max_bytes=1000, max_sessions=1, max_deadline_ms=60_000)
+    return H(budgets=Budgets(default=budget, max_held_bytes=held.get("total", 1 << 30)))
+
+
+def test_a_tenant_at_its_queue_budget_is_busy_and_others_are_placed() -> None:
+    h = _budgeted()
+    n = 0
+    for _ in range(10):  # no worker yet: everything queues
+        n += 1
+        h.request(B, rid(n), "bob", kind="job", argv=["true"])
+    got = h.replies()
+    assert len(got) == 7 and all(code(m) == "BUSY" and "max_queued" in m.header["message"] for _, m in got)
+    assert h.core.queue.queued_for("bob") == 3
+    h.request(A, rid(100), "alice", kind="job", argv=["true"])
+    assert h.replies() == [] and h.core.queue.queued_for("alice") == 1  # alice is accepted
+    h.ready(ngpus=2)
+    task = h.core.tasks.get(rid(100))
+    assert task is not None and task.worker == "w1"  # and placed: fair share, one GPU each
+    assert h.core.queue.queued_for("bob") == 2
+
+
+def test_outstanding_and_byte_budgets_name_the_budget() -> None:
+    h = _budgeted()
+    h.ready()
+    for n in range(1, 6):
+        h.request(B, rid(n), "bob")  # five echoes in flight: bob's max_outstanding
+    h.dispatched()
+    h.request(B, rid(6), "bob")
+    [(_, msg)] = h.replies()
+    assert code(msg) == "BUSY" and "max_outstanding" in msg.header["message"]
+    h.client(A, Command.REQUEST, {"id": rid(7), "kind": "echo"}, "alice", [b"x" * 600])
+    h.client(A, Command.REQUEST, {"id": rid(8), "kind": "echo"}, "alice", [b"x" * 600])  # 1200 bytes: over max_bytes
+    [(who, msg)] = h.replies()
+    assert who == A and code(msg) == "BUSY" and "max_bytes" in msg.header["message"]
+    assert h.core.accounts.load["alice"].bytes == 600
+    for n in (1, 2, 3, 4, 5, 7):
+        h.result(rid(n), worker="w1")
+    h.replies()
+    assert h.core.accounts.load == {} and h.core.accounts.held_bytes == 0  # all let go
+
+
+def test_the_brokers_byte_budget_and_the_longest_deadline() -> None:
+    h = _budgeted(total=1500)
+    h.ready()
+    h.client(A, Command.REQUEST, {"id": rid(1), "kind": "echo"}, "alice", [b"x" * 900])
+    h.client(B, Command.REQUEST, {"id": rid(2), "kind": "echo"}, "bob", [b"x" * 900])
+    [(who, msg)] = h.replies()
+    assert who == B and code(msg) == "BUSY" and "max_held_bytes" in msg.header["message"]
+    h.request(B, rid(3), "bob", deadline_ms=7 * 24 * 3600 * 1000)
+    [(who, msg)] = h.replies()
+    assert who == B and code(msg) == "TOO_LARGE" and "max_deadline_ms" in msg.header["message"]
+
+
+def test_session_budget() -> None:
+    h = _budgeted()
+    h.ready()
+    open_session(h, rid(1), B, "bob")
+    h.request(B, rid(2), "bob", kind="session", need={"gpu_milli": 100, "mem": GiB})
+    [(who, msg)] = h.replies()
+    assert who == B and code(msg) == "BUSY" and "max_sessions" in msg.header["message"]
+    open_session(h, rid(3), A, "alice")  # alice's own budget

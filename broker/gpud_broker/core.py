@@ -37,6 +37,7 @@ from gpud.errors import (
     NoCapacity,
     NotActive,
     ProtocolError,
+    ResultExpired,
     SessionLost,
     ShuttingDown,
     Timeout,
@@ -132,7 +133,7 @@ class BrokerCore:
         self.send_client = send_client
         self.send_worker = send_worker
         self.registry = WorkerRegistry()
-        self.tasks = TaskTable(config.result_ttl, config.result_bytes)
+        self.tasks = TaskTable(config.result_ttl, config.result_bytes, self._reply_share)
         self.accounts = Accounts(self.registry, config.tenant_weights, config.tenant_limits, self._budgets(config))
         self.queue: PendingQueue[Task] = PendingQueue(config.max_queue, self.accounts.fair, config.aging_s, config.reserve_after)
         self.leases = SessionLeases(config.session_lease)
@@ -167,6 +168,10 @@ class BrokerCore:
         self.owners: dict[bytes, str] = {}
         self._users: dict[str, tuple[str, str]] = {}  # User-Id -> (tenant, owner), memoized
         self.worker_names_bound = False  # CURVE: a worker's name must be its key's name
+
+    def _reply_share(self, tenant: str) -> int:
+        """``tenant``'s share of the reply store, in bytes (its budget)."""
+        return self.accounts.budgets.of(tenant).reply_bytes
 
     @property
     def sessions(self) -> dict[bytes, Session]:
@@ -374,7 +379,13 @@ class BrokerCore:
         unknown."""
         known = self.tasks.tasks.get(rid)
         if known is None:
-            return False
+            dropped = self.tasks.expired.get(rid) if self.tasks.expired else None
+            if dropped is None or (tenant is not None and dropped[1] != tenant):
+                return False
+            self._refuse(identity, rid, ResultExpired(
+                "this request ran, and its reply was dropped before the retry window ended (its tenant's share "
+                "of the reply store was full); it is not run again"))
+            return True
         if tenant is not None and (known.tenant != tenant or (known.owner is not None and known.owner != owner)):
             log.warning("tenant %s sent an id of another tenant's or key's work (%s); refused", tenant, protocol.id_text(rid))
             self._refuse(identity, rid, InvalidRequest(ID_IN_USE))
@@ -1014,7 +1025,7 @@ class BrokerCore:
     def clear_work(self) -> None:
         """Forget every task, session, grant and queued request (a passive broker's tables are
         the snapshot it loads next). Workers stay registered."""
-        self.tasks = TaskTable(self.config.result_ttl, self.config.result_bytes)
+        self.tasks = TaskTable(self.config.result_ttl, self.config.result_bytes, self._reply_share)
         self.accounts.clear()
         self.queue = PendingQueue(self.config.max_queue, self.accounts.fair, self.config.aging_s, self.config.reserve_after)
         self.leases.clear()

@@ -230,3 +230,35 @@ def test_queue_flood_holds_bob_at_his_budget_and_alice_is_served(cluster: LocalC
         wait_for("bob's queue to be cancelled", lambda: cluster.status()["counts"]["queued"] == 0)
         b.close()
     assert_alice_served(cluster, alice)
+
+
+# ----------------------------------------------------------------------------- the reply store
+
+
+def test_a_reply_flood_does_not_evict_alices_reply(cluster: LocalCluster, ctx: zmq.Context[Any],
+                                                  alice: CurveKeys, bob: CurveKeys) -> None:
+    budgets = cluster.status()["budgets"]
+    flood = max(2 * budgets["default"]["reply_bytes"], budgets["reply_store"]["max_bytes"]) + (16 << 20)
+    job = {"kind": "job", "argv": ["sh", "-c", "od -An -tx8 -N8 /dev/urandom"], "need": {"gpu_milli": 10}}
+    a = Raw(ctx, cluster.frontend, alice, os.urandom(16))
+    b = Raw(ctx, cluster.frontend, bob, os.urandom(16))
+    try:
+        rid = P.new_id()
+        a.send(Command.REQUEST, {"id": rid, **job})
+        first = a.replies(timeout=20)
+        assert first and first[0].header["ok"] is True
+        # Bob pushes more than the whole reply store through it (and twice his share), 4 MiB at a time.
+        chunk = os.urandom(4 << 20)
+        for _ in range(flood // len(chunk)):
+            b.sock.send_multipart([*P.encode(Peer.CLIENT, Command.REQUEST, {"id": P.new_id(), "kind": "echo"}), chunk])
+            got = b.replies(timeout=20)
+            assert got and got[0].header["ok"] is True, got
+        time.sleep(0.3)  # a few broker ticks: eviction runs
+        # Alice's retry of her non-idempotent job: the very same output, so it did not run again.
+        a.send(Command.REQUEST, {"id": rid, **job})
+        again = a.replies(timeout=20)
+        assert again and again[0].header["ok"] is True and again[0].frames[0] == first[0].frames[0]
+    finally:
+        a.close()
+        b.close()
+    assert_alice_served(cluster, alice)

@@ -356,3 +356,41 @@ def test_session_budget() -> None:
     [(who, msg)] = h.replies()
     assert who == B and code(msg) == "BUSY" and "max_sessions" in msg.header["message"]
     open_session(h, rid(3), A, "alice")  # alice's own budget
+
+
+# ----------------------------------------------------------------------------- the reply store
+
+
+def test_a_flood_of_replies_evicts_only_the_flooders_and_a_dropped_job_is_never_run_again() -> None:
+    from gpud_broker.accounts import Budgets, TenantBudget
+
+    h = H(budgets=Budgets(default=TenantBudget(reply_bytes=64 << 10)), result_bytes=1 << 30)
+    h.ready()
+    h.request(A, rid(1), "alice", kind="job", argv=["true"])  # not idempotent: must never run twice
+    h.dispatched()
+    h.result(rid(1), worker="w1", exit_code=0)
+    for n in range(2, 60):  # bob: 58 jobs with 4 KiB of output each, far past his 64 KiB share
+        h.request(B, rid(n), "bob", kind="job", argv=["true"])
+        h.dispatched()
+        h.core.now = h.clock.monotonic()
+        enc = P.encode(Peer.WORKER, Command.RESULT, {"id": rid(n), "ok": True, "worker": "w1"}, [b"o" * 4096])
+        h.core.on_worker(W1, P.decode(enc, Peer.WORKER), enc[2])
+    h.replies()
+    h.clock.advance(1.0)
+    h.core.tick(h.clock.monotonic())
+    assert h.core.tasks.held_by("bob") <= 64 << 10 and h.core.tasks.held_by("alice") > 0
+    # Alice's retry, well inside the window: her reply, no second run.
+    h.request(C, rid(1), "alice", kind="job", argv=["true"])
+    [(who, msg)] = h.replies()
+    assert who == C and msg.header["ok"] is True and h.dispatched() == []
+    # Bob's first jobs' replies were dropped early: a retry gets RESULT_EXPIRED, nothing runs.
+    h.request(B, rid(2), "bob", kind="job", argv=["true"])
+    [(who, msg)] = h.replies()
+    assert who == B and code(msg) == "RESULT_EXPIRED" and h.dispatched() == []
+    # Another tenant's guess of that id learns nothing of it: a fresh request.
+    h.request(A, rid(2), "alice", kind="echo")
+    assert [d["id"] for d in h.dispatched()] == [rid(2)]
+    # After the retry window the id is forgotten like any other.
+    h.clock.advance(h.core.config.result_ttl)
+    h.core.tick(h.clock.monotonic())
+    assert rid(3) not in h.core.tasks.expired

@@ -27,7 +27,8 @@ _D = config.BrokerSection()  # the defaults, for the help texts
 DEFAULT_FRONTEND = _D.frontend
 DEFAULT_BACKEND = _D.backend
 FLAGS = ("name", "frontend", "backend", "admin", "policy", "heartbeat_ms", "liveness", "max_queue",
-         "session_lease", "result_ttl", "aging", "reserve_after")
+         "session_lease", "result_ttl", "aging", "reserve_after", "max_message_bytes", "tenant_max_queued",
+         "tenant_max_bytes", "max_held_bytes")
 """The [broker] keys that have a flag of the same name (--heartbeat-ms for heartbeat_ms)."""
 LIMIT_KEYS = ("max_milli", "max_mem", "max_sessions", "max_queued")
 STANDBY_FLAGS = ("role", "peer", "peer_bind", "peer_heartbeat_ms", "peer_expiry_ms")
@@ -52,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, help=f"queued requests at most, then BUSY (default {_D.max_queue})")
     p.add_argument("--session-lease", type=float, help=f"seconds a session survives a silent client (default {_D.session_lease:g})")
     p.add_argument("--result-ttl", type=float, help=f"seconds finished replies are kept for retries (default {_D.result_ttl:g})")
+    p.add_argument("--max-message-bytes", type=int, help="bytes of one message at most (default: 1 GiB, or memory/8 if less)")
+    p.add_argument("--tenant-max-queued", type=int, help="requests of one tenant queued at once (default: max_queue/4)")
+    p.add_argument("--tenant-max-bytes", type=int, help="payload bytes held for one tenant (default: memory/16, at most 4 GiB)")
+    p.add_argument("--max-held-bytes", type=int, help="payload bytes held for all tenants (default: memory/4)")
     p.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=W",
                    help="fair-share weight of a tenant (default 1); repeat for each tenant")
     p.add_argument("--aging", type=float, help=f"seconds of waiting worth one priority level (default {_D.aging:g})")

@@ -756,7 +756,8 @@ class BrokerCore:
         )
         self.send_worker(identity, protocol.encode(Peer.WORKER, Command.WELCOME, {
             "heartbeat_ms": round(policy.interval * 1000), "liveness": policy.liveness, "broker": self.config.name,
-            "active": self.active, "epoch": self.epoch, "acks": self.acking}))
+            "active": self.active, "epoch": self.epoch, "acks": self.acking,
+            "max_message_bytes": self.config.max_message_bytes}))
         self.place_queued()
 
     def _refuse_worker(self, identity: bytes, name: str, reason: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,6 +19,9 @@ from gpud.protocol import Command, Peer
 from gpud.security import CurveKeys, apply_client_keys
 from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
+
+# Job uids of our own: other suites' clusters, run at the same time, use the range's start.
+UIDS = 61184 + 16 * random.randrange(40, 200)
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
@@ -63,7 +67,8 @@ class Raw:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, security="curve", log_level="INFO") as c:
+    with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, security="curve", log_level="INFO",
+                      dynamic_uid_base=UIDS) as c:
         yield c
 
 
@@ -179,7 +184,7 @@ def test_a_worker_key_admits_its_own_name_only(cluster: LocalCluster, alice: Cur
 
 def test_two_workers_of_one_name_do_not_flap(tmp_path: Any) -> None:
     """Security none (the name check is then the only one): two workers started under one name."""
-    with LocalCluster(workers=0, gpus_per_worker=1, heartbeat_ms=200, log_level="INFO") as c:
+    with LocalCluster(workers=0, gpus_per_worker=1, heartbeat_ms=200, log_level="INFO", dynamic_uid_base=UIDS + 32) as c:
         c.add_worker("d1", extra=["--name", "dup"])
         c.wait_workers(1)
         c.add_worker("d2", extra=["--name", "dup"])
@@ -262,3 +267,24 @@ def test_a_reply_flood_does_not_evict_alices_reply(cluster: LocalCluster, ctx: z
         a.close()
         b.close()
     assert_alice_served(cluster, alice)
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def test_an_oversize_result_fails_its_job_and_costs_the_worker_nothing() -> None:
+    from gpud.errors import TooLarge
+
+    limit = 8 << 20
+    with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, security="curve", log_level="INFO",
+                      broker_args=["--max-message-bytes", str(limit)], dynamic_uid_base=UIDS + 64) as c:
+        with Client(c.frontend, timeout=30, curve=c.client_keys("alice")) as a:
+            other = a.submit(["sleep", "2"], gpu_milli=10)
+            big = a.submit(["sh", "-c", "head -c 12000000 /dev/zero > out"], outputs=["out"], gpu_milli=10)
+            with pytest.raises(TooLarge) as info:
+                big.wait()
+            assert "over the" in info.value.message and "maximum message size" in info.value.message
+            assert other.wait().exit_code == 0  # the worker kept its connection and its other job
+            assert a.run(["true"], gpu_milli=10).exit_code == 0
+        st = c.status()
+        assert st["counters"]["worker_losses"] == 0 and [w["name"] for w in st["workers"]] == ["w0"]

@@ -52,7 +52,8 @@ ADMIN_DOMAIN = "gpud-admin"
 PEER_DOMAIN = "gpud-peer"  # the broker pair's link: both brokers share one key pair
 BROKER_KEY_NAME = "broker"
 WORKER_KEY_NAME = "worker"
-REFUSAL_LOG_INTERVAL_S = 60.0  # one WARNING per key (or endpoint) and interval; the rest are counted
+REFUSAL_LOG_INTERVAL_S = 60.0  # one WARNING per source address (or endpoint) and interval; the rest are counted
+HANDSHAKE_IVL_MS = 5000  # a connection that has not finished its handshake by then is closed
 
 _NAME_OK = _TENANT_RE  # key names and tenant directory names: 1-64 of [A-Za-z0-9._@-]
 
@@ -208,6 +209,7 @@ def server_socket_options(sock: zmq.Socket[Any], secret: bytes, public: bytes, d
     """Make ``sock`` a CURVE server whose peers are checked by the ZAP handler under ``domain``.
     Call before bind."""
     require_curve()
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
@@ -548,7 +550,8 @@ class ZapHandler:
 
     def _refuse(self, domain: str, address: str, key: bytes, code: str, why: str) -> tuple[str, str, str]:
         self.refused += 1
-        held = self._limit((domain, key or address))
+        # Per source address, not per key: an outsider with a fresh key per handshake is one line.
+        held = self._limit((domain, address))
         if held is not None:
             log.warning("refused a connection on %s from %s: %s (key %s)%s", domain or "-", address or "?",
                         why, key_prefix(key) if key else "-",

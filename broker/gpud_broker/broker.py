@@ -10,6 +10,7 @@ import gc
 import json
 import logging
 import os
+import resource
 import signal
 import threading
 import time
@@ -29,6 +30,7 @@ from gpud.security import (
     BACKEND_DOMAIN,
     FRONTEND_DOMAIN,
     HANDSHAKE_FAILURES,
+    HANDSHAKE_IVL_MS,
     ZAP_ENDPOINT,
     CurveKeys,
     HandshakeLog,
@@ -54,6 +56,8 @@ log = logging.getLogger(__name__)
 BATCH = 256  # messages drained from one socket before looking at the others
 TICK_S = 0.05  # how often timers run (heartbeats, expiries)
 DROP_LOG_S = 10.0  # at most one log line per this many seconds for dropped client messages
+FD_RESERVE = 64  # descriptors kept free: nearer the limit the frontend stops accepting connections
+FD_CHECK_S = 0.5  # how often descriptors in use are counted
 _NEW_WORK = (protocol.CMD_BYTES[Command.REQUEST], protocol.CMD_BYTES[Command.CALL])
 _WHO_WORKER = frozenset((protocol.CMD_BYTES[Command.READY], protocol.CMD_BYTES[Command.BATCH]))  # worker messages read with their key's name
 
@@ -88,6 +92,8 @@ class Broker:
         self.reloader: Callable[[], BrokerConfig] | None = None  # re-reads the configuration
         self._monitors: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes], HandshakeLog]] = []
         self._route_log_at = 0.0
+        self._fd_check_at = 0.0
+        self._accepting = True  # the frontend is bound (it is unbound while descriptors run short)
         _seed_routing_ids()
         keys: CurveKeys | None = None
         admin_tcp = bool(endpoints.admin) and not str(endpoints.admin).startswith(("ipc://", "inproc://"))
@@ -233,6 +239,7 @@ class Broker:
         s.setsockopt(zmq.SNDHWM, 100_000)
         s.setsockopt(zmq.RCVHWM, 100_000)
         s.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        s.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)  # a silent connection does not hold a descriptor long
         if keys is not None:
             server_socket_options(s, keys.secret, keys.public, domain)
             # Handshakes ZAP never sees (a peer without CURVE, a wrong server key) are logged
@@ -414,6 +421,9 @@ class Broker:
                 if admin is not None:
                     self._drain(admin, self._on_admin)
                 core.tick(now)
+                if now >= self._fd_check_at:
+                    self._guard_descriptors()
+                    self._fd_check_at = now + FD_CHECK_S
                 if self.openstack is not None:  # OpenStack: results in, decisions out; never waits
                     self.openstack.on_tick(core, now)
                 if pair is not None:
@@ -447,6 +457,34 @@ class Broker:
                         break
         core.shutdown()
         self._flush()
+
+    def _guard_descriptors(self) -> None:
+        """Keep FD_RESERVE descriptors free, so that running out never aborts libzmq and the admin
+        socket keeps answering: near the limit the frontend stops accepting new connections (the
+        ones made stay and are served), and accepts again once under the limit by twice as much.
+        Connections that never finish their handshake go after HANDSHAKE_IVL_MS."""
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # read each time: prlimit may change it
+        if limit == resource.RLIM_INFINITY or limit <= 4 * FD_RESERVE:
+            return
+        try:
+            used = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            return
+        endpoint = self.endpoints.frontend
+        if self._accepting and used >= limit - FD_RESERVE:
+            self.frontend.unbind(endpoint)
+            self._accepting = False
+            self.core.counters["fd_pauses"] += 1
+            log.error("%d of %d descriptors in use: the frontend stops accepting connections until under %d "
+                      "(those made are served; raise LimitNOFILE if this is real load)", used, limit, limit - 2 * FD_RESERVE)
+        elif not self._accepting and used < limit - 2 * FD_RESERVE:
+            try:
+                self.frontend.bind(endpoint)
+            except zmq.ZMQError as exc:
+                log.error("cannot bind the frontend %s again (%s); retrying", endpoint, exc)
+                return
+            self._accepting = True
+            log.warning("%d of %d descriptors in use: the frontend accepts connections again", used, limit)
 
     def _flush(self) -> None:
         """Send what the core queued: each peer's messages in order, runs of small ones as BATCHes."""
@@ -559,6 +597,20 @@ class Broker:
         sock.send_multipart([ident, *protocol.encode(peer, Command.ERROR, header)])
 
 
+def raise_descriptor_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard one (systemd's default soft limit is 1024: far too
+    few for a broker with a connection per client). Returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, want, exc)
+    return soft
+
+
 def _seed_routing_ids() -> None:
     """Seed the C library's ``rand()``, from which libzmq draws the first automatic routing id of
     each ROUTER it creates: unseeded, that id is the same in every process, and a peer that claims
@@ -613,6 +665,7 @@ def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = N
         except ImportError:
             raise ConfigError("[metrics] listen (--metrics) needs prometheus-client: pip install 'gpud[metrics]'") from None
         parse_listen(metrics)  # a bad address is refused before anything is bound
+    nofile = raise_descriptor_limit()
     broker = Broker(config, endpoints, security=security, pair=pair)
     broker.reloader = reloader
     metrics_server = None
@@ -636,8 +689,8 @@ def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = N
     signal.signal(signal.SIGHUP, lambda *_: broker.request_reload())
     ep = broker.endpoints
     metrics_url = metrics_server.url if metrics_server is not None else None
-    log.info("broker %s ready: frontend %s, backend %s, admin %s, policy %s, metrics %s",
-             config.name, ep.frontend, ep.backend, ep.admin or "-", config.policy, metrics_url or "-")
+    log.info("broker %s ready: frontend %s, backend %s, admin %s, policy %s, metrics %s, %d descriptors",
+             config.name, ep.frontend, ep.backend, ep.admin or "-", config.policy, metrics_url or "-", nofile)
     if ready_file:
         tmp = ready_file + ".tmp"
         with open(tmp, "w") as f:

@@ -143,7 +143,7 @@ class BrokerCore:
         self.policy = make_policy(config.policy, mix=self.mix)
         self._observe = self.mix.observe if config.policy.startswith("fgd") else None
         self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0, "bad_routes": 0, "worker_losses": 0, "takeovers": 0,
-                         "job_timeouts": 0, "session_replays": 0, "refused_workers": 0}
+                         "job_timeouts": 0, "session_replays": 0, "refused_workers": 0, "fd_pauses": 0}
         self.stats = RequestStats()  # by kind and by error code, for the metrics endpoint
         self.placement_times = PlacementTimes()  # seconds per placement decision (admin status)
         self.open_workers = 0  # registered workers with a free slot (see the module docstring)

@@ -288,3 +288,44 @@ def test_an_oversize_result_fails_its_job_and_costs_the_worker_nothing() -> None
             assert a.run(["true"], gpu_milli=10).exit_code == 0
         st = c.status()
         assert st["counters"]["worker_losses"] == 0 and [w["name"] for w in st["workers"]] == ["w0"]
+
+
+# ----------------------------------------------------------------------------- sockets and descriptors
+
+
+def test_a_descriptor_flood_neither_aborts_the_broker_nor_silences_admin_or_connected_clients() -> None:
+    import resource
+    import socket
+
+    c = LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, security="curve", log_level="INFO",
+                     dynamic_uid_base=UIDS + 96)
+    c.start()
+    assert c.broker is not None
+    resource.prlimit(c.broker.pid, resource.RLIMIT_NOFILE, (400, 400))  # a small limit, to reach it
+    try:
+        host, port = c.frontend.removeprefix("tcp://").rsplit(":", 1)
+        with Client(c.frontend, timeout=20, curve=c.client_keys("alice")) as a:
+            assert a.echo(b"before") == b"before"
+            flood: list[socket.socket] = []
+            try:
+                for _ in range(600):  # an outsider's idle TCP connections, past the broker's limit
+                    try:
+                        flood.append(socket.create_connection((host, int(port)), timeout=1))
+                    except OSError:
+                        break
+                wait_for("the broker to stop accepting", lambda: "stops accepting connections" in c.log_tail("broker", 500), timeout=30)
+                assert c.broker is not None and c.broker.poll() is None, c.log_tail("broker")
+                assert c.status()["counters"]["fd_pauses"] >= 1  # the admin socket answers
+                assert a.echo(b"during") == b"during"  # a connected client is served
+            finally:
+                for s in flood:
+                    s.close()
+            wait_for("the frontend to accept again", lambda: "accepts connections again" in c.log_tail("broker", 500))
+        with Client(c.frontend, timeout=20, curve=c.client_keys("alice")) as a:
+            assert a.echo(b"after") == b"after"
+        assert c.broker.poll() is None
+    except AssertionError:
+        print(c.log_tail("broker", 60))
+        raise
+    finally:
+        c.stop()

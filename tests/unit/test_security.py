@@ -174,6 +174,15 @@ def test_refusals_are_logged_with_key_prefix_and_address_rate_limited(keys: Simp
     assert keys.zap.refused == 6
 
 
+def test_a_fresh_key_per_handshake_is_one_line_per_address(keys: SimpleNamespace, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "gpud.security")
+    for _ in range(200):
+        keys.zap.decide(FRONTEND_DOMAIN, "198.51.100.9", "CURVE", [zmq.utils.z85.decode(zmq.curve_keypair()[0])])
+    keys.zap.decide(FRONTEND_DOMAIN, "198.51.100.10", "CURVE", [keys.stranger])
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "198.51.100.9" in lines[0] and "198.51.100.10" in lines[1]
+
+
 def test_new_keys_are_picked_up_without_restart(keys: SimpleNamespace) -> None:
     assert keys.zap.decide(FRONTEND_DOMAIN, "h", "CURVE", [keys.stranger])[0] == "400"
     (keys.dir / "clients" / "carol").mkdir()

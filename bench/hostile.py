@@ -58,7 +58,7 @@ def _drain(s: zmq.Socket[bytes]) -> None:
 # --------------------------------------------------------------------------- floods (child processes)
 
 
-def flood_queue(endpoint: str, keys: CurveKeys, stop: Any, n: int) -> None:
+def flood_queue(stop: Any, endpoint: str, keys: CurveKeys, n: int) -> None:
     """B: ``n`` jobs that cannot all run (each wants 90% of the one GPU), past its queue budget."""
     ctx: zmq.Context[Any] = zmq.Context()
     s = _dealer(ctx, endpoint, keys)
@@ -76,7 +76,7 @@ def flood_queue(endpoint: str, keys: CurveKeys, stop: Any, n: int) -> None:
     ctx.term()
 
 
-def flood_payload(endpoint: str, keys: CurveKeys, stop: Any, size: int) -> None:
+def flood_payload(stop: Any, endpoint: str, keys: CurveKeys, size: int) -> None:
     """B: echoes of ``size`` bytes, 4 outstanding, as fast as the broker takes them (its replies
     fill B's share of the reply store as well)."""
     ctx: zmq.Context[Any] = zmq.Context()
@@ -94,7 +94,7 @@ def flood_payload(endpoint: str, keys: CurveKeys, stop: Any, size: int) -> None:
     ctx.term()
 
 
-def flood_garbage(endpoint: str, keys: CurveKeys, stop: Any) -> None:
+def flood_garbage(stop: Any, endpoint: str, keys: CurveKeys) -> None:
     """B: malformed messages (bad signature, bad msgpack, unknown commands), as fast as it can."""
     ctx: zmq.Context[Any] = zmq.Context()
     s = _dealer(ctx, endpoint, keys)
@@ -110,7 +110,7 @@ def flood_garbage(endpoint: str, keys: CurveKeys, stop: Any) -> None:
     ctx.term()
 
 
-def flood_handshakes(endpoint: str, server_key: bytes, stop: Any) -> None:
+def flood_handshakes(stop: Any, endpoint: str, server_key: bytes) -> None:
     """An outsider: a fresh CURVE key per connection, each refused by ZAP."""
     ctx: zmq.Context[Any] = zmq.Context()
     while not stop.is_set():
@@ -124,7 +124,7 @@ def flood_handshakes(endpoint: str, server_key: bytes, stop: Any) -> None:
     ctx.term()
 
 
-def flood_connections(endpoint: str, stop: Any, n: int) -> None:
+def flood_connections(stop: Any, endpoint: str, n: int) -> None:
     """An outsider: ``n`` idle TCP connections, opened again as the broker closes them."""
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     held: list[socket.socket] = []
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             rss_idle = rss_mb(pid)
             for name, fn, fargs in floods:
                 stop = mp_ctx.Event()
-                proc = mp_ctx.Process(target=fn, args=(*fargs, stop), daemon=True)
+                proc = mp_ctx.Process(target=fn, args=(stop, *fargs), daemon=True)
                 proc.start()
                 time.sleep(args.settle)
                 during = echo_latencies(a, args.echoes)

@@ -8,7 +8,7 @@ import ctypes
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,53 +16,17 @@ import zmq
 
 from gpud import protocol as P
 from gpud.protocol import Command, Peer
-from gpud.security import CurveKeys, apply_client_keys
+from gpud.security import CurveKeys
 from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
+from tests.integration import test_hostile, test_security
+from tests.integration.test_security import Raw
+from tests.waiting import wait_for
+
+ctx = test_hostile.ctx  # the fixture: one zmq context for the module
 
 # Job uids of our own: other suites' clusters, run at the same time, use the range's start.
 UIDS = 61184 + 16 * random.randrange(40, 200)
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-class Raw:
-    """A bare CURVE DEALER speaking the client protocol, with the routing id the test chooses
-    (None: libzmq's automatic one)."""
-
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str, keys: CurveKeys, routing_id: bytes | None) -> None:
-        self.sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
-        if routing_id is not None:
-            self.sock.setsockopt(zmq.ROUTING_ID, routing_id)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        apply_client_keys(self.sock, keys)
-        self.sock.connect(endpoint)
-
-    def send(self, cmd: Command, header: dict[str, Any]) -> None:
-        self.sock.send_multipart(P.encode(Peer.CLIENT, cmd, header))
-
-    def recv(self, timeout: float = 10.0) -> P.Message | None:
-        if not self.sock.poll(int(timeout * 1000)):
-            return None
-        return P.decode(self.sock.recv_multipart(), Peer.CLIENT)
-
-    def replies(self, timeout: float = 10.0) -> list[P.Message]:
-        """The next message, a BATCH's inner messages one by one (empty: nothing came)."""
-        msg = self.recv(timeout)
-        if msg is None:
-            return []
-        return [one for one, _ in P.unbatch(msg)] if msg.command is Command.BATCH else [msg]
-
-    def close(self) -> None:
-        self.sock.close(0)
 
 
 @pytest.fixture(scope="module")
@@ -72,23 +36,7 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-@pytest.fixture(scope="module")
-def ctx() -> Iterator[zmq.Context[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    try:
-        yield context
-    finally:
-        context.term()
-
-
-@pytest.fixture(scope="module")
-def alice(cluster: LocalCluster) -> CurveKeys:
-    return cluster.client_keys("alice")
-
-
-@pytest.fixture(scope="module")
-def bob(cluster: LocalCluster) -> CurveKeys:
-    return cluster.client_keys("bob")
+alice, bob = test_security.alice, test_security.bob  # the fixtures: the tenants' keys, on this module's cluster
 
 
 def assert_alice_served(cluster: LocalCluster, alice: CurveKeys) -> None:
@@ -106,22 +54,30 @@ def test_a_routing_id_taken_over_by_another_key_gets_no_reply(cluster: LocalClus
                                                               alice: CurveKeys, bob: CurveKeys) -> None:
     route, rid = os.urandom(16), P.new_id()
     a = Raw(ctx, cluster.frontend, alice, route)
-    a.send(Command.REQUEST, {"id": rid, "kind": "job", "argv": ["sleep", "1.5"], "need": {"gpu_milli": 10}})
+    sent = time.monotonic()
+    a.send(Command.REQUEST, {"id": rid, "kind": "job", "argv": ["sleep", "6"], "need": {"gpu_milli": 10}})
     a.send(Command.PING, {})
     pong = a.recv()
     assert pong is not None and pong.command is Command.PONG  # the request reached the broker
     a.close()
-    b = Raw(ctx, cluster.frontend, bob, route)  # bob claims alice's routing id once she is gone
-    try:
+    # Bob claims alice's routing id once she is gone (libzmq ignores a second connection of an id
+    # in use: bob tries again until the broker has seen alice's go).
+    for _ in range(50):
+        b = Raw(ctx, cluster.frontend, bob, route)
         b.send(Command.PING, {})
-        got = b.recv()
+        got = b.recv(timeout=1.0)
+        if got is not None:
+            break
+        b.close()
+    try:
         assert got is not None and got.command is Command.PONG
-        assert b.recv(timeout=4.0) is None, "bob received alice's reply"
+        assert time.monotonic() - sent < 5.5, "bob took the routing id only after alice's job had ended"
+        assert b.recv(timeout=6.0) is None, "bob received alice's reply"
     finally:
         b.close()
     a2 = Raw(ctx, cluster.frontend, alice, os.urandom(16))  # alice's retry, from a new connection
     try:
-        a2.send(Command.REQUEST, {"id": rid, "kind": "job", "argv": ["sleep", "1.5"], "need": {"gpu_milli": 10}})
+        a2.send(Command.REQUEST, {"id": rid, "kind": "job", "argv": ["sleep", "6"], "need": {"gpu_milli": 10}})
         reply = a2.recv()
         assert reply is not None and reply.header["ok"] is True and reply.header["exit_code"] == 0, reply
     finally:
@@ -145,14 +101,13 @@ def test_claimed_automatic_routing_ids_abort_nothing(cluster: LocalCluster, ctx:
     # connects without ids: libzmq asserts when an automatic id is already taken.
     claims = [Raw(ctx, cluster.frontend, bob, b"\0" + (base + k).to_bytes(4, "big"))
               for base in _unseeded_automatic_ids(8) for k in range(3)]
-    anonymous = [Raw(ctx, cluster.frontend, bob, None) for _ in range(6)]
+    anonymous = [Raw(ctx, cluster.frontend, bob, auto_id=True) for _ in range(6)]
     try:
         for r in (*claims, *anonymous):
             r.send(Command.REQUEST, {"id": P.new_id(), "kind": "echo"})
         # Neither kind of connection is served: their ids are not 16 random bytes.
         assert all(r.recv(timeout=0.2) is None for r in (*claims, *anonymous))
-        wait_for("the broker to log the dropped messages",
-                 lambda: "routing id is not 16 random bytes" in cluster.log_tail("broker", 2000))
+        wait_for(lambda: "routing id is not 16 random bytes" in cluster.log_tail("broker", 2000), "the broker to log the dropped messages")
         assert_alice_served(cluster, alice)
     finally:
         for r in (*claims, *anonymous):
@@ -169,9 +124,9 @@ def test_a_worker_key_admits_its_own_name_only(cluster: LocalCluster, alice: Cur
         # An allowed key, workers/imp.key, announcing itself as the connected worker w0.
         cluster.add_worker("imp", extra=["--name", "w0"])
         try:
-            wait_for("the broker to refuse the impostor", lambda: "this worker's key is workers/imp.key, which admits "
-                     "worker imp only, not w0" in cluster.log_tail("broker", 2000))
-            wait_for("the impostor to be told", lambda: "workers/imp.key" in cluster.log_tail("imp", 200))
+            wait_for(lambda: "this worker's key is workers/imp.key, which admits "
+                     "worker imp only, not w0" in cluster.log_tail("broker", 2000), "the broker to refuse the impostor")
+            wait_for(lambda: "workers/imp.key" in cluster.log_tail("imp", 200), "the impostor to be told")
             assert running.wait().exit_code == 0  # w0 kept its job: no WORKER_LOST
             st = cluster.status()
             assert [w["name"] for w in st["workers"]] == ["w0"]
@@ -188,8 +143,8 @@ def test_two_workers_of_one_name_do_not_flap(tmp_path: Any) -> None:
         c.add_worker("d1", extra=["--name", "dup"])
         c.wait_workers(1)
         c.add_worker("d2", extra=["--name", "dup"])
-        wait_for("the second to be refused", lambda: "worker dup is already connected from host"
-                 in c.log_tail("d2", 200) and "already connected" in c.log_tail("broker", 500))
+        wait_for(lambda: "worker dup is already connected from host"
+                 in c.log_tail("d2", 200) and "already connected" in c.log_tail("broker", 500), "the second to be refused")
         first = c.status()["workers"]
         time.sleep(2.0)  # ten heartbeat intervals: the first is never evicted
         then = c.status()
@@ -232,7 +187,7 @@ def test_queue_flood_holds_bob_at_his_budget_and_alice_is_served(cluster: LocalC
     finally:
         for rid in ids:
             b.send(Command.CANCEL, {"id": rid})
-        wait_for("bob's queue to be cancelled", lambda: cluster.status()["counts"]["queued"] == 0)
+        wait_for(lambda: cluster.status()["counts"]["queued"] == 0, "bob's queue to be cancelled")
         b.close()
     assert_alice_served(cluster, alice)
 
@@ -324,7 +279,7 @@ def test_a_descriptor_flood_neither_aborts_the_broker_nor_silences_admin_or_conn
             finally:
                 for s in flood:
                     s.close()
-            wait_for("the frontend to accept again", lambda: "accepts connections again" in c.log_tail("broker", 500))
+            wait_for(lambda: "accepts connections again" in c.log_tail("broker", 500), "the frontend to accept again")
         with Client(c.frontend, timeout=20, curve=c.client_keys("alice")) as a:
             assert a.echo(b"after") == b"after"
         assert c.broker.poll() is None

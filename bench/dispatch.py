@@ -113,6 +113,7 @@ def baseline_worker(backend: str, prefetch: int) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     ctx: zmq.Context[Any] = zmq.Context()
     sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(backend)
     sock.send_multipart([READY, str(prefetch).encode()])
@@ -171,6 +172,7 @@ class BaselineClient:
     def __init__(self, endpoint: str) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.sock: zmq.Socket[bytes] = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)

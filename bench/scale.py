@@ -89,6 +89,7 @@ def fake_workers(backend: str, first: int, count: int, gpus: int, hb_ms: int) ->
     ep = select.epoll()
     for i in range(count):
         s: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 10_000)
         s.setsockopt(zmq.RCVHWM, 10_000)
@@ -291,6 +292,7 @@ class Run:
         protocol's 64 KiB header limit, which ``P.decode`` (and so ``admin_call``) enforces."""
         ctx: zmq.Context[Any] = zmq.Context.instance()
         sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(self.endpoints["admin"])

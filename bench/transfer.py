@@ -63,6 +63,8 @@ def _sock(ctx: zmq.Context[Any], kind: int) -> zmq.Socket[bytes]:
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.SNDHWM, 0)
     s.setsockopt(zmq.RCVHWM, 0)
+    if kind == zmq.DEALER:
+        s.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
     return s
 
 

@@ -145,6 +145,11 @@ class TenantLimits:
     max_mem: int = _key(0, _at_least(0))  # bytes of device memory granted at once
     max_sessions: int = _key(0, _at_least(0))
     max_queued: int = _key(0, _at_least(0))
+    # Budgets: what the broker holds for the tenant (0: the [broker] tenant_* default).
+    max_outstanding: int = _key(0, _at_least(0))  # requests and calls accepted, not yet answered
+    max_bytes: int = _key(0, _at_least(0))  # payload bytes of those
+    max_deadline_ms: int = _key(0, _at_least(0))  # the longest deadline a request may ask for
+    reply_bytes: int = _key(0, _at_least(0))  # its share of the reply store
 
 
 _TENANT_RE = re.compile(r"[A-Za-z0-9._@-]{1,64}\Z")  # as a request's 'tenant' field (PROTOCOL.md)
@@ -167,6 +172,16 @@ class BrokerSection:
     aging: float = _key(60.0, _above(0))
     reserve_after: float = _key(30.0, _at_least(0))
     data_path: str = _key("auto", _one_of("auto", "direct", "broker"))  # broker: no session goes direct
+    # Budgets of every tenant (0: sized from max_queue and this machine's memory; see the example).
+    tenant_max_queued: int = _key(0, _at_least(0))
+    tenant_max_outstanding: int = _key(0, _at_least(0))
+    tenant_max_bytes: int = _key(0, _at_least(0))
+    tenant_max_sessions: int = _key(0, _at_least(0))
+    tenant_max_deadline_ms: int = _key(0, _at_least(0))
+    tenant_reply_bytes: int = _key(0, _at_least(0))
+    max_held_bytes: int = _key(0, _at_least(0))  # payload bytes held for all tenants together
+    result_bytes: int = _key(0, _at_least(0))  # the reply store, all tenants together
+    max_message_bytes: int = _key(0, _at_least(0))  # one message at most (0: 1 GiB, or memory/8 if less)
     tenants: Mapping[str, TenantLimits] = _key({})
     tenant_pool_share: float = _key(0.5, _share)  # most of a worker's pool users one tenant may hold
 

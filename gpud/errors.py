@@ -96,6 +96,12 @@ class GpuFault(GpudError):
     code = "GPU_FAULT"
 
 
+class ResultExpired(GpudError):
+    """A retry of work that ran, whose reply had to be dropped early: it is not run again."""
+
+    code = "RESULT_EXPIRED"
+
+
 class InternalError(GpudError):
     code = "INTERNAL"
 
@@ -132,6 +138,7 @@ CODES: dict[str, tuple[type[GpudError], int]] = {
     "SHUTTING_DOWN": (ShuttingDown, errno.ESHUTDOWN),
     "NOT_ACTIVE": (NotActive, errno.EAGAIN),
     "GPU_FAULT": (GpuFault, errno.ENODEV),
+    "RESULT_EXPIRED": (ResultExpired, errno.ESTALE),
     "INTERNAL": (InternalError, errno.ENOTRECOVERABLE),
 }
 

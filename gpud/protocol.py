@@ -8,6 +8,7 @@ wire. It has no sockets: callers pass lists of frames in and out.
 from __future__ import annotations
 
 import enum
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -329,11 +330,10 @@ def _nbytes(frame: Any) -> int:
 # --------------------------------------------------------------------------- field validation
 
 
-def user_tenant_key(user: str) -> tuple[str, str]:
-    """(tenant, Z85 public key) of a client's ZAP User-Id ``TENANT KEY`` (``security.client_user``);
-    the key is "" where the User-Id is a bare tenant."""
-    tenant, _, key = user.partition(" ")
-    return tenant, key
+def user_key(owner: str | None) -> str:
+    """The Z85 public key of a client's ZAP User-Id ``TENANT KEY`` (``security.client_user``,
+    ``parse_client_user``'s owner): the key a direct session admits; "" for none."""
+    return owner.partition(" ")[2] if owner else ""
 
 
 def get_id(header: dict[str, Any], key: str = "id") -> bytes:
@@ -381,6 +381,23 @@ DEFAULT_NEED = {
     "session": (100, 256 << 20),
 }
 _TENANT_RE = re.compile(r"[A-Za-z0-9._@-]{1,64}\Z")
+
+# A client's routing id: 16 random bytes it sets itself (PROTOCOL.md §2). The broker drops messages
+# from any other (libzmq's automatic ids are 5 bytes beginning with a zero byte).
+ROUTING_ID_BYTES = 16
+
+
+def new_routing_id() -> bytes:
+    """A fresh client routing id (set as ``zmq.ROUTING_ID`` before connecting)."""
+    return os.urandom(ROUTING_ID_BYTES)
+
+
+def parse_client_user(user: str) -> tuple[str, str]:
+    """(tenant, owner) of a client's ZAP User-Id ``TENANT KEY`` (``security.client_user``); the
+    owner is the whole User-Id: replies are bound to the tenant and the key."""
+    return user.partition(" ")[0], user
+
+
 MAX_MEM = 1 << 50
 
 

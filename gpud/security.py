@@ -8,8 +8,8 @@ Keys are zmq.auth certificates: ``NAME.key`` holds the public key, ``NAME.key_se
 - ``gpud-frontend``: clients whose public key is a ``*.key`` file in ``client_keys_dir/TENANT/``;
   the tenant and the key are handed back as the ZAP User-Id ``TENANT KEY`` (KEY: the public key,
   Z85), which libzmq attaches to every message of that connection (``zmq.Frame.get("User-Id")``),
-  so the broker knows each request's tenant, and the key it names for a direct session
-  (``client_user``, ``protocol.user_tenant_key``);
+  so the broker knows each request's tenant, binds its reply to the key that sent it, and names
+  that key for a direct session (``client_user``, ``protocol.parse_client_user``);
 - ``gpud-admin`` (a TCP admin endpoint only): keys in ``keys_dir/admins/``;
 - ``gpud-peer`` (the broker pair's link): the brokers' own public key (the pair shares its keys).
 
@@ -52,7 +52,8 @@ ADMIN_DOMAIN = "gpud-admin"
 PEER_DOMAIN = "gpud-peer"  # the broker pair's link: both brokers share one key pair
 BROKER_KEY_NAME = "broker"
 WORKER_KEY_NAME = "worker"
-REFUSAL_LOG_INTERVAL_S = 60.0  # one WARNING per key (or endpoint) and interval; the rest are counted
+REFUSAL_LOG_INTERVAL_S = 60.0  # one WARNING per source address (or endpoint) and interval; the rest are counted
+HANDSHAKE_IVL_MS = 5000  # a connection that has not finished its handshake by then is closed
 
 _NAME_OK = _TENANT_RE  # key names and tenant directory names: 1-64 of [A-Za-z0-9._@-]
 
@@ -208,6 +209,7 @@ def server_socket_options(sock: zmq.Socket[Any], secret: bytes, public: bytes, d
     """Make ``sock`` a CURVE server whose peers are checked by the ZAP handler under ``domain``.
     Call before bind."""
     require_curve()
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
@@ -477,6 +479,11 @@ class KeyStore:
 # --------------------------------------------------------------------------- ZAP
 
 
+def client_user(tenant: str, key: bytes) -> str:
+    """The ZAP User-Id of a client: its tenant and its public key (Z85), space-separated."""
+    return f"{tenant} {zmq.utils.z85.encode(key).decode('ascii')}"
+
+
 class _Limiter:
     """At most one log line per key and interval; counts what it held back."""
 
@@ -498,11 +505,6 @@ class _Limiter:
         return 0 if last is None else last[1]
 
 
-def client_user(tenant: str, key: bytes) -> str:
-    """The ZAP User-Id of a client: its tenant and its public key (Z85), space-separated."""
-    return f"{tenant} {zmq.utils.z85.encode(key).decode('ascii')}"
-
-
 class ZapHandler:
     """The broker's ZAP policy (RFC 27) over a ``KeyStore``."""
 
@@ -516,7 +518,7 @@ class ZapHandler:
 
     def decide(self, domain: str, address: str, mechanism: str, credentials: list[bytes]) -> tuple[str, str, str]:
         """(status code, status text, user id) for one handshake. The user id of a client is its
-        tenant; of a worker or admin, its key's file name."""
+        tenant and key (``client_user``); of a worker or admin, its key's file name."""
         key = credentials[0] if len(credentials) == 1 else b""
         if mechanism != "CURVE":
             return self._refuse(domain, address, key, "400", f"mechanism {mechanism or '?'} not allowed; CURVE required")
@@ -547,7 +549,8 @@ class ZapHandler:
 
     def _refuse(self, domain: str, address: str, key: bytes, code: str, why: str) -> tuple[str, str, str]:
         self.refused += 1
-        held = self._limit((domain, key or address))
+        # Per source address, not per key: an outsider with a fresh key per handshake is one line.
+        held = self._limit((domain, address))
         if held is not None:
             log.warning("refused a connection on %s from %s: %s (key %s)%s", domain or "-", address or "?",
                         why, key_prefix(key) if key else "-",

@@ -64,3 +64,30 @@ def recv_frames_user(sock: zmq.Socket[Any], flags: int = 0, copy_first: int = 1 
         f = recv(flags, copy=False)
         parts.append(f.bytes if len(parts) < copy_first or len(f) < ZERO_COPY_BYTES else f)
     return parts, user
+
+
+
+def recv_frames_user_if(sock: zmq.Socket[Any], commands: frozenset[bytes], flags: int = 0,
+                        copy_first: int = 1 << 30) -> tuple[list[Any], str | None]:
+    """``recv_frames`` plus the ZAP User-Id only of messages whose command frame (frame 2, after
+    the routing id and the signature) is one of ``commands``: for a dialog where only some
+    messages need to know who sent them (a worker's READY), the others pay nothing more."""
+    recv = sock.recv
+    f = recv(flags, copy=False)
+    parts = [f.bytes if copy_first > 0 else f]
+    user: str | None = None
+    while f.more:
+        f = recv(flags, copy=False)
+        n = len(parts)
+        if n < copy_first or len(f) < ZERO_COPY_BYTES:
+            b = f.bytes
+            parts.append(b)
+            if n == 2 and b in commands:
+                try:
+                    uid = f.get("User-Id")
+                    user = uid if type(uid) is str else None
+                except zmq.ZMQError:
+                    user = None
+        else:
+            parts.append(f)
+    return parts, user

@@ -18,6 +18,7 @@ from gpud_broker.policies import FACTORIES
 if TYPE_CHECKING:
     from gpud.config import OpenStackConfig
     from gpud.resources import TenantLimits
+    from gpud_broker.accounts import Budgets
     from gpud_broker.broker import Endpoints
     from gpud_broker.core import BrokerConfig
     from gpud_standby.pair import PairConfig
@@ -26,7 +27,8 @@ _D = config.BrokerSection()  # the defaults, for the help texts
 DEFAULT_FRONTEND = _D.frontend
 DEFAULT_BACKEND = _D.backend
 FLAGS = ("name", "frontend", "backend", "admin", "policy", "heartbeat_ms", "liveness", "max_queue",
-         "session_lease", "result_ttl", "aging", "reserve_after", "data_path")
+         "session_lease", "result_ttl", "aging", "reserve_after", "data_path", "max_message_bytes",
+         "tenant_max_queued", "tenant_max_bytes", "max_held_bytes")
 """The [broker] keys that have a flag of the same name (--heartbeat-ms for heartbeat_ms)."""
 LIMIT_KEYS = ("max_milli", "max_mem", "max_sessions", "max_queued")
 STANDBY_FLAGS = ("role", "peer", "peer_bind", "peer_heartbeat_ms", "peer_expiry_ms")
@@ -53,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-path", choices=("auto", "direct", "broker"),
                    help=f"broker: every session CALL is relayed here; auto/direct: sessions may call their worker directly (default {_D.data_path})")
     p.add_argument("--result-ttl", type=float, help=f"seconds finished replies are kept for retries (default {_D.result_ttl:g})")
+    p.add_argument("--max-message-bytes", type=int, help="bytes of one message at most (default: 1 GiB, or memory/8 if less)")
+    p.add_argument("--tenant-max-queued", type=int, help="requests of one tenant queued at once (default: max_queue/4)")
+    p.add_argument("--tenant-max-bytes", type=int, help="payload bytes held for one tenant (default: memory/16, at most 4 GiB)")
+    p.add_argument("--max-held-bytes", type=int, help="payload bytes held for all tenants (default: memory/4)")
     p.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=W",
                    help="fair-share weight of a tenant (default 1); repeat for each tenant")
     p.add_argument("--aging", type=float, help=f"seconds of waiting worth one priority level (default {_D.aging:g})")
@@ -116,10 +122,14 @@ def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | Non
                   limits: dict[str, dict[str, int]] | None = None) -> BrokerConfig:
     """The broker's runtime config from [broker]; ``tenant_weights`` and ``limits`` (from flags)
     override the file's."""
-    from gpud_broker.core import BrokerConfig
+    from gpud_broker.core import DEFAULT_RESULT_BYTES, BrokerConfig, default_max_message_bytes
 
     b = cfg.broker
+    own = budgets(b)
     return BrokerConfig(
+        budgets=own if own != budgets(config.BrokerSection(max_queue=b.max_queue, result_bytes=b.result_bytes)) else None,
+        max_message_bytes=b.max_message_bytes or default_max_message_bytes(),
+        result_bytes=b.result_bytes or DEFAULT_RESULT_BYTES,
         name=b.name,
         heartbeat=HeartbeatPolicy(b.heartbeat_ms / 1000.0, b.liveness),
         policy=b.policy,
@@ -133,6 +143,27 @@ def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | Non
         tenant_pool_share=b.tenant_pool_share,
         data_path=b.data_path,
     )
+
+
+def budgets(b: config.BrokerSection) -> Budgets:
+    """Every tenant's budgets: ``[broker] tenant_*`` over the defaults sized from the machine, and
+    each ``[broker.tenants.NAME]``'s own over those (0: not set)."""
+    from gpud_broker.accounts import Budgets, default_budget, default_held_bytes, with_overrides
+    from gpud_broker.core import DEFAULT_RESULT_BYTES
+
+    base = default_budget(b.max_queue, result_bytes=b.result_bytes or DEFAULT_RESULT_BYTES)
+    if b.tenant_max_queued and not b.tenant_max_outstanding:
+        base = with_overrides(base, {"max_outstanding": max(base.max_outstanding, 2 * b.tenant_max_queued)})
+    base = with_overrides(base, {
+        "max_queued": b.tenant_max_queued, "max_outstanding": b.tenant_max_outstanding, "max_bytes": b.tenant_max_bytes,
+        "max_sessions": b.tenant_max_sessions, "max_deadline_ms": b.tenant_max_deadline_ms,
+        "reply_bytes": b.tenant_reply_bytes})
+    own = {name: with_overrides(base, {
+        "max_queued": t.max_queued, "max_outstanding": t.max_outstanding, "max_bytes": t.max_bytes,
+        "max_sessions": t.max_sessions, "max_deadline_ms": t.max_deadline_ms, "reply_bytes": t.reply_bytes})
+        for name, t in b.tenants.items()}
+    return Budgets(default=base, tenants={n: t for n, t in own.items() if t != base},
+                   max_held_bytes=b.max_held_bytes or default_held_bytes())
 
 
 def pair_config(cfg: config.GpudConfig) -> PairConfig | None:

@@ -5,10 +5,12 @@ what the core answers. Each ready socket is drained in a batch before polling ag
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import logging
 import os
+import resource
 import signal
 import threading
 import time
@@ -28,6 +30,7 @@ from gpud.security import (
     BACKEND_DOMAIN,
     FRONTEND_DOMAIN,
     HANDSHAKE_FAILURES,
+    HANDSHAKE_IVL_MS,
     ZAP_ENDPOINT,
     CurveKeys,
     HandshakeLog,
@@ -36,7 +39,14 @@ from gpud.security import (
     check_bind,
     server_socket_options,
 )
-from gpud.sockets import NOBLOCK, SNDMORE, recv_frames, recv_frames_user, send_frames
+from gpud.sockets import (
+    NOBLOCK,
+    SNDMORE,
+    recv_frames,
+    recv_frames_user,
+    recv_frames_user_if,
+    send_frames,
+)
 from gpud_broker.commands import ADMIN
 from gpud_broker.core import BrokerConfig, BrokerCore
 from gpud_standby.pair import Pair, PairConfig
@@ -45,7 +55,11 @@ log = logging.getLogger(__name__)
 
 BATCH = 256  # messages drained from one socket before looking at the others
 TICK_S = 0.05  # how often timers run (heartbeats, expiries)
+DROP_LOG_S = 10.0  # at most one log line per this many seconds for dropped client messages
+FD_RESERVE = 64  # descriptors kept free: nearer the limit the frontend stops accepting connections
+FD_CHECK_S = 0.5  # how often descriptors in use are counted
 _NEW_WORK = (protocol.CMD_BYTES[Command.REQUEST], protocol.CMD_BYTES[Command.CALL])
+_WHO_WORKER = frozenset((protocol.CMD_BYTES[Command.READY], protocol.CMD_BYTES[Command.BATCH]))  # worker messages read with their key's name
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +91,10 @@ class Broker:
         self.zap_handler: ZapHandler | None = None
         self.reloader: Callable[[], BrokerConfig] | None = None  # re-reads the configuration
         self._monitors: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes], HandshakeLog]] = []
+        self._route_log_at = 0.0
+        self._fd_check_at = 0.0
+        self._accepting = True  # the frontend is bound (it is unbound while descriptors run short)
+        _seed_routing_ids()
         keys: CurveKeys | None = None
         admin_tcp = bool(endpoints.admin) and not str(endpoints.admin).startswith(("ipc://", "inproc://"))
         if self.security.curve:
@@ -112,6 +130,7 @@ class Broker:
         self._outboxes = ((back, self._to_workers), (front, self._to_clients))
         to_client = _queue_in(self._to_clients)
         self.core = BrokerCore(config, time.monotonic(), send_client=to_client, send_worker=_queue_in(self._to_workers))
+        self.core.worker_names_bound = self.security.curve
         self.endpoints = Endpoints(
             frontend=bind(self.frontend, endpoints.frontend),
             backend=bind(self.backend, endpoints.backend),
@@ -220,6 +239,7 @@ class Broker:
         s.setsockopt(zmq.SNDHWM, 100_000)
         s.setsockopt(zmq.RCVHWM, 100_000)
         s.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        s.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)  # a silent connection does not hold a descriptor long
         if keys is not None:
             server_socket_options(s, keys.secret, keys.public, domain)
             # Handshakes ZAP never sees (a peer without CURVE, a wrong server key) are logged
@@ -246,18 +266,37 @@ class Broker:
         for _, monitor, handshakes in self._monitors:
             handshakes.drain(monitor)
 
-    def _drain_tenants(self, sock: zmq.Socket[bytes]) -> int:
-        """``_drain`` for the CURVE frontend: each message with its tenant, the ZAP User-Id."""
+    def _drain_clients(self, sock: zmq.Socket[bytes]) -> int:
+        """``_drain`` for the frontend: under CURVE each message with its sender's ZAP User-Id
+        (tenant and key). A message whose routing id is not a client's (16 bytes, PROTOCOL.md §2)
+        is dropped: such a peer may hold one of libzmq's own automatic ids."""
+        curve = self.zap is not None
         for n in range(BATCH):
             try:
-                frames, tenant = recv_frames_user(sock, NOBLOCK, copy_first=4)
+                if curve:
+                    frames, user = recv_frames_user(sock, NOBLOCK, copy_first=4)
+                else:
+                    frames, user = recv_frames(sock, NOBLOCK, copy_first=4), None
             except zmq.Again:
                 return n
-            if not tenant:  # cannot happen with our ZAP handler; never serve a message without one
+            if len(frames[0]) != protocol.ROUTING_ID_BYTES:
+                self._dropped_route()
+                continue
+            if curve and not user:  # cannot happen with our ZAP handler; never serve a message without one
                 log.warning("dropped a client message without a tenant (User-Id)")
                 continue
-            self._on_client(frames, tenant)
+            self._on_client(frames, user)
         return BATCH
+
+    def _dropped_route(self) -> None:
+        """Count a message dropped for its routing id; log at most once per DROP_LOG_S. The id is
+        not shown: an automatic one would tell a peer what libzmq hands out next."""
+        self.core.counters["bad_routes"] += 1
+        now = time.monotonic()
+        if now >= self._route_log_at:
+            log.warning("dropped client message(s) whose routing id is not 16 random bytes (%d so far): "
+                        "an old client or not a gpud client", self.core.counters["bad_routes"])
+            self._route_log_at = now + DROP_LOG_S
 
     def stop(self) -> None:
         """Stop at once (dispatched work is abandoned); see ``drain`` for the graceful way."""
@@ -330,7 +369,6 @@ class Broker:
         pair = self.pair
         if pair is not None:
             poller.register(pair.inbound, zmq.POLLIN)
-        curve = self.zap is not None
         core = self.core
         front, back, admin = self.frontend, self.backend, self.admin
         to_workers, to_clients = self._to_workers, self._to_clients
@@ -356,11 +394,11 @@ class Broker:
             core.now = now
             # Sent after each socket's batch: what results freed is dispatched before the clients'
             # new requests are read (a worker must not idle through a batch of them).
-            got = self._drain(back, self._on_worker) if busy or back in ready else 0
+            got = self._drain_workers(back) if busy or back in ready else 0
             if to_workers or to_clients:
                 self._flush()
             if busy or front in ready:
-                got += self._drain_tenants(front) if curve else self._drain(front, self._on_client)
+                got += self._drain_clients(front)
             if pair is not None and (busy or pair.inbound in ready):
                 got += self._drain(pair.inbound, pair.on_peer)
             if admin is not None and admin in ready:  # at once, not at the next tick
@@ -383,6 +421,9 @@ class Broker:
                 if admin is not None:
                     self._drain(admin, self._on_admin)
                 core.tick(now)
+                if now >= self._fd_check_at:
+                    self._guard_descriptors()
+                    self._fd_check_at = now + FD_CHECK_S
                 if self.openstack is not None:  # OpenStack: results in, decisions out; never waits
                     self.openstack.on_tick(core, now)
                 if pair is not None:
@@ -417,6 +458,34 @@ class Broker:
         core.shutdown()
         self._flush()
 
+    def _guard_descriptors(self) -> None:
+        """Keep FD_RESERVE descriptors free, so that running out never aborts libzmq and the admin
+        socket keeps answering: near the limit the frontend stops accepting new connections (the
+        ones made stay and are served), and accepts again once under the limit by twice as much.
+        Connections that never finish their handshake go after HANDSHAKE_IVL_MS."""
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # read each time: prlimit may change it
+        if limit == resource.RLIM_INFINITY or limit <= 4 * FD_RESERVE:
+            return
+        try:
+            used = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            return
+        endpoint = self.endpoints.frontend
+        if self._accepting and used >= limit - FD_RESERVE:
+            self.frontend.unbind(endpoint)
+            self._accepting = False
+            self.core.counters["fd_pauses"] += 1
+            log.error("%d of %d descriptors in use: the frontend stops accepting connections until under %d "
+                      "(those made are served; raise LimitNOFILE if this is real load)", used, limit, limit - 2 * FD_RESERVE)
+        elif not self._accepting and used < limit - 2 * FD_RESERVE:
+            try:
+                self.frontend.bind(endpoint)
+            except zmq.ZMQError as exc:
+                log.error("cannot bind the frontend %s again (%s); retrying", endpoint, exc)
+                return
+            self._accepting = True
+            log.warning("%d of %d descriptors in use: the frontend accepts connections again", used, limit)
+
     def _flush(self) -> None:
         """Send what the core queued: each peer's messages in order, runs of small ones as BATCHes."""
         for sock, box in self._outboxes:
@@ -445,7 +514,19 @@ class Broker:
             handle(frames)
         return BATCH
 
-    def _on_worker(self, frames: list[bytes]) -> None:
+    def _drain_workers(self, sock: zmq.Socket[bytes]) -> int:
+        """``_drain`` for the backend: a READY (or a BATCH) with its worker's key name under CURVE."""
+        if self.zap is None:
+            return self._drain(sock, self._on_worker)
+        for n in range(BATCH):
+            try:
+                frames, user = recv_frames_user_if(sock, _WHO_WORKER, NOBLOCK, copy_first=4)
+            except zmq.Again:
+                return n
+            self._on_worker(frames, user)
+        return BATCH
+
+    def _on_worker(self, frames: list[bytes], user: str | None = None) -> None:
         ident = frames[0]
         try:
             msg = protocol.decode(frames[1:], Peer.WORKER, self.config.max_message_bytes)
@@ -459,15 +540,17 @@ class Broker:
             self._bad(self.backend, Peer.WORKER, ident, frames, InternalError("internal error in the broker"))
             return
         if msg.command is not Command.BATCH:
-            self._from_worker(ident, msg, frames[3], frames)
+            self._from_worker(ident, msg, frames[3], frames, user)
             return
         for one, raw in inner:
-            self._from_worker(ident, one, raw, None)
+            self._from_worker(ident, one, raw, None, user)
 
-    def _from_worker(self, ident: bytes, msg: protocol.Message, raw: bytes, frames: list[bytes] | None) -> None:
-        """One message of a worker, alone or out of a BATCH (``frames`` None: rebuilt when needed)."""
+    def _from_worker(self, ident: bytes, msg: protocol.Message, raw: bytes, frames: list[bytes] | None,
+                     user: str | None = None) -> None:
+        """One message of a worker, alone or out of a BATCH (``frames`` None: rebuilt when needed).
+        ``user``: its key's name (CURVE; read for READY and BATCH only)."""
         try:
-            self.core.on_worker(ident, msg, raw)
+            self.core.on_worker(ident, msg, raw, user)
         except Exception as exc:
             if frames is None:
                 frames = [ident, *protocol.encode_raw(Peer.WORKER, msg.command, raw)]
@@ -514,6 +597,31 @@ class Broker:
         sock.send_multipart([ident, *protocol.encode(peer, Command.ERROR, header)])
 
 
+def raise_descriptor_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard one (systemd's default soft limit is 1024: far too
+    few for a broker with a connection per client). Returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, want, exc)
+    return soft
+
+
+def _seed_routing_ids() -> None:
+    """Seed the C library's ``rand()``, from which libzmq draws the first automatic routing id of
+    each ROUTER it creates: unseeded, that id is the same in every process, and a peer that claims
+    the next one before libzmq hands it out aborts libzmq (an assertion). Clients set their own
+    16-byte ids (PROTOCOL.md §2); this keeps the automatic ones unguessable."""
+    try:
+        ctypes.CDLL(None).srand(int.from_bytes(os.urandom(4), "big"))
+    except (OSError, AttributeError):
+        log.warning("cannot seed rand(): libzmq's automatic routing ids stay predictable")
+
+
 def _queue_in(box: dict[bytes, list[list[Any]]]) -> Callable[[bytes, list[Any]], None]:
     """The core's send function for one socket: queue ``frames`` for ``ident`` until ``_flush``."""
     def send(ident: bytes, frames: list[Any]) -> None:
@@ -557,6 +665,7 @@ def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = N
         except ImportError:
             raise ConfigError("[metrics] listen (--metrics) needs prometheus-client: pip install 'gpud[metrics]'") from None
         parse_listen(metrics)  # a bad address is refused before anything is bound
+    nofile = raise_descriptor_limit()
     broker = Broker(config, endpoints, security=security, pair=pair)
     broker.reloader = reloader
     metrics_server = None
@@ -580,8 +689,8 @@ def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = N
     signal.signal(signal.SIGHUP, lambda *_: broker.request_reload())
     ep = broker.endpoints
     metrics_url = metrics_server.url if metrics_server is not None else None
-    log.info("broker %s ready: frontend %s, backend %s, admin %s, policy %s, metrics %s",
-             config.name, ep.frontend, ep.backend, ep.admin or "-", config.policy, metrics_url or "-")
+    log.info("broker %s ready: frontend %s, backend %s, admin %s, policy %s, metrics %s, %d descriptors",
+             config.name, ep.frontend, ep.backend, ep.admin or "-", config.policy, metrics_url or "-", nofile)
     if ready_file:
         tmp = ready_file + ".tmp"
         with open(tmp, "w") as f:

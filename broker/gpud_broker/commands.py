@@ -148,6 +148,11 @@ def status(target: Any, args: dict[str, Any]) -> dict[str, Any]:
             "done": core.tasks.finished_total,
         },
         "counters": dict(core.counters),
+        # What the broker holds for each tenant at most (and for all), and what it holds now.
+        "budgets": {**core.accounts.budgets.shown(), "held_bytes": core.accounts.held_bytes,
+                    "reply_store": {"max_bytes": core.tasks.max_bytes, "bytes": core.tasks.bytes,
+                                    "dropped_early": core.tasks.dropped_early},
+                    "load": {t: {"outstanding": v.outstanding, "bytes": v.bytes} for t, v in sorted(core.accounts.load.items())}},
         # How long placement decisions take: count and max since start, p50/p99 of recent ones.
         "placement": core.placement_times.summary(),
         "workers": worker_rows,

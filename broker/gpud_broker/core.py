@@ -37,17 +37,25 @@ from gpud.errors import (
     NoCapacity,
     NotActive,
     ProtocolError,
+    ResultExpired,
     SessionLost,
     ShuttingDown,
     Timeout,
+    TooLarge,
     UnknownCommand,
     WorkerLost,
 )
 from gpud.heartbeat import HeartbeatPolicy
-from gpud.protocol import Command, Message, Peer, user_tenant_key
+from gpud.protocol import Command, Message, Peer
 from gpud.resources import Grant, Need, TenantLimits
 from gpud_broker import replication
-from gpud_broker.accounts import Accounts
+from gpud_broker.accounts import (
+    Accounts,
+    Budgets,
+    default_budget,
+    default_held_bytes,
+    machine_memory,
+)
 from gpud_broker.direct import renew_leases, session_body, silent_worker
 from gpud_broker.leases import SessionLeases
 from gpud_broker.mix import TaskMix
@@ -73,6 +81,13 @@ log = logging.getLogger(__name__)
 Send = Callable[[bytes, list[Any]], object]
 
 MAX_RUNNING_KEPT = 1000  # entries of a heartbeat's running list kept (more: it may be cut short)
+DEFAULT_RESULT_BYTES = 256 << 20  # the reply store's default size
+MAX_OWNERS = 1 << 18  # routing ids whose authenticated sender is remembered (oldest forgotten first)
+
+
+def default_max_message_bytes() -> int:
+    """The largest message by default: 1 GiB, or an eighth of this machine's memory if less."""
+    return min(protocol.DEFAULT_MAX_MESSAGE_BYTES, machine_memory() // 8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +98,10 @@ class BrokerConfig:
     max_queue: int = 10_000
     default_deadline_ms: int = 30_000
     result_ttl: float = 60.0  # seconds a finished reply is kept for retries
-    result_bytes: int = 256 << 20  # bytes of finished replies kept at most
+    result_bytes: int = DEFAULT_RESULT_BYTES  # bytes of finished replies kept at most
     session_lease: float = 30.0  # seconds without hearing from a session's client
     max_attempts: int = 3  # placements of one request across worker losses
-    max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES
+    max_message_bytes: int = field(default_factory=lambda: default_max_message_bytes())
     tenant_weights: dict[str, float] = field(default_factory=dict)  # fair-share weights (default 1)
     tenant_limits: dict[str, TenantLimits] = field(default_factory=dict)  # per tenant (default: none)
     aging_s: float = DEFAULT_AGING_S  # seconds of waiting worth one priority level
@@ -94,6 +109,7 @@ class BrokerConfig:
     drain_timeout: float = 10.0  # seconds dispatched work may take to finish after SIGTERM (the shell's)
     tenant_pool_share: float = 0.5  # most of a worker's pool users one tenant may hold (policies.pool_allows)
     data_path: str = "auto"  # "broker": no session's CALLs go straight to its worker (PROTOCOL.md §10)
+    budgets: Budgets | None = None  # what the broker holds per tenant and in all (None: sized from the machine)
 
     def __post_init__(self) -> None:
         if self.policy not in FACTORIES:
@@ -126,8 +142,8 @@ class BrokerCore:
         self.send_client = send_client
         self.send_worker = send_worker
         self.registry = WorkerRegistry()
-        self.tasks = TaskTable(config.result_ttl, config.result_bytes)
-        self.accounts = Accounts(self.registry, config.tenant_weights, config.tenant_limits)
+        self.tasks = TaskTable(config.result_ttl, config.result_bytes, self._reply_share)
+        self.accounts = Accounts(self.registry, config.tenant_weights, config.tenant_limits, self._budgets(config))
         self.queue: PendingQueue[Task] = PendingQueue(config.max_queue, self.accounts.fair, config.aging_s, config.reserve_after)
         self.leases = SessionLeases(config.session_lease)
         # The running mix of requests the fragmentation-aware policies judge against: fed with
@@ -135,8 +151,8 @@ class BrokerCore:
         self.mix = TaskMix()
         self.policy = make_policy(config.policy, mix=self.mix)
         self._observe = self.mix.observe if config.policy.startswith("fgd") else None
-        self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0, "worker_losses": 0, "takeovers": 0,
-                         "job_timeouts": 0, "session_replays": 0}
+        self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0, "bad_routes": 0, "worker_losses": 0, "takeovers": 0,
+                         "job_timeouts": 0, "session_replays": 0, "refused_workers": 0, "fd_pauses": 0}
         self.stats = RequestStats()  # by kind and by error code, for the metrics endpoint
         self.placement_times = PlacementTimes()  # seconds per placement decision (admin status)
         self.open_workers = 0  # registered workers with a free slot (see the module docstring)
@@ -155,6 +171,16 @@ class BrokerCore:
         self.acking = False  # in a pair: workers keep results until ACKed (standalone: no ACKs)
         self.unacked: deque[tuple[int, bytes, bytes]] = deque()  # (seq, worker, RESULT id) to ACK once durable
         self.starts = StartGate()  # jobs' STARTs: which may have begun, and the GOs waiting to be durable
+        # CURVE: who (tenant and key, the ZAP User-Id) last sent from each routing id. A reply
+        # goes to its task's route only while the route's last sender is the task's owner: a
+        # connection that took over a routing id under another key never gets another's reply.
+        self.owners: dict[bytes, str] = {}
+        self._users: dict[str, tuple[str, str]] = {}  # User-Id -> (tenant, owner), memoized
+        self.worker_names_bound = False  # CURVE: a worker's name must be its key's name
+
+    def _reply_share(self, tenant: str) -> int:
+        """``tenant``'s share of the reply store, in bytes (its budget)."""
+        return self.accounts.budgets.of(tenant).reply_bytes
 
     @property
     def sessions(self) -> dict[bytes, Session]:
@@ -219,22 +245,30 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ client dialog
 
-    def on_client(self, identity: bytes, msg: Message, tenant: str | None = None) -> None:
-        """``tenant``: the tenant the sender authenticated as (CURVE: its ZAP User-Id, ``TENANT
-        KEY``); its work is then its tenant's whatever ``need.tenant`` says, and ids of other
-        tenants' work behave as unknown. None (security none): the declared tenant is taken at its
-        word, no scoping."""
+    def on_client(self, identity: bytes, msg: Message, user: str | None = None) -> None:
+        """``user``: who the sender authenticated as (CURVE: the ZAP User-Id, ``TENANT KEY``); its
+        work is then its tenant's whatever ``need.tenant`` says, ids of other tenants' work behave
+        as unknown, replies are bound to the key as well as the routing id, and a direct session
+        admits that key alone. None (security none): the declared tenant is taken at its word, no
+        scoping; replies by routing id only."""
         cmd = msg.command
+        tenant = owner = None
+        if user is not None:
+            who = self._users.get(user)
+            if who is None:
+                if len(self._users) >= 4096:
+                    self._users.clear()
+                who = self._users[user] = protocol.parse_client_user(user)
+            tenant, owner = who
+            owners = self.owners
+            if owners.get(identity) is not owner:
+                if len(owners) >= MAX_OWNERS:
+                    del owners[next(iter(owners))]
+                owners[identity] = owner
         if cmd is Command.REQUEST:
-            key = ""
-            if tenant is not None:
-                tenant, key = user_tenant_key(tenant)
-            self._on_request(identity, msg, tenant, key)
-            return
-        if tenant is not None:
-            tenant = user_tenant_key(tenant)[0]
-        if cmd is Command.CALL:
-            self._on_call(identity, msg, tenant)
+            self._on_request(identity, msg, tenant, owner)
+        elif cmd is Command.CALL:
+            self._on_call(identity, msg, tenant, owner)
         elif cmd is Command.PING:
             self.leases.heard(msg.header.get("sessions"), tenant, self.now)
             self.send_client(identity, protocol.pong())
@@ -243,11 +277,11 @@ class BrokerCore:
         else:
             raise UnknownCommand(f"command {cmd.name} is not valid from a client")
 
-    def _on_request(self, identity: bytes, msg: Message, tenant: str | None = None, key: str = "") -> None:
+    def _on_request(self, identity: bytes, msg: Message, tenant: str | None = None, owner: str | None = None) -> None:
         header = msg.header
         rid = protocol.get_id(header)
         self.counters["requests"] += 1
-        if self._retry(identity, rid, tenant):
+        if self._retry(identity, rid, tenant, owner):
             return
         try:
             request = protocol.parse_request(header, len(msg.frames), self._needs, self.config.default_deadline_ms)
@@ -258,17 +292,28 @@ class BrokerCore:
         if tenant is not None and need.tenant != tenant:
             need = self._as_tenant(need, tenant)
         accounts = self.accounts
+        budget = accounts.budgets.of(need.tenant)
+        if request.deadline_ms > budget.max_deadline_ms:
+            self._refuse(identity, rid, TooLarge(f"deadline_ms {request.deadline_ms} is over tenant {need.tenant}'s "
+                                                 f"budget max_deadline_ms ({budget.max_deadline_ms})"), need.tenant)
+            return
+        nbytes = sum([len(f) for f in msg.frames]) if msg.frames else 0
+        why = accounts.over_budget(need.tenant, nbytes, self._sessions_of(need.tenant) if kind == "session" else -1)
+        if why is not None:
+            self._refuse(identity, rid, Busy(why), need.tenant)
+            return
         if accounts.limits and not accounts.could_ever_admit(need.tenant, need, kind == "session"):
             self._refuse(identity, rid, NoCapacity(f"the request is over tenant {need.tenant}'s limits"), need.tenant)
             return
         if self._observe is not None:
             self._observe(need)
         now = self.now
-        body = session_body(self.config.data_path, key) if kind == "session" else request.body
+        body = session_body(self.config.data_path, protocol.user_key(owner)) if kind == "session" else request.body
         task = Task(id=rid, kind=kind, need=need, body=body, frames=msg.frames, route=identity, created=now,
                     deadline=now + request.deadline_ms / 1000.0, priority=need.priority, tenant=need.tenant,
-                    retryable=request.retryable)
+                    retryable=request.retryable, owner=owner, held=nbytes)
         self.tasks.add(task)
+        accounts.hold(task.tenant, nbytes, kind == "session")
         self.journal.task(task, now)
         lost = None
         if request.replaces is not None:
@@ -282,9 +327,15 @@ class BrokerCore:
         if len(self.registry) and not self._could_ever_fit(need):
             self._forget(task)
             self._refuse(identity, rid, NoCapacity("no connected worker has GPUs that could satisfy this request"), task.tenant)
-        elif accounts.limits and accounts.queue_full(task.tenant, self.queue.queued_for(task.tenant)):
+            return
+        queued = self.queue.queued_for(task.tenant)
+        if accounts.limits and accounts.queue_full(task.tenant, queued):
             self._forget(task)
             self._refuse(identity, rid, Busy(f"tenant {task.tenant} has as many requests queued as its limit allows; try later"),
+                         task.tenant)
+        elif queued >= budget.max_queued:
+            self._forget(task)
+            self._refuse(identity, rid, Busy(f"tenant {task.tenant} has {queued} requests queued, its budget max_queued; try later"),
                          task.tenant)
         elif self.queue.push(task):
             self.stats.accept(kind, task.tenant)
@@ -293,9 +344,20 @@ class BrokerCore:
             self._forget(task)
             self._refuse(identity, rid, Busy(f"the queue is full ({self.config.max_queue} requests); try later"), task.tenant)
 
+    def _sessions_of(self, tenant: str) -> int:
+        """Open sessions of ``tenant`` (counted when it asks for one more: sessions are few)."""
+        return sum([1 for s in self.leases.sessions.values() if s.tenant == tenant])
+
     def _forget(self, task: Task) -> None:
+        """Drop a task refused after it was made (it never ran; its budgets are let go)."""
+        self._let_go(task)
         self.tasks.forget(task)
         self.journal.forget(task.id)
+
+    def _let_go(self, task: Task) -> None:
+        if task.held >= 0:
+            self.accounts.let_go(task.tenant, task.held, task.kind == "session")
+            task.held = -1
 
     def _as_tenant(self, need: Need, tenant: str) -> Need:
         """``need`` with the authenticated tenant in place of the declared one (memoized)."""
@@ -323,15 +385,22 @@ class BrokerCore:
         log.info("refused %s: %s %s", protocol.id_text(rid), exc.code, exc.message)
         self.send_client(identity, protocol.error_reply(rid, exc))
 
-    def _retry(self, identity: bytes, rid: bytes, tenant: str | None) -> bool:
+    def _retry(self, identity: bytes, rid: bytes, tenant: str | None, owner: str | None = None) -> bool:
         """A REQUEST or CALL whose id is known: attach it (never run twice; answered with the
-        original's reply once there is one), or, when the id is another tenant's, refuse it
-        without saying anything about that work (its client is not touched). False if unknown."""
+        original's reply once there is one), or, when the id is another tenant's or another key's,
+        refuse it without saying anything about that work (its client is not touched). False if
+        unknown."""
         known = self.tasks.tasks.get(rid)
         if known is None:
-            return False
-        if tenant is not None and known.tenant != tenant:
-            log.warning("tenant %s sent an id of another tenant's work (%s); refused", tenant, protocol.id_text(rid))
+            dropped = self.tasks.expired.get(rid) if self.tasks.expired else None
+            if dropped is None or (tenant is not None and dropped[1] != tenant):
+                return False
+            self._refuse(identity, rid, ResultExpired(
+                "this request ran, and its reply was dropped before the retry window ended (its tenant's share "
+                "of the reply store was full); it is not run again"))
+            return True
+        if tenant is not None and (known.tenant != tenant or (known.owner is not None and known.owner != owner)):
+            log.warning("tenant %s sent an id of another tenant's or key's work (%s); refused", tenant, protocol.id_text(rid))
             self._refuse(identity, rid, InvalidRequest(ID_IN_USE))
             return True
         self.counters["retries"] += 1
@@ -340,10 +409,10 @@ class BrokerCore:
             self.send_client(identity, known.reply)
         return True
 
-    def _on_call(self, identity: bytes, msg: Message, tenant: str | None = None) -> None:
+    def _on_call(self, identity: bytes, msg: Message, tenant: str | None = None, owner: str | None = None) -> None:
         header = msg.header
         rid = protocol.get_id(header)
-        if self._retry(identity, rid, tenant):
+        if self._retry(identity, rid, tenant, owner):
             return
         try:
             call = protocol.parse_call(header)
@@ -355,6 +424,11 @@ class BrokerCore:
                 raise SessionLost(f"the worker of session {protocol.id_text(call.session)} is gone")
         except GpudError as exc:
             self._refuse(identity, rid, exc)
+            return
+        nbytes = sum([len(f) for f in msg.frames]) if msg.frames else 0
+        why = self.accounts.over_budget(session.tenant, nbytes)
+        if why is not None:
+            self._refuse(identity, rid, Busy(why), session.tenant)
             return
         now = self.now
         session.last_seen = now
@@ -372,8 +446,11 @@ class BrokerCore:
             deadline=now,
             tenant=session.tenant,
             session=call.session,
+            owner=owner,
+            held=nbytes,
         )
         self.tasks.add(task)
+        self.accounts.hold(task.tenant, nbytes)
         self.journal.task(task, now)
         self.stats.accept("call", session.tenant)
         self._send_dispatch(worker, task)
@@ -520,7 +597,15 @@ class BrokerCore:
     # Fields a running broker can take from a reloaded configuration; the rest need a restart.
     RELOADABLE = ("policy", "max_queue", "default_deadline_ms", "result_ttl", "result_bytes",
                   "session_lease", "max_attempts", "tenant_weights", "tenant_limits", "aging_s",
-                  "reserve_after", "drain_timeout")
+                  "reserve_after", "drain_timeout", "budgets")
+
+    @staticmethod
+    def _budgets(config: BrokerConfig) -> Budgets:
+        """The configured budgets, or the defaults sized from the queue and this machine."""
+        if config.budgets is not None:
+            return config.budgets
+        return Budgets(default=default_budget(config.max_queue, result_bytes=config.result_bytes),
+                       max_held_bytes=default_held_bytes())
 
     def apply_config(self, new: BrokerConfig) -> tuple[list[str], list[str]]:
         """Take a reloaded configuration: returns (fields applied, fields that need a restart)."""
@@ -544,6 +629,8 @@ class BrokerCore:
             self.accounts.fair.set_weights(cfg.tenant_weights)
         if "tenant_limits" in applied:
             self.set_tenant_limits(cfg.tenant_limits)
+        if "budgets" in applied or "max_queue" in applied:
+            self.accounts.budgets = self._budgets(cfg)
         self.place_queued()
         return applied, kept
 
@@ -565,11 +652,24 @@ class BrokerCore:
     # ------------------------------------------------------------------ finishing
 
     def _finish(self, task: Task, reply: list[Any]) -> None:
+        if task.held >= 0:
+            self._let_go(task)
         self.tasks.finish(task, reply, self.now)
         self.journal.done(task.id, reply)
         self.stats.finish(task.kind, self.now - task.created)
-        if task.route is not None:
-            self.send_client(task.route, reply)
+        self.reply_to(task, reply)
+
+    def reply_to(self, task: Task, reply: list[Any]) -> None:
+        """Send ``reply`` to ``task``'s client: to its route, and under CURVE only while that
+        route's last sender is the task's owner (else it waits in the reply store for a retry)."""
+        route = task.route
+        if route is None:
+            return
+        owner = task.owner
+        if owner is not None and self.owners.get(route) != owner:
+            log.warning("reply %s withheld: its routing id is now used by another key", protocol.id_text(task.id))
+            return
+        self.send_client(route, reply)
 
     def fail(self, task: Task, exc: GpudError) -> None:
         """End ``task`` with ``exc`` (its client is answered; a retry gets the same answer)."""
@@ -581,11 +681,12 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ worker dialog
 
-    def on_worker(self, identity: bytes, msg: Message, raw_header: bytes) -> None:
+    def on_worker(self, identity: bytes, msg: Message, raw_header: bytes, user: str | None = None) -> None:
+        """``user``: for a READY under CURVE, the name of the worker's key (the ZAP User-Id)."""
         cmd = msg.command
         worker = self.registry.by_identity.get(identity)
         if cmd is Command.READY:
-            self._on_ready(identity, worker, msg.header)
+            self._on_ready(identity, worker, msg.header, user)
             return
         if worker is None:
             log.info("%s from an unknown worker connection; asking it to reconnect", cmd.name)
@@ -609,7 +710,10 @@ class BrokerCore:
         else:
             raise UnknownCommand(f"command {cmd.name} is not valid from a worker")
 
-    def _on_ready(self, identity: bytes, current: WorkerRecord | None, header: dict[str, Any]) -> None:
+    def _on_ready(self, identity: bytes, current: WorkerRecord | None, header: dict[str, Any],
+                  user: str | None = None) -> None:
+        """A worker's READY. Under CURVE (``worker_names_bound``) ``user`` is its key's name (the
+        ZAP User-Id): the allow-list file ``workers/NAME.key`` admits worker NAME and no other."""
         try:
             ready = protocol.parse_ready(header)
         except ProtocolError as exc:
@@ -619,19 +723,27 @@ class BrokerCore:
             return
         name = ready.name
         # Refuse before tearing anything down: a refused READY must not cost a live worker.
-        replaced = {w.name for w in (current, self.registry.by_name.get(name)) if w is not None}
+        if self.worker_names_bound and user != name:
+            self._refuse_worker(identity, name, f"refused: this worker's key is workers/{user}.key, which admits "
+                                f"worker {user} only, not {name}: start it with --name {user}")
+            return
+        previous = self.registry.by_name.get(name)
+        if previous is not None and previous is not current:
+            if not previous.liveness.expired(self.now):
+                self._refuse_worker(identity, name, (
+                    f"refused: worker {name} is already connected from host {previous.hostname} (for "
+                    f"{self.now - previous.connected_at:.0f}s); give each worker a name of its own (--name)"))
+                return
+        replaced = {w.name for w in (current, previous) if w is not None}
         for gpu in ready.gpus:
             holder = self.registry.gpus.get(gpu.uuid)
             if holder is not None and holder.worker.name not in replaced:
-                log.error("worker %s announces GPU %s, held by worker %s; refused", name, gpu.uuid, holder.worker.name)
-                self.send_worker(identity, protocol.encode(Peer.WORKER, Command.DISCONNECT,
-                                                           {"reason": f"GPU {gpu.uuid} is already registered"}))
+                self._refuse_worker(identity, name, f"refused: GPU {gpu.uuid} is already registered by worker {holder.worker.name}")
                 return
         if current is not None:
             self.worker_lost(current, "sent READY again")
-        previous = self.registry.by_name.get(name)
-        if previous is not None:
-            self.worker_lost(previous, "replaced by a new connection of the same name")
+        if previous is not None and previous is not current:
+            self.worker_lost(previous, "silent past its liveness, and a new connection of the same name came")
         policy = self.config.heartbeat.negotiate(ready.heartbeat_ms / 1000.0, ready.liveness)
         worker = self.registry.add(
             name=name,
@@ -657,8 +769,15 @@ class BrokerCore:
         )
         self.send_worker(identity, protocol.encode(Peer.WORKER, Command.WELCOME, {
             "heartbeat_ms": round(policy.interval * 1000), "liveness": policy.liveness, "broker": self.config.name,
-            "active": self.active, "epoch": self.epoch, "acks": self.acking}))
+            "active": self.active, "epoch": self.epoch, "acks": self.acking,
+            "max_message_bytes": self.config.max_message_bytes}))
         self.place_queued()
+
+    def _refuse_worker(self, identity: bytes, name: str, reason: str) -> None:
+        """Refuse a READY: logged here, and the worker is told why (DISCONNECT: it retries later)."""
+        self.counters["refused_workers"] += 1
+        log.error("worker %s %s", name, reason)
+        self.send_worker(identity, protocol.encode(Peer.WORKER, Command.DISCONNECT, {"reason": reason}))
 
     def _on_heartbeat(self, worker: WorkerRecord, header: dict[str, Any]) -> None:
         seq = header.get("seq")
@@ -922,7 +1041,7 @@ class BrokerCore:
     def clear_work(self) -> None:
         """Forget every task, session, grant and queued request (a passive broker's tables are
         the snapshot it loads next). Workers stay registered."""
-        self.tasks = TaskTable(self.config.result_ttl, self.config.result_bytes)
+        self.tasks = TaskTable(self.config.result_ttl, self.config.result_bytes, self._reply_share)
         self.accounts.clear()
         self.queue = PendingQueue(self.config.max_queue, self.accounts.fair, self.config.aging_s, self.config.reserve_after)
         self.leases.clear()

@@ -174,8 +174,8 @@ class Takeover:
         told = 0
         exc = NotActive(f"broker {core.config.name} is no longer the active one; use its peer")
         for task in core.tasks.tasks.values():
-            if task.state is not State.DONE and task.route is not None:
-                core.send_client(task.route, protocol.error_reply(task.id, exc))
+            if task.state is not State.DONE:
+                core.reply_to(task, protocol.error_reply(task.id, exc))
                 told += 1
         core.active = False
         core.hold = True

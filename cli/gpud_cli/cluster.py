@@ -298,7 +298,7 @@ class LocalCluster:
         args = ["worker", *brokers, "--name", name, "--workdir", str(self.rundir / f"jobs-{name}"),
                 "--heartbeat-ms", str(self.heartbeat_ms), "--liveness", str(self.liveness)]
         if self.security == "curve":
-            args += self._security_args("worker", str(self._pair(f"worker-{name}", self.keys / "workers" if allowed else None)))
+            args += self._security_args("worker", str(self._pair(name, self.keys / "workers" if allowed else None)))
         else:
             args += self._security_args("worker")
         if self.job_user_prefix:

@@ -30,7 +30,7 @@ from typing import Any, Generic, TypeVar
 import zmq
 
 from gpud.errors import Busy, ConfigError, GpudError, InternalError, Timeout
-from gpud.protocol import Command, Message, Peer, decode, id_text, unbatch
+from gpud.protocol import Command, Message, Peer, decode, id_text, new_routing_id, unbatch
 from gpud.security import HANDSHAKE_FAILURES, CurveKeys, apply_client_keys
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
 from gpud_client import _request as rq
@@ -498,6 +498,8 @@ class Connection:
         """A DEALER connected to ``endpoint``; with ``watch``, and the monitor of its handshakes."""
         sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # 16 random bytes, fresh per connection: the broker serves no other (PROTOCOL.md §2).
+        sock.setsockopt(zmq.ROUTING_ID, new_routing_id())
         # Unbounded queues: outstanding requests are bounded by the caller, and a reply dropped at
         # a high-water mark would only come back as a spurious failover.
         sock.setsockopt(zmq.SNDHWM, sndhwm)

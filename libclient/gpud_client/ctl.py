@@ -182,6 +182,26 @@ def _role(broker: Mapping[str, Any]) -> str:
     return f"{role} {state}" + (f" e{epoch}" if isinstance(epoch, int) else "")
 
 
+def _budget_lines(budgets: Mapping[str, Any]) -> list[str]:
+    """The budgets lines of ``status`` (none when the broker does not say)."""
+    if not budgets:
+        return []
+    d = _map(budgets.get("default"))
+    own = _map(budgets.get("tenants"))
+    return ["budgets per tenant: queued {} outstanding {} bytes {} sessions {} deadline {} replies {}{}".format(
+        int(_num(d.get("max_queued"))), int(_num(d.get("max_outstanding"))), _bytes(_num(d.get("max_bytes"))),
+        int(_num(d.get("max_sessions"))), _duration(_num(d.get("max_deadline_ms")) / 1000),
+        _bytes(_num(d.get("reply_bytes"))), f" ({len(own)} tenant(s) with their own)" if own else ""),
+        f"held {_bytes(_num(budgets.get('held_bytes')))} of {_bytes(_num(budgets.get('max_held_bytes')))} payload"]
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.0f}{unit}"
+    return f"{n:.0f}B"
+
+
 def _wrap(text: Any, first: str, width: int | None) -> list[str]:
     """``text`` after ``first`` in lines of at most ``width`` columns (None: one line), the rest
     indented under it: a sentence is wrapped, never cut."""
@@ -265,6 +285,8 @@ def format_status(status: Mapping[str, Any], width: int | None = WIDTH) -> str:
             said += "; not in sync"
         lines += _wrap(f"peer {peer}: {said}", "", width)
     lines += _wrap("  ".join(f"{k} {int(_num(counts.get(k)))}" for k in _COUNTS), "", width)
+    for line in _budget_lines(_map(status.get("budgets"))):
+        lines += _wrap(line, "", width)
     lines.append("")
     gpus = _by_position(_rows(status.get("gpus")))
     rows = [(g.get("worker"), int(_num(g.get("index"))), g.get("model"), "SIM" if g.get("simulated") is True else "",

@@ -45,6 +45,7 @@ def test_queued_work_goes_out_as_one_batch_and_a_batch_of_results_comes_back(
     payloads = [os.urandom(16 + i) for i in range(n)]
     ctx: zmq.Context[Any] = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         with Client(broker.frontend, timeout=20) as client, Client(broker.frontend, timeout=20) as other:

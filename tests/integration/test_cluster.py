@@ -139,6 +139,7 @@ def test_retried_request_id_runs_once(cluster: LocalCluster) -> None:
     """The same REQUEST id sent twice runs once: both answers carry the first run's output."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(cluster.frontend)
     try:

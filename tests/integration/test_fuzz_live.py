@@ -4,6 +4,7 @@ still serves, its memory has not grown without bound, and it logged the bad inpu
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import zmq
 
 from gpud import protocol as P
 from gpud.protocol import Command, Peer
+from gpud.security import CurveKeys, apply_client_keys
 from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
 from tests.waiting import wait_for
@@ -22,10 +24,22 @@ from tests.waiting import wait_for
 ROUNDS = 1500  # messages per socket
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, log_level="WARNING") as c:
+@pytest.fixture(scope="module", params=["none", "curve"])
+def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    """Without security, and with CURVE: then the fuzzer holds an allowed key on each socket."""
+    with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, log_level="WARNING", security=request.param) as c:
         yield c
+
+
+def keys_for(cluster: LocalCluster, endpoint: str) -> CurveKeys | None:
+    """The fuzzer's keys on ``endpoint`` under CURVE: a client's, or an allowed worker key (named
+    fz-key: its READYs under other names are refused); None for the IPC admin socket."""
+    if cluster.security != "curve" or endpoint == cluster.admin:
+        return None
+    if endpoint == cluster.frontend:
+        return cluster.client_keys("fuzz")
+    secret = cluster._pair("fz-key", cluster.keys / "workers")
+    return CurveKeys.from_files(secret, cluster.keys / "broker.key")
 
 
 def valid_messages(rng: random.Random) -> list[list[bytes]]:
@@ -61,8 +75,11 @@ def mutate(rng: random.Random, frames: list[bytes]) -> list[bytes]:
     return frames or [b""]
 
 
-def blast(ctx: zmq.Context[Any], endpoint: str, rng: random.Random) -> int:
+def blast(ctx: zmq.Context[Any], endpoint: str, rng: random.Random, keys: CurveKeys | None = None) -> int:
     sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
+    if keys is not None:
+        apply_client_keys(sock, keys)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(endpoint)
@@ -91,15 +108,16 @@ def test_live_fuzz_keeps_serving_with_bounded_memory(cluster: LocalCluster) -> N
     ctx = zmq.Context()
     rng = random.Random(1234)
     try:
+        honest = cluster.client_keys("honest") if cluster.security == "curve" else None
         # Warm up, then measure memory around the fuzz run.
-        with Client(cluster.frontend, timeout=10) as c:
+        with Client(cluster.frontend, timeout=10, curve=honest) as c:
             for _ in range(200):
                 c.echo(b"warm")
         rss0 = proc.memory_info().rss
         tried = 0
         for endpoint in (cluster.frontend, cluster.backend, cluster.admin):
-            tried += blast(ctx, endpoint, rng)
-            with Client(cluster.frontend, timeout=10) as c:
+            tried += blast(ctx, endpoint, rng, keys_for(cluster, endpoint))
+            with Client(cluster.frontend, timeout=10, curve=honest) as c:
                 assert c.echo(b"still serving") == b"still serving"
             assert cluster.broker.poll() is None
         rss1 = proc.memory_info().rss

@@ -7,6 +7,7 @@ loopback does, which is what this plays.)"""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -52,6 +53,7 @@ def peer_messages(rng: random.Random) -> list[list[bytes]]:
 
 def blast(ctx: zmq.Context[Any], endpoint: str, rng: random.Random) -> int:
     sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     try:

@@ -9,6 +9,7 @@ must still be running and still serve a real client through the real worker.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -59,6 +60,7 @@ def ctx() -> Iterator[zmq.Context[Any]]:
 @contextmanager
 def dealer(ctx: zmq.Context[Any], endpoint: str) -> Iterator[zmq.Socket[bytes]]:
     sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)

@@ -8,6 +8,7 @@ hand (a draining loop with nothing dispatched would stop at its next tick). No p
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
@@ -31,6 +32,7 @@ def backup() -> Iterator[tuple[Broker, zmq.Socket[bytes]]]:
     b = Broker(BrokerConfig(name="backup"), Endpoints("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"), ctx=ctx,
                pair=PairConfig(role="backup", peer=NOWHERE, bind="tcp://127.0.0.1:*"))
     client = ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
     client.setsockopt(zmq.LINGER, 0)
     client.connect(b.endpoints.frontend)
     yield b, client

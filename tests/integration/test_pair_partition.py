@@ -8,6 +8,7 @@ to witness, which is what lets both take over).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -49,6 +50,7 @@ def brokers() -> Iterator[dict[str, Broker]]:
 
 def _request(ctx: zmq.Context, endpoint: str, kind: str = "echo") -> tuple[zmq.Socket, bytes]:
     s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(endpoint)
     rid = P.new_id()
@@ -109,6 +111,7 @@ def test_a_passive_broker_that_sees_a_gap_resyncs(linked: dict[str, Broker]) -> 
     wait_for(lambda: rid in backup.core.tasks.tasks, what="the request replicated")
     # A batch that skips ahead (as if updates were lost on the way): the backup must notice.
     inj = ctx.socket(zmq.DEALER)
+    inj.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
     inj.setsockopt(zmq.LINGER, 0)
     inj.connect(backup.pair.bound)
     snapshots = backup.pair.snapshots
@@ -132,6 +135,7 @@ def test_a_worker_that_knows_a_later_epoch_makes_the_active_broker_step_down(bro
     wait_for(lambda: all(b.pair.state.value == "active" for b in brokers.values()), what="both to take over")
     lower, higher = sorted(brokers.values(), key=lambda b: b.core.epoch)
     worker = ctx.socket(zmq.DEALER)
+    worker.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
     worker.setsockopt(zmq.LINGER, 0)
     worker.connect(lower.endpoints.backend)
     worker.send_multipart(P.encode(Peer.WORKER, Command.READY, {"name": "w", "gpus": []}))

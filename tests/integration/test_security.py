@@ -7,6 +7,7 @@ to loopback.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -44,10 +45,14 @@ def in_log(cluster: LocalCluster, name: str, *needles: str) -> Callable[[], bool
 
 class Raw:
     """A bare CURVE DEALER speaking the client protocol: for requests the library would not send
-    (another tenant's ids)."""
+    (another tenant's ids). ``routing_id``: the one to claim (default: 16 fresh random bytes, as a
+    client's, PROTOCOL.md §2); ``auto_id``: none at all, libzmq's automatic one."""
 
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str, keys: CurveKeys) -> None:
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, keys: CurveKeys, routing_id: bytes | None = None,
+                 auto_id: bool = False) -> None:
         self.sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        if not auto_id:
+            self.sock.setsockopt(zmq.ROUTING_ID, routing_id if routing_id is not None else os.urandom(16))
         self.sock.setsockopt(zmq.LINGER, 0)
         apply_client_keys(self.sock, keys)
         self.sock.connect(endpoint)
@@ -59,6 +64,13 @@ class Raw:
         if not self.sock.poll(int(timeout * 1000)):
             return None
         return P.decode(self.sock.recv_multipart(), Peer.CLIENT)
+
+    def replies(self, timeout: float = 10.0) -> list[P.Message]:
+        """The next message, a BATCH's inner messages one by one (empty: nothing came)."""
+        msg = self.recv(timeout)
+        if msg is None:
+            return []
+        return [one for one, _ in P.unbatch(msg)] if msg.command is Command.BATCH else [msg]
 
     def close(self) -> None:
         self.sock.close(0)

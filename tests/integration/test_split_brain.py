@@ -82,6 +82,7 @@ def _not_active_answer(endpoint: str) -> str | None:
     """Send one echo REQUEST straight to ``endpoint``; the code of the answer (None: served)."""
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.ROUTING_ID, os.urandom(16))  # a client's id (PROTOCOL.md §2)
     s.setsockopt(zmq.LINGER, 0)
     try:
         s.connect(endpoint)

@@ -157,6 +157,54 @@ def h() -> Harness:
 # --------------------------------------------------------------------------- READY / WELCOME
 
 
+def _ready_header(name: str, uuid: str) -> dict[str, Any]:
+    return {"name": name, "gpus": [{"uuid": uuid, "index": 0, "model": "A100", "mem": GiB, "cc": [8, 0]}], "slots": 4}
+
+
+def _refusal(h: Harness, ident: bytes) -> str:
+    [(who, msg, _)] = h.take_worker()
+    assert who == ident and msg.command is Command.DISCONNECT, msg
+    reason: str = msg.header["reason"]
+    return reason
+
+
+def test_a_worker_name_is_its_keys_name() -> None:
+    h = Harness()
+    h.core.worker_names_bound = True
+    enc = P.encode(Peer.WORKER, Command.READY, _ready_header("w0", "GPU-a"))
+    h.core.on_worker(W1, P.decode(enc, Peer.WORKER), enc[2], "w0")
+    assert h.core.registry.by_name["w0"].identity == W1
+    h.take_worker()
+    # The key of w1 (workers/w1.key) sends READY as w0: refused, and the real w0 stays.
+    enc = P.encode(Peer.WORKER, Command.READY, _ready_header("w0", "GPU-b"))
+    h.core.on_worker(W2, P.decode(enc, Peer.WORKER), enc[2], "w1")
+    reason = _refusal(h, W2)
+    assert "workers/w1.key" in reason and "not w0" in reason
+    assert h.core.registry.by_name["w0"].identity == W1 and W2 not in h.core.registry.by_identity
+    enc = P.encode(Peer.WORKER, Command.READY, _ready_header("w1", "GPU-b"))
+    h.core.on_worker(W2, P.decode(enc, Peer.WORKER), enc[2], "w1")
+    assert h.core.registry.by_name["w1"].identity == W2
+
+
+def test_a_second_connection_of_a_live_name_is_refused_until_the_first_goes_silent(h: Harness) -> None:
+    h.worker(W1, Command.READY, _ready_header("host", "GPU-a"))
+    h.take_worker()
+    h.request(C1, rid(1))
+    h.one_dispatch(W1)
+    # A second worker of the same (host) name: refused, the first keeps its work; no flapping.
+    for _ in range(3):
+        h.worker(W2, Command.READY, _ready_header("host", "GPU-b"))
+        reason = _refusal(h, W2)
+        assert "worker host is already connected from host" in reason and "--name" in reason
+        h.advance(0.5)
+        h.heartbeat(W1, 1)
+    assert h.core.registry.by_name["host"].identity == W1 and h.core.counters["worker_losses"] == 0
+    # The first goes silent past its liveness (a restart): the new connection takes the name.
+    h.advance(h.core.config.heartbeat.expiry + 0.1)
+    h.worker(W2, Command.READY, _ready_header("host", "GPU-a"))
+    assert h.core.registry.by_name["host"].identity == W2
+
+
 def test_ready_gets_welcome_with_negotiated_heartbeat(h: Harness) -> None:
     h.ready(W1, "w1", heartbeat_ms=2500, liveness=2)
     out = h.take_worker()

@@ -17,6 +17,7 @@ import zmq.utils.z85
 from gpud.clock import FakeClock
 from gpud.config import SecurityConfig
 from gpud.errors import ConfigError
+from gpud.protocol import parse_client_user
 from gpud.security import (
     ADMIN_DOMAIN,
     BACKEND_DOMAIN,
@@ -130,10 +131,11 @@ def test_workers_are_admitted_on_the_backend_only_from_the_allow_list(keys: Simp
 
 
 def test_clients_are_admitted_on_the_frontend_with_their_tenant(keys: SimpleNamespace) -> None:
-    # The User-Id is "TENANT KEY": the tenant, and the key a direct session is bound to.
+    # A client's User-Id is its tenant and its key: the broker binds replies to the key.
     assert keys.zap.decide(FRONTEND_DOMAIN, "10.0.0.9", "CURVE", [keys.a1]) == ("200", "OK", client_user("alice", keys.a1))
     assert keys.zap.decide(FRONTEND_DOMAIN, "10.0.0.9", "CURVE", [keys.b1]) == ("200", "OK", client_user("bob", keys.b1))
-    assert client_user("alice", keys.a1).startswith("alice ") and len(client_user("alice", keys.a1)) == len("alice ") + 40
+    assert parse_client_user(client_user("alice", keys.a1)) == ("alice", client_user("alice", keys.a1))
+    assert client_user("alice", keys.a1) != client_user("alice", keys.b1)
     for k in (keys.stranger, keys.w0):
         assert keys.zap.decide(FRONTEND_DOMAIN, "10.0.0.9", "CURVE", [k])[0] == "400"
     assert keys.zap.decide(ADMIN_DOMAIN, "10.0.0.9", "CURVE", [keys.adm]) == ("200", "OK", "adm")
@@ -170,6 +172,15 @@ def test_refusals_are_logged_with_key_prefix_and_address_rate_limited(keys: Simp
     keys.zap.decide(BACKEND_DOMAIN, "192.0.2.7", "CURVE", [keys.stranger])
     assert "4 more refusal(s)" in caplog.records[-1].getMessage()
     assert keys.zap.refused == 6
+
+
+def test_a_fresh_key_per_handshake_is_one_line_per_address(keys: SimpleNamespace, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "gpud.security")
+    for _ in range(200):
+        keys.zap.decide(FRONTEND_DOMAIN, "198.51.100.9", "CURVE", [zmq.utils.z85.decode(zmq.curve_keypair()[0])])
+    keys.zap.decide(FRONTEND_DOMAIN, "198.51.100.10", "CURVE", [keys.stranger])
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "198.51.100.9" in lines[0] and "198.51.100.10" in lines[1]
 
 
 def test_new_keys_are_picked_up_without_restart(keys: SimpleNamespace) -> None:

@@ -16,7 +16,7 @@ from gpud.resources import TenantLimits
 from gpud_broker.core import ID_IN_USE, BrokerConfig, BrokerCore
 
 GiB = 1 << 30
-A, B = b"client-a", b"client-b"
+A, B, C = b"client-a", b"client-b", b"client-c"
 W1 = b"conn-w1"
 
 
@@ -119,6 +119,55 @@ def test_retry_of_another_tenants_id_never_returns_its_reply() -> None:
     h.request(A, rid(1), "alice")
     [(who, msg)] = h.replies()
     assert who == A and msg.header["ok"] is True and msg.header["worker"] == "w1"
+
+
+# ----------------------------------------------------------------------------- replies to their owner
+
+A1 = "alice " + "k" * 40  # User-Ids: tenant and key (security.client_user)
+A2 = "alice " + "m" * 40
+B1 = "bob " + "n" * 40
+
+
+def test_reply_never_goes_to_a_routing_id_another_key_took_over() -> None:
+    h = H()
+    h.ready()
+    h.request(A, rid(1), A1)
+    h.dispatched()
+    # A went away; a connection of another key (even of A's tenant) took A's routing id.
+    h.client(A, Command.PING, {}, A2)
+    [(who, pong)] = h.replies()
+    assert who == A and pong.command is Command.PONG
+    h.result(rid(1), worker="w1")
+    assert h.replies() == []  # withheld: the route's latest sender is not its owner
+    # The other key's retry of the id is refused and learns nothing; A's own retry gets it.
+    h.request(B, rid(1), A2)
+    [(who, msg)] = h.replies()
+    assert who == B and code(msg) == "INVALID_REQUEST" and "worker" not in msg.header
+    h.request(C, rid(1), A1)
+    [(who, msg)] = h.replies()
+    assert who == C and msg.header["ok"] is True and msg.header["worker"] == "w1"
+
+
+def test_reply_goes_to_its_owner_on_the_same_route() -> None:
+    h = H()
+    h.ready()
+    h.request(A, rid(1), A1)
+    h.request(B, rid(2), B1)
+    h.dispatched()
+    h.result(rid(2), worker="w1")
+    h.result(rid(1), worker="w1")
+    assert [(who, m.header["id"]) for who, m in h.replies()] == [(B, rid(2)), (A, rid(1))]
+    assert h.core.tasks.get(rid(1)).owner == A1  # type: ignore[union-attr]
+
+
+def test_without_authentication_the_reply_goes_to_the_routing_id() -> None:
+    h = H()
+    h.ready()
+    h.request(A, rid(1), None)
+    h.dispatched()
+    h.result(rid(1), worker="w1")
+    [(who, msg)] = h.replies()
+    assert who == A and msg.header["ok"] is True
 
 
 def test_cancel_of_another_tenants_request_is_ignored() -> None:
@@ -238,3 +287,110 @@ def test_reload_recounts_usage() -> None:
 def test_limits_are_checked(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         TenantLimits(**bad)
+
+
+# ----------------------------------------------------------------------------- budgets
+
+
+def _budgeted(**held: int) -> H:
+    from gpud_broker.accounts import Budgets, TenantBudget
+
+    budget = TenantBudget(max_queued=3, max_outstanding=5, max_bytes=1000, max_sessions=1, max_deadline_ms=60_000)
+    return H(budgets=Budgets(default=budget, max_held_bytes=held.get("total", 1 << 30)))
+
+
+def test_a_tenant_at_its_queue_budget_is_busy_and_others_are_placed() -> None:
+    h = _budgeted()
+    n = 0
+    for _ in range(10):  # no worker yet: everything queues
+        n += 1
+        h.request(B, rid(n), "bob", kind="job", argv=["true"])
+    got = h.replies()
+    assert len(got) == 7 and all(code(m) == "BUSY" and "max_queued" in m.header["message"] for _, m in got)
+    assert h.core.queue.queued_for("bob") == 3
+    h.request(A, rid(100), "alice", kind="job", argv=["true"])
+    assert h.replies() == [] and h.core.queue.queued_for("alice") == 1  # alice is accepted
+    h.ready(ngpus=2)
+    task = h.core.tasks.get(rid(100))
+    assert task is not None and task.worker == "w1"  # and placed: fair share, one GPU each
+    assert h.core.queue.queued_for("bob") == 2
+
+
+def test_outstanding_and_byte_budgets_name_the_budget() -> None:
+    h = _budgeted()
+    h.ready()
+    for n in range(1, 6):
+        h.request(B, rid(n), "bob")  # five echoes in flight: bob's max_outstanding
+    h.dispatched()
+    h.request(B, rid(6), "bob")
+    [(_, msg)] = h.replies()
+    assert code(msg) == "BUSY" and "max_outstanding" in msg.header["message"]
+    h.client(A, Command.REQUEST, {"id": rid(7), "kind": "echo"}, "alice", [b"x" * 600])
+    h.client(A, Command.REQUEST, {"id": rid(8), "kind": "echo"}, "alice", [b"x" * 600])  # 1200 bytes: over max_bytes
+    [(who, msg)] = h.replies()
+    assert who == A and code(msg) == "BUSY" and "max_bytes" in msg.header["message"]
+    assert h.core.accounts.load["alice"].bytes == 600
+    for n in (1, 2, 3, 4, 5, 7):
+        h.result(rid(n), worker="w1")
+    h.replies()
+    assert h.core.accounts.load == {} and h.core.accounts.held_bytes == 0  # all let go
+
+
+def test_the_brokers_byte_budget_and_the_longest_deadline() -> None:
+    h = _budgeted(total=1500)
+    h.ready()
+    h.client(A, Command.REQUEST, {"id": rid(1), "kind": "echo"}, "alice", [b"x" * 900])
+    h.client(B, Command.REQUEST, {"id": rid(2), "kind": "echo"}, "bob", [b"x" * 900])
+    [(who, msg)] = h.replies()
+    assert who == B and code(msg) == "BUSY" and "max_held_bytes" in msg.header["message"]
+    h.request(B, rid(3), "bob", deadline_ms=7 * 24 * 3600 * 1000)
+    [(who, msg)] = h.replies()
+    assert who == B and code(msg) == "TOO_LARGE" and "max_deadline_ms" in msg.header["message"]
+
+
+def test_session_budget() -> None:
+    h = _budgeted()
+    h.ready()
+    open_session(h, rid(1), B, "bob")
+    h.request(B, rid(2), "bob", kind="session", need={"gpu_milli": 100, "mem": GiB})
+    [(who, msg)] = h.replies()
+    assert who == B and code(msg) == "BUSY" and "max_sessions" in msg.header["message"]
+    open_session(h, rid(3), A, "alice")  # alice's own budget
+
+
+# ----------------------------------------------------------------------------- the reply store
+
+
+def test_a_flood_of_replies_evicts_only_the_flooders_and_a_dropped_job_is_never_run_again() -> None:
+    from gpud_broker.accounts import Budgets, TenantBudget
+
+    h = H(budgets=Budgets(default=TenantBudget(reply_bytes=64 << 10)), result_bytes=1 << 30)
+    h.ready()
+    h.request(A, rid(1), "alice", kind="job", argv=["true"])  # not idempotent: must never run twice
+    h.dispatched()
+    h.result(rid(1), worker="w1", exit_code=0)
+    for n in range(2, 60):  # bob: 58 jobs with 4 KiB of output each, far past his 64 KiB share
+        h.request(B, rid(n), "bob", kind="job", argv=["true"])
+        h.dispatched()
+        h.core.now = h.clock.monotonic()
+        enc = P.encode(Peer.WORKER, Command.RESULT, {"id": rid(n), "ok": True, "worker": "w1"}, [b"o" * 4096])
+        h.core.on_worker(W1, P.decode(enc, Peer.WORKER), enc[2])
+    h.replies()
+    h.clock.advance(1.0)
+    h.core.tick(h.clock.monotonic())
+    assert h.core.tasks.held_by("bob") <= 64 << 10 and h.core.tasks.held_by("alice") > 0
+    # Alice's retry, well inside the window: her reply, no second run.
+    h.request(C, rid(1), "alice", kind="job", argv=["true"])
+    [(who, msg)] = h.replies()
+    assert who == C and msg.header["ok"] is True and h.dispatched() == []
+    # Bob's first jobs' replies were dropped early: a retry gets RESULT_EXPIRED, nothing runs.
+    h.request(B, rid(2), "bob", kind="job", argv=["true"])
+    [(who, msg)] = h.replies()
+    assert who == B and code(msg) == "RESULT_EXPIRED" and h.dispatched() == []
+    # Another tenant's guess of that id learns nothing of it: a fresh request.
+    h.request(A, rid(2), "alice", kind="echo")
+    assert [d["id"] for d in h.dispatched()] == [rid(2)]
+    # After the retry window the id is forgotten like any other.
+    h.clock.advance(h.core.config.result_ttl)
+    h.core.tick(h.clock.monotonic())
+    assert rid(3) not in h.core.tasks.expired

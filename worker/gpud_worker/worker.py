@@ -35,6 +35,7 @@ from gpud.errors import (
     RemoteError,
     SessionLost,
     ShuttingDown,
+    TooLarge,
 )
 from gpud.heartbeat import HeartbeatPolicy, Liveness
 from gpud.protocol import Command, Peer
@@ -113,6 +114,7 @@ class BrokerLink:
         self.active = False  # this broker said it is the active one of its pair (WELCOME, HEARTBEAT)
         self.acks = False  # it ACKs results (a pair's broker): keep each until it does
         self.epoch = 0  # the epoch it said that with
+        self.max_message_bytes = P.DEFAULT_MAX_MESSAGE_BYTES  # the largest message it takes (WELCOME)
         self.backoff = 0.0
         self.retry_at = now
         # Messages wait here until the loop's turn ends (``flush``): a burst of RESULTs to a burst
@@ -512,13 +514,17 @@ class Worker:
                 link.liveness.policy = HeartbeatPolicy(hb / 1000.0, lv)
             link.welcomed = True
             link.backoff = 0.0
+            most = h.get("max_message_bytes")
+            if type(most) is int and most > 0:
+                link.max_message_bytes = most
             log.info("registered with broker %s (heartbeat %dms x %s)", link.endpoint, hb, lv)
             notify.status(f"registered with {link.endpoint}")
             self._broker_state(idx, link, h if "active" in h else {**h, "active": True, "epoch": 0}, now)
             self._beat(link, now)
         elif cmd is Command.DISCONNECT:
             reason = h.get("reason")
-            log.warning("broker %s disconnected us (%s); reconnecting", link.endpoint, reason)
+            (log.error if type(reason) is str and reason.startswith("refused") else log.warning)(
+                "broker %s disconnected us (%s); reconnecting", link.endpoint, reason)
             self._reconnect(link, poller, now)
         elif cmd is Command.ERROR:
             log.warning("broker %s reports an error: %s %s", link.endpoint, h.get("code"), h.get("message"))
@@ -702,7 +708,9 @@ class Worker:
                 "gpus": uuids,
                 "user": out.user,
             }
-            self._result(idx, rid, header, [out.stdout, out.stderr, *(data for _, data in out.files)])
+            result = [out.stdout, out.stderr, *(data for _, data in out.files)]
+            check_result_size(header, result, self.links[idx].max_message_bytes)
+            self._result(idx, rid, header, result)
         except JobNotStarted:
             log.info("job %s: not started (%s)", P.id_text(rid), "the worker is stopping" if self._stop.is_set() else "START refused")
             self.results.put((idx, rid, []))  # no RESULT: the loop only forgets it
@@ -979,6 +987,25 @@ class Worker:
             log.error("session %s: GPU %s failed (%s); closing the session", P.id_text(s.id), s.gpu.uuid, failed[s.gpu.uuid])
             s.lost = failed[s.gpu.uuid]
             self._close_session(s, kill=f"its GPU failed ({s.lost})")
+
+
+RESULT_HEADROOM = 64 << 10  # bytes of a RESULT kept for its header and frame overheads
+
+
+def check_result_size(header: dict[str, Any], frames: list[Any], max_message_bytes: int) -> None:
+    """Raise TOO_LARGE when a job's result (its header, and its frames: stdout, stderr, output
+    files) would not fit in one message the broker takes (PROTOCOL.md §2, §4.2): the job fails
+    with a clear error instead of the worker's connection, and all its other work with it."""
+    total = sum(len(f) for f in frames)
+    limit = max_message_bytes - RESULT_HEADROOM
+    if len(frames) > P.MAX_PAYLOAD_FRAMES:
+        raise TooLarge(f"the job returns {len(frames) - 2} output files; a result holds at most {P.MAX_PAYLOAD_FRAMES - 2}")
+    if len(P.packb(header)) > P.MAX_HEADER_BYTES - 1024:
+        raise TooLarge(f"the names of the job's {len(frames) - 2} output files do not fit in a result's header")
+    if total > limit:
+        raise TooLarge(f"the job's result (stdout, stderr and {len(frames) - 2} output file(s)) is {total} bytes, over "
+                       f"the {limit} a result may hold (the broker's maximum message size); return less, or "
+                       "move big data through a session")
 
 
 def _on_stop_signal(worker: Worker) -> None:

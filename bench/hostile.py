@@ -1,0 +1,236 @@
+"""A's echo latency while a hostile tenant (B) or an outsider floods the broker, as a ratio to A's
+idle figures in the same run; and the broker's RSS under a queue flood at B's budgets.
+
+Real daemons (``LocalCluster``, CURVE on, one worker with one simulated GPU); each flood runs in a
+process of its own while A, an honest tenant with a connected ``Client``, makes sequential echoes.
+The target (issue "The broker under hostile tenants") is A's p99 under each flood at most 3x idle.
+
+Usage::
+
+    .venv/bin/python bench/hostile.py [--echoes 300] [--seconds 6]
+
+The last line is one JSON object; the table before it is what BENCHMARKS.md shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+ROOT = Path(__file__).resolve().parent.parent
+for _d in (".", "broker", "worker", "standby", "libclient", "cli"):
+    sys.path.insert(0, str(ROOT / _d))
+
+from gpud import protocol as P  # noqa: E402
+from gpud.protocol import Command, Peer  # noqa: E402
+from gpud.security import CurveKeys, apply_client_keys  # noqa: E402
+from gpud_cli.cluster import LocalCluster  # noqa: E402
+from gpud_client import Client  # noqa: E402
+
+
+def _dealer(ctx: zmq.Context[Any], endpoint: str, keys: CurveKeys | None) -> zmq.Socket[bytes]:
+    s: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.setsockopt(zmq.RCVHWM, 0)
+    s.setsockopt(zmq.ROUTING_ID, os.urandom(16))
+    if keys is not None:
+        apply_client_keys(s, keys)
+    s.connect(endpoint)
+    return s
+
+
+def _drain(s: zmq.Socket[bytes]) -> None:
+    while s.poll(0):
+        s.recv_multipart()
+
+
+# --------------------------------------------------------------------------- floods (child processes)
+
+
+def flood_queue(stop: Any, endpoint: str, keys: CurveKeys, n: int) -> None:
+    """B: ``n`` jobs that cannot all run (each wants 90% of the one GPU), past its queue budget."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    s = _dealer(ctx, endpoint, keys)
+    ids = [P.new_id() for _ in range(n)]
+    for rid in ids:
+        s.send_multipart(P.encode(Peer.CLIENT, Command.REQUEST, {"id": rid, "kind": "job", "argv": ["sleep", "30"],
+                                                                 "need": {"gpu_milli": 900}, "time_limit": 40}))
+    while not stop.is_set():
+        _drain(s)
+        time.sleep(0.05)
+    for rid in ids:
+        s.send_multipart(P.encode(Peer.CLIENT, Command.CANCEL, {"id": rid}))
+    time.sleep(0.5)
+    s.close(0)
+    ctx.term()
+
+
+def flood_payload(stop: Any, endpoint: str, keys: CurveKeys, size: int) -> None:
+    """B: echoes of ``size`` bytes, 4 outstanding, as fast as the broker takes them (its replies
+    fill B's share of the reply store as well)."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    s = _dealer(ctx, endpoint, keys)
+    chunk = os.urandom(size)
+    out = 0
+    while not stop.is_set():
+        while out < 4:
+            s.send_multipart([*P.encode(Peer.CLIENT, Command.REQUEST, {"id": P.new_id(), "kind": "echo"}), chunk])
+            out += 1
+        if s.poll(100):
+            s.recv_multipart()
+            out -= 1
+    s.close(0)
+    ctx.term()
+
+
+def flood_garbage(stop: Any, endpoint: str, keys: CurveKeys) -> None:
+    """B: malformed messages (bad signature, bad msgpack, unknown commands), as fast as it can."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    s = _dealer(ctx, endpoint, keys)
+    junk = [[b"GPUDC1", b"\x01", b"\xc1"], [b"XXXXXX", b"\x01", b"\x80"], [b"GPUDC1", b"\x7f", b"\x80"], [b"GPUDC1"]]
+    i = 0
+    while not stop.is_set():
+        for _ in range(100):
+            s.send_multipart(junk[i % len(junk)])
+            i += 1
+        _drain(s)
+        time.sleep(0.001)
+    s.close(0)
+    ctx.term()
+
+
+def flood_handshakes(stop: Any, endpoint: str, server_key: bytes) -> None:
+    """An outsider: a fresh CURVE key per connection, each refused by ZAP."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    while not stop.is_set():
+        socks = []
+        for _ in range(20):
+            public, secret = zmq.curve_keypair()
+            socks.append(_dealer(ctx, endpoint, CurveKeys(public, secret, server_key)))
+        time.sleep(0.05)
+        for s in socks:
+            s.close(0)
+    ctx.term()
+
+
+def flood_connections(stop: Any, endpoint: str, n: int) -> None:
+    """An outsider: ``n`` idle TCP connections, opened again as the broker closes them."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    held: list[socket.socket] = []
+    while not stop.is_set():
+        while len(held) < n and not stop.is_set():
+            try:
+                held.append(socket.create_connection((host, int(port)), timeout=0.5))
+            except OSError:
+                break
+        time.sleep(0.2)
+        alive = []
+        for c in held:
+            try:
+                c.setblocking(False)
+                if c.recv(1) == b"":
+                    c.close()
+                    continue
+            except BlockingIOError:
+                pass
+            except OSError:
+                c.close()
+                continue
+            alive.append(c)
+        held = alive
+    for c in held:
+        c.close()
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def echo_latencies(client: Client, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        client.echo(b"a" * 64)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--echoes", type=int, default=300, help="A's sequential echoes per figure (default %(default)s)")
+    p.add_argument("--settle", type=float, default=1.5, help="seconds a flood runs before A measures (default %(default)s)")
+    args = p.parse_args(argv)
+    mp_ctx = mp.get_context("fork")
+    with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=500, security="curve", log_level="WARNING",
+                      dynamic_uid_base=61184 + 16 * 300) as c:
+        alice, bob = c.client_keys("alice"), c.client_keys("bob")
+        assert c.broker is not None
+        pid = c.broker.pid
+        budgets = c.status()["budgets"]
+        queued = budgets["default"]["max_queued"]
+        server_key = alice.server_public
+        floods: list[tuple[str, Callable[..., None], tuple[Any, ...]]] = [
+            (f"queue flood ({queued + 2000} jobs, budget {queued})", flood_queue, (c.frontend, bob, queued + 2000)),
+            ("payload flood (8 MiB echoes)", flood_payload, (c.frontend, bob, 8 << 20)),
+            ("malformed messages", flood_garbage, (c.frontend, bob)),
+            ("handshake spam (a fresh key each)", flood_handshakes, (c.frontend, server_key)),
+            ("idle TCP connections (500)", flood_connections, (c.frontend, 500)),
+        ]
+        rows: list[dict[str, Any]] = []
+        with Client(c.frontend, timeout=60, curve=alice) as a:
+            echo_latencies(a, 50)  # warm
+            idle = echo_latencies(a, args.echoes)
+            i50, i99 = pct(idle, 0.5), pct(idle, 0.99)
+            rss_idle = rss_mb(pid)
+            for name, fn, fargs in floods:
+                stop = mp_ctx.Event()
+                proc = mp_ctx.Process(target=fn, args=(stop, *fargs), daemon=True)
+                proc.start()
+                time.sleep(args.settle)
+                during = echo_latencies(a, args.echoes)
+                rss = rss_mb(pid)
+                stop.set()
+                proc.join(20)
+                if proc.is_alive():
+                    proc.kill()
+                rows.append({"flood": name, "p50_ms": round(pct(during, 0.5) * 1e3, 2), "p99_ms": round(pct(during, 0.99) * 1e3, 2),
+                             "p50_ratio": round(pct(during, 0.5) / i50, 2), "p99_ratio": round(pct(during, 0.99) / i99, 2),
+                             "broker_rss_mb": round(rss, 1), "alive": c.broker.poll() is None})
+                time.sleep(1.0)
+                echo_latencies(a, 20)
+        result = {"idle_p50_ms": round(i50 * 1e3, 2), "idle_p99_ms": round(i99 * 1e3, 2), "idle_rss_mb": round(rss_idle, 1),
+                  "budgets": budgets["default"], "max_held_bytes": budgets["max_held_bytes"], "floods": rows,
+                  "cpus": os.cpu_count()}
+    print(f"A's echo, idle: p50 {result['idle_p50_ms']} ms, p99 {result['idle_p99_ms']} ms; broker RSS {result['idle_rss_mb']} MB")
+    print("| flood | A p50 ms | A p99 ms | p50 / idle | p99 / idle | broker RSS MB | broker alive |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['flood']} | {r['p50_ms']} | {r['p99_ms']} | {r['p50_ratio']} | {r['p99_ratio']} | {r['broker_rss_mb']} | {r['alive']} |")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

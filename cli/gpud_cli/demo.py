@@ -58,14 +58,14 @@ def run_demo(cluster: LocalCluster, echoes: int = 500, jobs: int = 8, sessions: 
                 where = f"{s.worker}/{s.gpu.get('uuid')}"
                 placed["session"][where] += 1
                 info = s.info()
-                paths[f"{info['path']} ({info.get('endpoint') or info.get('why')})"] += 1
+                paths[f"{info['path']} {info.get('endpoint') or info.get('why')}"] += 1
                 for name, err in _check_kernels(s, BUILTIN, rng).items():
                     if err is not None:
                         failures.append(f"session {i} kernel {name}: {err}")
         print(f"sessions {sessions} x 4 built-in kernels checked against numpy")
-        print("         their calls went " + ", ".join(
-            f"{'straight to the worker' if p.startswith('direct') else 'through the broker'}: {n} "
-            f"session(s), {p.split(' ', 1)[1]}" for p, n in sorted(paths.items())))
+        print("         their calls went " + "; ".join(
+            f"{n} session(s) {'straight to the worker at' if p.startswith('direct') else 'through the broker:'} "
+            f"{p.split(' ', 1)[1]}" for p, n in sorted(paths.items())))
         if cluster.pair:
             failures += _failover(cluster, client)
 

@@ -23,6 +23,7 @@ process of the namespace (cgroup.kill) and removes the cgroup.
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -59,10 +60,32 @@ def own_cgroup2() -> str:
 
 
 HIDDEN = ("/root", "/home", "/run/user")  # what ProtectHome=yes hides from the units
+PRIVATE_TMP = ("/tmp", "/var/tmp")  # what PrivateTmp=yes replaces with the units' own
+PACKAGES = ("gpud", "gpud_broker", "gpud_worker", "gpud_standby", "gpud_client", "gpud_cli")
 
 
 def _hidden(path: str) -> bool:
     return any(path == h or path.startswith(h + "/") for h in HIDDEN)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _visible(path: str, workdir: Path, name: str) -> str:
+    """``path`` as the units see it: itself, or, where PrivateTmp hides it (a checkout or a
+    virtualenv under /tmp, as a CI clone may be), a copy in ``workdir`` (hard links where the
+    file system allows), which the namespace binds at INSIDE."""
+    real = os.path.realpath(path)
+    if not any(real == t or real.startswith(t + "/") for t in PRIVATE_TMP):
+        return real
+    dest = workdir / "copies" / name
+    if not dest.exists():
+        shutil.copytree(real, dest, symlinks=True, copy_function=_link_or_copy)
+    return f"{INSIDE}/{dest.relative_to(workdir)}"
 
 
 def unit_bindir(workdir: Path) -> Path:
@@ -86,7 +109,15 @@ def unit_bindir(workdir: Path) -> Path:
     subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True, timeout=120)
     inner_site = Path(subprocess.run([str(venv / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                      check=True, capture_output=True, text=True, timeout=60).stdout.strip())
-    (inner_site / "gpud-tests.pth").write_text(f"import site; site.addsitedir({site!r})\n")
+    # gpud's own packages first, by their source roots (an editable install's finder would map
+    # them to paths the units may not see), then this virtualenv's packages.
+    lines = []
+    for name in PACKAGES:
+        package = Path(importlib.import_module(name).__file__ or "").resolve().parent
+        lines.append(str(Path(_visible(str(package), workdir, f"src/{name}")).parent))
+    lines = list(dict.fromkeys(lines))
+    lines.append(f"import site; site.addsitedir({_visible(site, workdir, 'site-packages')!r})")
+    (inner_site / "gpud-tests.pth").write_text("\n".join(lines) + "\n")
     here = Path(sys.executable).parent
     for script in ("gpud", "gpudctl"):
         text = (here / script).read_text().split("\n", 1)[1]

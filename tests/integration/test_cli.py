@@ -31,7 +31,7 @@ def test_version_and_help_with_only_the_core(tmp_path: Path) -> None:
     assert r.stdout.strip().startswith("gpud ") and "Traceback" not in r.stderr
     r = run_isolated(site, "from gpud_cli.main import main; main(['--help'])")
     assert r.returncode == 0, r.stderr
-    assert all(name in r.stdout for name in ("broker", "worker", "up", "keygen", "replay", "version", "config"))
+    assert all(name in r.stdout for name in ("broker", "worker", "up", "keygen", "version", "config"))
 
 
 def test_the_core_imports_no_component(tmp_path: Path) -> None:

@@ -332,8 +332,9 @@ def test_hardening_holds_and_jobs_run_as_pool_users(installed: Installed) -> Non
     status = dict(line.split(":", 1) for line in installed.proc("gpud-worker", "status").read_text().splitlines())
     assert int(status["Uid"].split()[0]) == 0 and int(status["NoNewPrivs"]) == 1
     caps = int(status["CapBnd"], 16)
-    # CAP_CHOWN 0, CAP_DAC_OVERRIDE 1, CAP_FOWNER 3, CAP_KILL 5, CAP_SETGID 6, CAP_SETUID 7
-    assert caps == sum(1 << b for b in (0, 1, 3, 5, 6, 7)), hex(caps)
+    # CAP_CHOWN 0, CAP_DAC_OVERRIDE 1, CAP_FOWNER 3, CAP_KILL 5, CAP_SETGID 6, CAP_SETUID 7, CAP_SYS_ADMIN 21
+    # and CAP_MKNOD 27 (the job sandbox: namespaces, mounts and its /dev)
+    assert caps == sum(1 << b for b in (0, 1, 3, 5, 6, 7, 21, 27)), hex(caps)
     # In the worker's own mount namespace (ProtectSystem=strict), root may write only its
     # StateDirectory, CacheDirectory and private /tmp.
     def writes(pid: int, path: str) -> bool:

@@ -10,7 +10,8 @@ workers, the policy is first offered ``SAMPLE_K`` workers drawn at random from t
 (power-of-k-choices: the least-loaded GPU of the sample, not of the cluster), and the whole
 cluster only when none of the sample can take the request; so one decision costs about the same
 with 1,000 workers as with 16, and a request that only a few workers can take still finds them.
-Other policies (packing, fragmentation-aware) always see every worker. ``open_workers`` counts the
+The default, ``fgd-balanced``, samples inside the policy (``policies``: random workers plus
+the ones it chose last); ``fgd`` and the packing policies always see every worker. ``open_workers`` counts the
 workers with a free slot (not draining, fewer requests in flight than slots), kept at every
 dispatch, result, worker arrival and loss, and drain change: while it is 0 nothing can be placed,
 and placing returns at once instead of asking the policy to scan every worker.

@@ -105,6 +105,7 @@ _READ_CHUNK = 64 * 1024
 # Jobs started at once. A start is a fork() with a preexec_fn, which holds the GIL; a burst of
 # them (a worker handed 128 jobs at once) would otherwise starve the worker's loop and its
 # heartbeats for longer than the broker's liveness allows.
+START_ATTEMPTS = 3  # tries of a job's process setup (a failure before its exec is retried)
 _STARTS = threading.BoundedSemaphore(2)
 _POLL_S = 0.1  # reader poll interval and cancel-check interval
 _READER_EOF_WAIT_S = 2.0  # after the kill, how long readers may take to reach EOF
@@ -925,20 +926,30 @@ class JobRunner:
                 if begin is not None:  # its turn has come: only now may it have begun
                     begin()
                     started = time.monotonic()  # its time limit counts from its GO
-                proc = subprocess.Popen(
-                    list(spec.argv),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    cwd=workdir,
-                    env=self._environment(hexid, spec, workdir, user, devices, grant),
-                    start_new_session=True,
-                    close_fds=True,
-                    umask=0o077,
-                    preexec_fn=self._child_setup(
-                        spec, user, cgroup.procs_fds if cgroup is not None else (), plan
-                    ),
-                )
+                for attempt in range(1, START_ATTEMPTS + 1):
+                    try:
+                        proc = subprocess.Popen(
+                            list(spec.argv),
+                            stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            cwd=workdir,
+                            env=self._environment(hexid, spec, workdir, user, devices, grant),
+                            start_new_session=True,
+                            close_fds=True,
+                            umask=0o077,
+                            preexec_fn=self._child_setup(
+                                spec, user, cgroup.procs_fds if cgroup is not None else (), plan
+                            ),
+                        )
+                        break
+                    except subprocess.SubprocessError as exc:
+                        # The child's setup (user, limits, sandbox) failed before its exec: the
+                        # job's program never ran, so another try cannot run it twice.
+                        if attempt == START_ATTEMPTS:
+                            raise RemoteError(f"cannot start job {hexid}: {exc}") from exc
+                        log.warning("job %s: its process setup failed (%s); trying again (%d of %d)",
+                                    hexid, exc, attempt + 1, START_ATTEMPTS)
         except OSError as exc:
             if exc.filename != spec.argv[0]:
                 raise RemoteError(f"cannot start job {hexid}: {exc}") from exc

@@ -212,6 +212,7 @@ class Plan:
         try:  # I: never returns, whatever fails
             _default_handlers()
             _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+            _rename_init()  # before the job exists, so it never sees the worker's command line
             child = os.fork()
         except BaseException:
             os._exit(255)
@@ -397,7 +398,6 @@ def _init(child: int, r: int, w: int, mask: Iterable[int]) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(r)
         _close_all_but(w)
-        _rename_init()
         while True:
             try:
                 pid, status = os.waitpid(-1, 0)

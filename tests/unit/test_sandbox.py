@@ -161,17 +161,17 @@ def test_gpudctl_workers_shows_the_isolation_level() -> None:
 
 
 def test_uid_blocks_are_exclusive_between_holders_and_freed_on_close(tmp_path: Path) -> None:
-    one, two = UidBlocks(62000, 16, 62047, str(tmp_path)), UidBlocks(62000, 16, 62047, str(tmp_path))
+    one, two = UidBlocks(63000, 16, 63047, str(tmp_path)), UidBlocks(63000, 16, 63047, str(tmp_path))
     a, b = one.take(), two.take()
-    assert (a, b) == (range(62000, 62016), range(62016, 62032))
+    assert (a, b) == (range(63000, 63016), range(63016, 63032))
     c = one.take()
-    assert c == range(62032, 62048)
+    assert c == range(63032, 63048)
     with pytest.raises(ConfigError):
         two.take()  # every block is held
     one.give_back(a)
     assert two.take() == a
     one.close()
-    assert UidBlocks(62000, 16, 62047, str(tmp_path)).take() == c
+    assert UidBlocks(63000, 16, 63047, str(tmp_path)).take() == c
 
 
 def test_a_block_someone_runs_under_is_passed_over(tmp_path: Path) -> None:

@@ -553,20 +553,20 @@ class Connection:
 
     def _refusal(self, event: int, value: int) -> str | None:
         """Why a failed handshake failed, as the caller should read it."""
+        if not event & HANDSHAKE_FAILURES:
+            return None
+        if self._curve is None:
+            # A plaintext broker never fails a client's NULL handshake: whether the mechanism
+            # mismatch or the reset that follows it is read first, the cause is the same.
+            return (
+                "the broker did not accept our connection: it uses CURVE and this client has "
+                "no keys (Client(..., curve=CurveKeys.from_files(secret, broker_public)))"
+            )
         if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == getattr(
             zmq, "PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH", 0x11000002
         ):
-            if self._curve is None:
-                return (
-                    "the broker did not accept our connection: it uses CURVE and this client has "
-                    "no keys (Client(..., curve=CurveKeys.from_files(secret, broker_public)))"
-                )
             return "the broker did not accept our connection: it does not use CURVE, and we do"
-        if event & HANDSHAKE_FAILURES:
-            if self._curve is None and event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-                return "the broker ended the connection during the handshake"
-            return KEY_REFUSED
-        return None
+        return KEY_REFUSED
 
     # ------------------------------------------------------------------ receiving
 

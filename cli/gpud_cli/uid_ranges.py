@@ -49,6 +49,8 @@ class UidBlocks:
 
     def __init__(self, base: int = DYNAMIC_BASE, size: int = BLOCK, last: int = DYNAMIC_LAST,
                  lock_dir: str = LOCK_DIR) -> None:
+        if size < 1 or base < 1 or base + size - 1 > last:
+            raise ConfigError(f"no block of {size} uids fits in {base}-{last}: choose a base of at most {last - size + 1}")
         self.base, self.size, self.last, self.lock_dir = base, size, last, lock_dir
         self._held: dict[int, int] = {}  # first uid -> fd of its lock file
 

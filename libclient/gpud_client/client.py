@@ -11,9 +11,9 @@ GpudError (and the other call goes on unharmed). Use one Client per thread.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, Any
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import zmq
 
@@ -62,6 +62,21 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 30.0
 """Seconds a call may take, overall, unless a timeout is given."""
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _parameters_of(model: Callable[P, object]) -> Callable[[Callable[..., R]], Callable[P, R]]:
+    """Declare that the decorated function takes ``model``'s parameters and passes them on: type
+    checkers, :func:`inspect.signature` and ``help()`` show them, its own return type kept."""
+
+    def declare(fn: Callable[..., R]) -> Callable[P, R]:
+        returns = inspect.signature(fn).return_annotation
+        fn.__signature__ = inspect.signature(model).replace(return_annotation=returns)  # type: ignore[attr-defined]
+        return fn
+
+    return declare
 
 
 class Client:
@@ -218,12 +233,7 @@ class Client:
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -267,60 +277,6 @@ class Client:
         what = f"echo {id_text(rid)}"
         self._conn.submit(rid, frames, what, nbytes=2 * view.nbytes)
         return Pending(self._conn, rid, rq.parse_echo, limit, what, cancellable=True)
-
-    def run(
-        self,
-        argv: Sequence[str],
-        files: Mapping[str, BytesLike] | None = None,
-        outputs: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        gpu_milli: int | None = None,
-        gpus: int = 0,
-        mem: int | None = None,
-        models: Sequence[str] | None = None,
-        min_cc: tuple[int, int] | None = None,
-        exclusive: bool = False,
-        priority: int = 0,
-        time_limit: float = 60.0,
-        output_cap: int = 1 << 20,
-        idempotent: bool = False,
-        timeout: float | None = None,
-        *,
-        need: Need | None = None,
-    ) -> JobResult:
-        """Run a program on a GPU worker and wait for it. Arguments as for :meth:`submit`.
-
-        Returns
-        -------
-        JobResult
-            Exit code, output and returned files. A non-zero exit is a result, not an error.
-
-        Raises
-        ------
-        gpud.errors.Timeout
-            No result within the overall deadline (the request is then cancelled if still queued).
-        gpud.errors.GpudError
-            The subclass for the broker's or worker's error code (NoCapacity, Busy, RemoteError...).
-        """
-        job = self.submit(
-            argv,
-            files=files,
-            outputs=outputs,
-            env=env,
-            gpu_milli=gpu_milli,
-            gpus=gpus,
-            mem=mem,
-            models=models,
-            min_cc=min_cc,
-            exclusive=exclusive,
-            priority=priority,
-            time_limit=time_limit,
-            output_cap=output_cap,
-            idempotent=idempotent,
-            timeout=timeout,
-            need=need,
-        )
-        return collect(job)
 
     def submit(
         self,
@@ -388,6 +344,24 @@ class Client:
         what = f"job {id_text(rid)}"
         self._conn.submit(rid, frames, what)
         return Job(self._conn, rid, rq.parse_job_result, overall, what, cancellable=True)
+
+    @_parameters_of(submit)
+    def run(self, *args: Any, **kwargs: Any) -> JobResult:
+        """Run a program on a GPU worker and wait for it. Arguments as for :meth:`submit`.
+
+        Returns
+        -------
+        JobResult
+            Exit code, output and returned files. A non-zero exit is a result, not an error.
+
+        Raises
+        ------
+        gpud.errors.Timeout
+            No result within the overall deadline (the request is then cancelled if still queued).
+        gpud.errors.GpudError
+            The subclass for the broker's or worker's error code (NoCapacity, Busy, RemoteError...).
+        """
+        return collect(self.submit(*args, **kwargs))
 
     def session(
         self,

@@ -647,10 +647,12 @@ class JobRunner:
                         if self.sandbox is not None:
                             plan = self.sandbox.plan(granted, str(workdir), dfd)
                         deny = sorted(set(self.gpu_minors.values()) - set(granted))
-                        return self._execute(
-                            hexid, spec, workdir, dfd, user, visible_devices, cancel,
-                            grant if grant is not None else JobGrant(), begin, plan, deny,
-                        )
+                        job_grant = grant if grant is not None else JobGrant()
+                        with self._cgroup(hexid, job_grant, deny) as cgroup:
+                            return self._execute(
+                                hexid, spec, workdir, dfd, user, visible_devices, cancel,
+                                job_grant, cgroup, begin, plan,
+                            )
                     finally:
                         os.close(dfd)
                 finally:
@@ -874,23 +876,13 @@ class JobRunner:
 
         return setup
 
-    def _execute(
-        self,
-        hexid: str,
-        spec: JobSpec,
-        workdir: pathlib.Path,
-        dfd: int,
-        user: pwd.struct_passwd,
-        devices: str,
-        cancel: threading.Event | None,
-        grant: JobGrant,
-        begin: Callable[[], None] | None = None,
-        plan: Plan | None = None,
-        deny: Sequence[int] = (),
-    ) -> JobOutcome:
+    @contextmanager
+    def _cgroup(self, hexid: str, grant: JobGrant, deny: Sequence[int] = ()) -> Iterator[JobCgroup | None]:
+        """The job's cgroup (None without cgroups) while it runs; its OOM kills are logged and it
+        is removed after."""
         cgroup = self._make_cgroup(hexid, grant, deny)
         try:
-            return self._execute_in(hexid, spec, workdir, dfd, user, devices, cancel, grant, cgroup, begin, plan)
+            yield cgroup
         finally:
             if cgroup is not None:
                 oom = cgroup.oom_kills()
@@ -906,7 +898,7 @@ class JobRunner:
             return self.cgroups.create(hexid, limits, deny)
         return self.cgroups.create(hexid, limits)
 
-    def _execute_in(
+    def _execute(
         self,
         hexid: str,
         spec: JobSpec,

@@ -27,16 +27,6 @@ def grant(worker: WorkerRecord, gpus: list[GpuRecord], need: Need, pool: bool = 
             raise LedgerError(f"GPU {g.uuid} is in use; no exclusive grant")
     if worker.free_cpu < need.cpu_milli or worker.free_host_mem < need.host_mem:
         raise LedgerError(f"worker {worker.name} lacks CPU or memory for the grant")
-    for g in gpus:
-        g.granted_milli += milli
-        g.granted_mem += need.mem
-        g.milli_since_beat += milli
-        g.mem_since_beat += need.mem
-        g.tasks += 1
-        if need.exclusive:
-            g.exclusive = True
-    worker.granted_cpu += need.cpu_milli
-    worker.granted_host_mem += need.host_mem
     made = Grant(
         worker=worker.name,
         gpus=tuple(g.uuid for g in gpus),
@@ -47,8 +37,10 @@ def grant(worker: WorkerRecord, gpus: list[GpuRecord], need: Need, pool: bool = 
         exclusive=need.exclusive,
         pool_tenant=need.tenant if pool else "",
     )
-    worker.grants[id(made)] = made
-    _count_pool(worker, made, 1)
+    for g in gpus:
+        g.milli_since_beat += milli
+        g.mem_since_beat += need.mem
+    restore(worker, gpus, made)
     return made
 
 
@@ -63,7 +55,8 @@ def _count_pool(worker: WorkerRecord, g: Grant, sign: int) -> None:
 
 def restore(worker: WorkerRecord, gpus: list[GpuRecord], g: Grant) -> None:
     """Record a grant made earlier (by the other broker of the pair, before a takeover) as it is:
-    these are facts to account for, not requests to fit."""
+    these are facts to account for, not requests to fit. ``grant()`` books its checked grants
+    through it too."""
     for r in gpus:
         r.granted_milli += g.gpu_milli
         r.granted_mem += g.mem

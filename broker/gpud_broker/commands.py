@@ -354,24 +354,30 @@ def _gpu(core: BrokerCore, text: str) -> GpuRecord:
     return g
 
 
-@ADMIN.command("cordon")
-def cordon(target: Any, args: dict[str, Any]) -> dict[str, Any]:
+def _set_cordoned(target: Any, args: dict[str, Any], cordoned: bool) -> tuple[BrokerCore, GpuRecord]:
+    """Mark (or unmark) the GPU ``args`` names as cordoned, on its record and in the replicated
+    marks; the core and the GPU, for the answer."""
     core = _active_core(target)
     g = _gpu(core, args["gpu"])
-    g.cordoned = True
-    core.registry.cordoned.add(g.uuid)
+    g.cordoned = cordoned
+    if cordoned:
+        core.registry.cordoned.add(g.uuid)
+    else:
+        core.registry.cordoned.discard(g.uuid)
     core.marks_changed()
+    return core, g
+
+
+@ADMIN.command("cordon")
+def cordon(target: Any, args: dict[str, Any]) -> dict[str, Any]:
+    _, g = _set_cordoned(target, args, True)
     return {"gpu": g.uuid, "name": _gpu_name(g), "cordoned": True, "grants": g.tasks,
             "message": f"GPU {_gpu_name(g)} ({g.uuid}) cordoned: no new work; {g.tasks} grant(s) run on"}
 
 
 @ADMIN.command("uncordon")
 def uncordon(target: Any, args: dict[str, Any]) -> dict[str, Any]:
-    core = _active_core(target)
-    g = _gpu(core, args["gpu"])
-    g.cordoned = False
-    core.registry.cordoned.discard(g.uuid)
-    core.marks_changed()
+    core, g = _set_cordoned(target, args, False)
     placed = core.place_queued()
     return {"gpu": g.uuid, "name": _gpu_name(g), "cordoned": False, "placed": placed,
             "message": f"GPU {_gpu_name(g)} ({g.uuid}) takes new work again; {placed} queued request(s) placed"}

@@ -1,4 +1,5 @@
-"""``--daemon``: run a daemon detached from its terminal, for hosts without systemd.
+"""How ``gpud broker`` and ``gpud worker`` start: their shared flags, their configuration and
+logging, and ``--daemon``: run a daemon detached from its terminal, for hosts without systemd.
 
 Uses python-daemon (extra ``daemon``): double fork, new session, standard streams to ``/dev/null``
 (or to the log file, so a crash's last words are kept), a PID file, and SIGTERM as a clean exit
@@ -13,10 +14,47 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from gpud.errors import ConfigError
-from gpud.log import SYSLOG
+from gpud.log import SYSLOG, setup_logging
+
+if TYPE_CHECKING:
+    from gpud.config import GpudConfig
+
+
+def main(
+    prog: str,
+    description: str,
+    add_daemon_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+    argv: list[str] | None = None,
+) -> int:
+    """A daemon command's ``main``: parse ``argv`` with the daemon's flags and ``run`` it."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    add_daemon_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def configure(
+    args: argparse.Namespace, load: Callable[[argparse.Namespace], GpudConfig], program: str
+) -> tuple[GpudConfig, str | None]:
+    """The daemon's configuration, ``load(args)`` (ConfigError), and its ``log_target``, with
+    logging set up for the start: there, or to stderr while a ``--daemon`` has its terminal."""
+    cfg = load(args)
+    target = log_target(args, cfg.logging.file)
+    setup_logging(cfg.logging.level, program, None if args.daemon else target)
+    return cfg, target
+
+
+def start(args: argparse.Namespace, program: str, level: str, target: str | None) -> None:
+    """Check the flags (``check``); with ``--daemon``, detach (only the grandchild returns) and log
+    to ``target`` from then on. Call it before NVML, threads or sockets. Raises ConfigError."""
+    check(args)
+    if args.daemon:
+        detach(args.pid_file, target)
+        setup_logging(level, program, target)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 from gpud import config, daemonize
 from gpud.errors import ConfigError
 from gpud.heartbeat import HeartbeatPolicy
-from gpud.log import setup_logging
 from gpud.security import SecuritySettings, add_security_arguments, security_flags
 from gpud_broker.policies import FACTORIES
 
@@ -214,12 +213,10 @@ def run(args: argparse.Namespace) -> int:
     from gpud_broker.broker import serve
 
     try:
-        cfg = load_config(args)
+        cfg, log_target = daemonize.configure(args, load_config, "gpud-broker")
     except ConfigError as exc:
         print(f"gpud broker: {exc}", file=sys.stderr)
         return 2
-    log_target = daemonize.log_target(args, cfg.logging.file)
-    setup_logging(cfg.logging.level, "gpud-broker", None if args.daemon else log_target)
     weights: dict[str, float] = {}
     for item in args.tenant_weight:
         name, _, value = item.partition("=")
@@ -233,10 +230,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         limits = parse_tenant_limits(args.tenant_limit)
         p = plan(cfg, weights, limits)
-        daemonize.check(args)
-        if args.daemon:  # from here on only the detached grandchild runs
-            daemonize.detach(args.pid_file, log_target)
-            setup_logging(p.log_level, "gpud-broker", log_target)
+        daemonize.start(args, "gpud-broker", p.log_level, log_target)  # from here on only a --daemon's grandchild runs
     except ConfigError as exc:
         print(f"gpud broker: {exc}", file=sys.stderr)
         return 2
@@ -256,9 +250,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gpud broker", description="Run the gpud broker.")
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return daemonize.main("gpud broker", "Run the gpud broker.", add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from gpud import daemonize
 from gpud.config import DEFAULT_PATH, GpudConfig, WorkerSection, flag_values, load, uid_range
 from gpud.errors import ConfigError
 from gpud.heartbeat import HeartbeatPolicy
-from gpud.log import setup_logging
 from gpud.security import SecuritySettings, add_security_arguments, security_flags
 
 log = logging.getLogger(__name__)
@@ -124,17 +123,13 @@ def run(args: argparse.Namespace) -> int:
     from gpud_worker.worker import Worker, WorkerConfig, default_workroot, install_signal_handlers
 
     try:
-        cfg = load_config(args)
+        cfg, log_target = daemonize.configure(args, load_config, "gpud-worker")
     except ConfigError as exc:
         print(f"gpud worker: {exc}", file=sys.stderr)
         return 2
-    log_target = daemonize.log_target(args, cfg.logging.file)
-    setup_logging(cfg.logging.level, "gpud-worker", None if args.daemon else log_target)
     try:
-        daemonize.check(args)
-        if args.daemon:  # before NVML, threads or sockets: from here on only the detached grandchild runs
-            daemonize.detach(args.pid_file, log_target)
-            setup_logging(cfg.logging.level, "gpud-worker", log_target)
+        # Before NVML, threads or sockets: from here on only a --daemon's grandchild runs.
+        daemonize.start(args, "gpud-worker", cfg.logging.level, log_target)
     except ConfigError as exc:
         print(f"gpud worker: {exc}", file=sys.stderr)
         return 2
@@ -263,9 +258,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gpud worker", description="Run a gpud worker on this GPU VM.")
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return daemonize.main("gpud worker", "Run a gpud worker on this GPU VM.", add_arguments, run, argv)
 
 
 if __name__ == "__main__":

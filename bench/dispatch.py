@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -126,21 +127,36 @@ def baseline_worker(backend: str, prefetch: int) -> int:
         ctx.term()
 
 
+def start_ready(procs: list[subprocess.Popen[bytes]], argv: list[str], what: str, stop: Callable[[], None]) -> Any:
+    """Start ``argv``, a child that prints one JSON line once it is ready, add it to ``procs``,
+    and return that line's value. When it exits first: ``stop()``, then RuntimeError."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    procs.append(proc)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        stop()
+        raise RuntimeError(f"{what} exited with {proc.wait()} before it was ready")
+    return json.loads(line)
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Terminate ``procs`` (SIGTERM, then SIGKILL after 10 s) and close the pipes they printed to."""
+    from gpud_cli.cluster import terminate
+
+    terminate(procs, timeout=10)
+    for p in procs:
+        if p.stdout is not None:
+            p.stdout.close()
+
+
 class BaselineCluster:
     """The baseline broker and two workers as child processes of this script."""
 
     def __init__(self, prefetch: int, workers: int = 2) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         me = [sys.executable, os.path.abspath(__file__)]
-        broker = subprocess.Popen([*me, "--role", "baseline-broker"], stdout=subprocess.PIPE,
-                                  stdin=subprocess.DEVNULL)
-        self.procs.append(broker)
-        assert broker.stdout is not None
-        line = broker.stdout.readline()
-        if not line:
-            self.stop()
-            raise RuntimeError(f"the baseline broker exited with {broker.wait()} before it was ready")
-        endpoints = json.loads(line)
+        endpoints = start_ready(self.procs, [*me, "--role", "baseline-broker"], "the baseline broker", self.stop)
         self.frontend: str = endpoints["frontend"]
         self.backend: str = endpoints["backend"]
         for _ in range(workers):
@@ -157,12 +173,7 @@ class BaselineCluster:
         return [p.pid for p in self.procs[1:]]
 
     def stop(self) -> None:
-        from gpud_cli.cluster import terminate
-
-        terminate(self.procs, timeout=10)
-        for p in self.procs:
-            if p.stdout is not None:
-                p.stdout.close()
+        stop_all(self.procs)
         self.procs.clear()
 
 
@@ -239,6 +250,18 @@ def _percentile(sorted_values: list[float], q: float) -> float:
         return float("nan")
     k = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
     return sorted_values[k]
+
+
+def seconds_each(fn: Callable[[], Any], count: int, warmup: int = 0) -> list[float]:
+    """Seconds each of ``count`` calls of ``fn`` took, after ``warmup`` calls that are not timed."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
 
 
 def _latency(roundtrip: Any, payload: bytes, n: int) -> dict[str, float]:

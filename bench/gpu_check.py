@@ -43,19 +43,14 @@ for p in ("libclient", "standby", "worker", "broker", "cli", "."):
 
 import numpy as np  # noqa: E402
 
+from bench.dispatch import seconds_each  # noqa: E402
+
 F32 = np.float32
 N = 1024  # elements of the timed vector_add
 
 
 def _times(fn: Callable[[], Any], count: int, warmup: int = 10) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(count):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
+    return seconds_each(fn, count, warmup)
 
 
 def _us(samples: list[float]) -> dict[str, float]:

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 for _d in (".", "broker", "worker", "standby", "libclient", "cli"):
     sys.path.insert(0, str(ROOT / _d))
 
+from bench.dispatch import seconds_each  # noqa: E402
 from gpud import protocol as P  # noqa: E402
 from gpud.protocol import Command, Peer  # noqa: E402
 from gpud.security import CurveKeys, apply_client_keys  # noqa: E402
@@ -157,12 +158,7 @@ def flood_connections(stop: Any, endpoint: str, n: int) -> None:
 
 
 def echo_latencies(client: Client, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        client.echo(b"a" * 64)
-        out.append(time.perf_counter() - t0)
-    return out
+    return seconds_each(lambda: client.echo(b"a" * 64), n)
 
 
 def pct(xs: list[float], q: float) -> float:

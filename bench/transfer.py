@@ -49,6 +49,9 @@ from typing import Any
 import numpy as np
 import zmq
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dispatch  # noqa: E402  (start_ready, stop_all, seconds_each: shared with bench/dispatch.py)
+
 MIB = 1 << 20
 Figures = dict[str, dict[int, float]]  # direction -> size -> GB/s
 POLL_TIMEOUT_MS = 60_000  # no answer for this long is a failure of the run, not a slow result
@@ -129,15 +132,7 @@ class Bare:
     def __init__(self, max_bytes: int) -> None:
         me = [sys.executable, os.path.abspath(__file__)]
         self.procs: list[subprocess.Popen[bytes]] = []
-        fwd = subprocess.Popen([*me, "--role", "bare-forwarder"], stdout=subprocess.PIPE,
-                               stdin=subprocess.DEVNULL)
-        self.procs.append(fwd)
-        assert fwd.stdout is not None
-        line = fwd.stdout.readline()
-        if not line:
-            self.stop()
-            raise RuntimeError(f"the bare forwarder exited with {fwd.wait()} before it was ready")
-        ends = json.loads(line)
+        ends = dispatch.start_ready(self.procs, [*me, "--role", "bare-forwarder"], "the bare forwarder", self.stop)
         self.procs.append(subprocess.Popen(
             [*me, "--role", "bare-worker", "--backend", ends["backend"], "--max-bytes", str(max_bytes)],
             stdin=subprocess.DEVNULL))
@@ -213,12 +208,7 @@ class Bare:
         if hasattr(self, "sock"):
             self.sock.close(0)
             self.ctx.term()
-        from gpud_cli.cluster import terminate
-
-        terminate(self.procs, timeout=10)
-        for p in self.procs:
-            if p.stdout is not None:
-                p.stdout.close()
+        dispatch.stop_all(self.procs)
 
 
 class Gpud:
@@ -263,13 +253,7 @@ def _reps(nbytes: int, args: argparse.Namespace) -> int:
 
 def _time(fn: Any, reps: int) -> float:
     """Median seconds of ``reps`` calls of ``fn`` (after one warm-up call)."""
-    fn()
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return statistics.median(dispatch.seconds_each(fn, reps, warmup=1))
 
 
 def _round_gpud(g: Gpud, host: np.ndarray, out: np.ndarray, sizes: list[int],

@@ -136,12 +136,24 @@ def has_times(path: Path) -> bool:
 # --------------------------------------------------------------------------- plots
 
 
-def plot_default(static: dict[str, dict[str, Any]], path: Path) -> None:
+def _pyplot() -> Any:
+    """matplotlib.pyplot drawing to files only (Agg), imported when a plot is made."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path)
+    _pyplot().close(fig)
+
+
+def plot_default(static: dict[str, dict[str, Any]], path: Path) -> None:
+    plt = _pyplot()
     fig, (full, zoom) = plt.subplots(1, 2, figsize=(10, 4), dpi=100)
     for policy in DEFAULT_POLICIES:
         s = static.get(policy)
@@ -164,17 +176,11 @@ def plot_default(static: dict[str, dict[str, Any]], path: Path) -> None:
     zoom.set_ylim(0, 22)
     zoom.set_title("near and past 100% arrived (x: published figures)")
     zoom.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_traces(every: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     traces = list(every)
     fig, ax = plt.subplots(figsize=(10, 4), dpi=100)
     width = 0.8 / len(EVERY_TRACE_POLICIES)
@@ -190,18 +196,12 @@ def plot_traces(every: dict[str, dict[str, dict[str, Any]]], path: Path) -> None
     ax.set_title("every trace: mean ± std over seeds (lower is better)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_curves(every: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     """One panel per trace: unallocated GPUs against arrived requests, each policy's mean curve."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     traces = list(every)
     cols = 4
     rows = -(-len(traces) // cols)
@@ -224,17 +224,11 @@ def plot_curves(every: dict[str, dict[str, dict[str, Any]]], path: Path) -> None
     axes.flat[0].legend(fontsize=7, loc="upper left")
     fig.supxlabel("arrived GPU requests (% of the cluster's GPUs)")
     fig.supylabel("unallocated GPUs (% of the cluster)")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_dynamic(dynamic: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     traces = list(dynamic)
     series: list[tuple[str, list[float]]] = []
     for policy in SHARING_POLICIES:
@@ -256,9 +250,7 @@ def plot_dynamic(dynamic: dict[str, dict[str, dict[str, Any]]], path: Path) -> N
     ax.set_title("GPUs needed so that no task waits more than the limit (lower is better)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save(fig, path)
 
 
 # --------------------------------------------------------------------------- the report

@@ -502,32 +502,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: other work kept {outside:.2f} of the machine's {os.cpu_count()} cores busy during the run; "
               "wall-time percentiles (placement, echo) include the time the broker waited for a core")
     summary = {
-        "workers": large["workers"],
-        "gpus": large["gpus"],
-        "placement_p50_us": _r1(large["placement_p50_us"]),
-        "placement_p99_us": _r1(large["placement_p99_us"]),
-        "placement_max_us": _r1(large["placement_max_us"]),
-        "placements": large["placements"],
-        "heartbeat_cpu_fraction": round(large["heartbeat_cpu_fraction"], 4),
-        "broker_rss_mib": _r1(large["broker_rss_mib"]),
-        "broker_rss_idle_mib": _r1(large["rss_idle_mib"]),
-        "broker_peak_rss_mib": _r1(large["broker_peak_rss_mib"]),
-        "echo_p50_us": _r1(large["echo_p50_us"]),
-        "echo_p99_us": _r1(large["echo_p99_us"]),
-        "drive_per_s": _r1(large["drive_per_s"]),
-        "worker_losses": large["worker_losses"],
-        "admin_status_ms": _r1(large["admin_status_ms"]),
-        "outside_cpu_cores": round(max(large["outside_cpu_idle"], large["outside_cpu_drive"]), 2),
-        "baseline_workers": small["workers"],
-        "baseline_gpus": small["gpus"],
-        "baseline_placement_p50_us": _r1(small["placement_p50_us"]),
-        "baseline_placement_p99_us": _r1(small["placement_p99_us"]),
-        "baseline_heartbeat_cpu_fraction": round(small["heartbeat_cpu_fraction"], 4),
-        "baseline_broker_rss_mib": _r1(small["broker_rss_mib"]),
-        "baseline_broker_rss_idle_mib": _r1(small["rss_idle_mib"]),
-        "baseline_echo_p50_us": _r1(small["echo_p50_us"]),
-        "baseline_echo_p99_us": _r1(small["echo_p99_us"]),
-        "baseline_drive_per_s": _r1(small["drive_per_s"]),
+        **_figures(large, LARGE_FIGURES),
+        "outside_cpu_cores": round(outside, 2),
+        **_figures(small, BASELINE_FIGURES, "baseline_"),
         "placement_target_met": p99_ok,
         "heartbeat_target_met": hb_ok,
         "heartbeats_sent": large["sim"].get("heartbeats", 0),
@@ -616,6 +593,27 @@ def decisions(args: argparse.Namespace) -> int:
               f"({100 * r['held_share']:.0f}% of the GPU share held)", flush=True)
     print(json.dumps({"workers": args.workers, "gpus": args.workers * args.gpus, "decisions": rows}))
     return 0
+
+
+LARGE_FIGURES = ("workers", "gpus", "placement_p50_us", "placement_p99_us", "placement_max_us", "placements",
+                 "heartbeat_cpu_fraction", "broker_rss_mib", "broker_rss_idle_mib", "broker_peak_rss_mib",
+                 "echo_p50_us", "echo_p99_us", "drive_per_s", "worker_losses", "admin_status_ms")
+BASELINE_FIGURES = ("workers", "gpus", "placement_p50_us", "placement_p99_us", "heartbeat_cpu_fraction",
+                    "broker_rss_mib", "broker_rss_idle_mib", "echo_p50_us", "echo_p99_us", "drive_per_s")
+
+
+def _figures(m: dict[str, Any], names: tuple[str, ...], prefix: str = "") -> dict[str, Any]:
+    """The figures ``names`` of a measurement for the summary line, rounded for it: times, sizes
+    and rates to 0.1, the heartbeat CPU fraction to 1e-4, counts as they are."""
+    out: dict[str, Any] = {}
+    for name in names:
+        value = m["rss_idle_mib" if name == "broker_rss_idle_mib" else name]
+        if name == "heartbeat_cpu_fraction":
+            value = round(value, 4)
+        elif name.endswith(("_us", "_mib", "_per_s", "_ms")):
+            value = _r1(value)
+        out[prefix + name] = value
+    return out
 
 
 def _r1(value: float) -> float:

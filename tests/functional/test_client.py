@@ -13,7 +13,6 @@ What the client does with an unusable reply (documented here and in client.py):
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import subprocess
@@ -42,6 +41,7 @@ from gpud.errors import (
 from gpud.protocol import Command, Peer, decode, encode
 from gpud_client import BUILTIN, Client, DevicePtr, JobResult, Need, ctl
 from gpud_client._request import encode_launch_arg
+from tests.router_thread import RouterThread
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ STATUS: dict[str, Any] = {
 }
 
 
-class FakeBroker:
+class FakeBroker(RouterThread):
     """A ROUTER in a thread answering the client dialog; ``silent`` reads and never answers;
     ``mute`` ignores that many first messages (a broker that restarted and lost them)."""
 
@@ -109,19 +109,10 @@ class FakeBroker:
         self.memory: dict[int, bytearray] = {}
         self.admin_error: tuple[str, str] | None = None
         self._next_handle = 1
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self.endpoint = self.admin_endpoint = ""
-        self._thread = threading.Thread(target=self._run, name="fake-broker", daemon=True)
-        self._thread.start()
-        assert self._ready.wait(5), "fake broker did not start"
+        self.admin_endpoint = ""
+        self._start("fake-broker")
 
     # ------------------------------------------------------------------ plumbing
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        assert not self._thread.is_alive()
 
     def requests(self, command: Command = Command.REQUEST) -> list[bytes]:
         return [h["id"] for c, h, _ in self.seen if c is command]
@@ -303,13 +294,6 @@ class FakeBroker:
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    yield context
-    context.term()  # hangs (and the per-test timeout fails the test) if a socket was left open
-
-
-@pytest.fixture
 def brokers(ctx: zmq.Context[Any]) -> Iterator[Callable[..., FakeBroker]]:
     made: list[FakeBroker] = []
 
@@ -326,16 +310,6 @@ def brokers(ctx: zmq.Context[Any]) -> Iterator[Callable[..., FakeBroker]]:
 @pytest.fixture
 def broker(brokers: Callable[..., FakeBroker]) -> FakeBroker:
     return brokers()
-
-
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    """ctl.main configures the root logger, as a main should; put pytest's back afterwards."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 # --------------------------------------------------------------------------- echo

@@ -29,6 +29,7 @@ from gpud.errors import GpudError, InvalidRequest, NotActive, SessionLost, Timeo
 from gpud.protocol import Command, Peer, decode, encode
 from gpud_cli.cluster import LocalCluster
 from gpud_client import BUILTIN, Client
+from tests.router_thread import RouterThread
 from tests.waiting import wait_for
 
 F32 = np.float32
@@ -53,7 +54,7 @@ class Backend:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class ScriptedBroker:
+class ScriptedBroker(RouterThread):
     """A ROUTER in a thread. ``passive``: REQUEST and CALL get NOT_ACTIVE (as a REPLY, or as an
     ERROR naming the id when ``as_error``), PING gets PONG. ``silent``: reads and answers nothing.
     ``stall``: seconds the next REQUEST blocks the broker (no PONG either) before it answers."""
@@ -68,17 +69,7 @@ class ScriptedBroker:
         self.stall = 0.0
         self.seen: list[tuple[Command, dict[str, Any], list[bytes]]] = []
         self.pings: list[tuple[list[bytes], bool]] = []  # (sessions named, silent when heard)
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self.endpoint = ""
-        self._thread = threading.Thread(target=self._run, name=f"scripted-{name}", daemon=True)
-        self._thread.start()
-        assert self._ready.wait(5), "scripted broker did not start"
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        assert not self._thread.is_alive()
+        self._start(f"scripted-{name}")
 
     def ids(self, command: Command = Command.REQUEST) -> list[bytes]:
         return [h["id"] for c, h, _ in list(self.seen) if c is command]
@@ -186,13 +177,6 @@ class ScriptedBroker:
 
 def _err(rid: bytes, code: str, message: str) -> dict[str, Any]:
     return {"id": rid, "ok": False, "code": code, "message": message}
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    yield context
-    context.term()  # hangs (and the per-test timeout fails the test) if a socket was left open
 
 
 @pytest.fixture

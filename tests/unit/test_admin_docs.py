@@ -33,17 +33,6 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-@pytest.fixture()
-def restore_logging() -> Iterator[None]:
-    import logging
-
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_every_command_has_a_summary_and_an_example(name: str) -> None:
     spec = COMMANDS[name]

@@ -98,13 +98,6 @@ def settle(*sides: Side, rounds: int = 20) -> None:
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    yield context
-    context.term()
-
-
-@pytest.fixture
 def clock() -> FakeClock:
     return FakeClock(1000.0)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -37,6 +38,18 @@ def drain(q: PendingQueue[Item]) -> list[str]:
 
 def names(q: PendingQueue[Item]) -> list[str]:
     return [x.name for x in q.in_order()]
+
+
+def small_ones(placed: list[str]) -> Callable[[Item, object], bool]:
+    """A ``fits`` for ``place()``: items of size up to 4 fit, and their names go to ``placed``."""
+
+    def fits(item: Item, _excluded: object = None) -> bool:
+        if item.size > 4:
+            return False
+        placed.append(item.name)
+        return True
+
+    return fits
 
 
 def test_priority_first() -> None:
@@ -167,13 +180,7 @@ def test_place_skips_what_does_not_fit() -> None:
     q.push(Item("small2", tenant="t2"))
     q.push(Item("small3"))
     placed: list[str] = []
-
-    def fits(item: Item, _excluded: object = None) -> bool:
-        if item.size > 4:
-            return False
-        placed.append(item.name)
-        return True
-
+    fits = small_ones(placed)
     assert q.place(fits) == 3
     assert placed == ["small1", "small2", "small3"]
     assert len(q) == 2
@@ -188,13 +195,7 @@ def test_place_lower_priority_when_higher_does_not_fit() -> None:
     q.push(Item("big-high", priority=5, size=8))
     q.push(Item("small-low", priority=-5))
     placed: list[str] = []
-
-    def fits(item: Item, _excluded: object = None) -> bool:
-        if item.size > 4:
-            return False
-        placed.append(item.name)
-        return True
-
+    fits = small_ones(placed)
     assert q.place(fits) == 1
     assert placed == ["small-low"] and names(q) == ["big-high"]
 

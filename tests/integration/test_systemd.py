@@ -510,6 +510,18 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(10)
 
 
+def _pings_reloads_and_stops(proc: subprocess.Popen[bytes], notify_socket: NotifySocket, exit_within: float) -> None:
+    """The daemon, ready, pings its watchdog; on SIGHUP it says RELOADING then READY, on SIGTERM
+    STOPPING, and it exits 0."""
+    assert notify_socket.count("WATCHDOG=1", 1.0) >= 3
+    proc.send_signal(signal.SIGHUP)
+    notify_socket.wait_for("RELOADING=1", timeout=5)
+    notify_socket.wait_for("READY=1", timeout=5)
+    proc.send_signal(signal.SIGTERM)
+    notify_socket.wait_for("STOPPING=1", timeout=5)
+    assert proc.wait(exit_within) == 0
+
+
 def _process_state(pid: int) -> str:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return stat[stat.rindex(")") + 2]
@@ -523,13 +535,7 @@ def test_broker_ready_watchdog_reload_stopping(tmp_path: Path, notify_socket: No
         # READY comes after the sockets are bound: the ready file (written once bound) is there.
         info = json.loads((tmp_path / "broker.json").read_text())
         assert info["frontend"].startswith("tcp://127.0.0.1:") and "STATUS=serving" in msg
-        assert notify_socket.count("WATCHDOG=1", 1.0) >= 3
-        proc.send_signal(signal.SIGHUP)
-        notify_socket.wait_for("RELOADING=1", timeout=5)
-        notify_socket.wait_for("READY=1", timeout=5)
-        proc.send_signal(signal.SIGTERM)
-        notify_socket.wait_for("STOPPING=1", timeout=5)
-        assert proc.wait(20) == 0
+        _pings_reloads_and_stops(proc, notify_socket, exit_within=20)
     finally:
         _stop(proc)
     log = (tmp_path / "broker.log").read_text()
@@ -589,13 +595,7 @@ def test_worker_ready_status_watchdog_stopping(tmp_path: Path, notify_socket: No
         msg, _ = notify_socket.wait_for("READY=1", proc=worker)
         assert "STATUS=connecting to " + backend in msg
         notify_socket.wait_for(f"STATUS=registered with {backend}", timeout=20, proc=worker)
-        assert notify_socket.count("WATCHDOG=1", 1.0) >= 3
-        worker.send_signal(signal.SIGHUP)
-        notify_socket.wait_for("RELOADING=1", timeout=5)
-        notify_socket.wait_for("READY=1", timeout=5)
-        worker.send_signal(signal.SIGTERM)
-        notify_socket.wait_for("STOPPING=1", timeout=5)
-        assert worker.wait(30) == 0
+        _pings_reloads_and_stops(worker, notify_socket, exit_within=30)
     finally:
         if worker is not None:
             _stop(worker)

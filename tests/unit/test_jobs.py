@@ -714,11 +714,15 @@ def test_worker_without_mps_sets_no_mps_values(make_worker: Callable[..., Worker
 
 # -- the start gate: a job starts only on the broker's GO (PROTOCOL.md §4.4) -------------------------
 
-def _dispatch_job(worker: Worker, jid: bytes) -> None:
+def _dispatch_job(worker: Worker) -> bytes:
+    """Dispatch a job to ``worker`` and return its id, once the worker asks the broker to start it."""
+    jid = os.urandom(16)
     uuid = next(iter(worker.gpus))
     dispatch = {"id": jid, "kind": "job", "tenant": "t", "grant": {"gpus": [uuid], "gpu_milli": 1000, "mem": 0},
                 "argv": ["/bin/sh", "-c", "echo ran > mark; cat mark"], "outputs": ["mark"], "time_limit": 10.0}
     worker._on_dispatch(0, worker.links[0], dispatch, [], time.monotonic())
+    assert worker._start_asks.get(timeout=30) == jid
+    return jid
 
 
 def _wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
@@ -731,9 +735,7 @@ def _wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
 def test_the_worker_runs_a_job_only_on_the_active_brokers_go(make_worker: Callable[..., Any]) -> None:
     worker = make_worker()
     worker.active_idx = 0
-    jid = os.urandom(16)
-    _dispatch_job(worker, jid)
-    assert worker._start_asks.get(timeout=30) == jid
+    jid = _dispatch_job(worker)
     worker._on_go(1, worker.links[0], {"ids": [jid]})  # from a broker that is not the active one
     time.sleep(0.3)
     assert worker.results.empty() and jid in worker.start_waits
@@ -746,9 +748,7 @@ def test_the_worker_runs_a_job_only_on_the_active_brokers_go(make_worker: Callab
 def test_a_refused_job_never_runs_and_gets_no_result(make_worker: Callable[..., Any]) -> None:
     worker = make_worker()
     worker.active_idx = 0
-    jid = os.urandom(16)
-    _dispatch_job(worker, jid)
-    assert worker._start_asks.get(timeout=30) == jid
+    jid = _dispatch_job(worker)
     assert jid in worker.running
     worker._on_go(0, worker.links[0], {"ids": [], "refused": [jid]})
     item = worker.results.get(timeout=30)
@@ -765,9 +765,7 @@ def test_a_job_waiting_for_go_is_asked_for_again_after_a_heartbeat_interval(make
     link = worker.links[0]
     link.sock = object()  # type: ignore[assignment]  # what _ask_starts looks for; nothing is sent
     worker.active_idx = 0
-    jid = os.urandom(16)
-    _dispatch_job(worker, jid)
-    assert worker._start_asks.get(timeout=30) == jid
+    jid = _dispatch_job(worker)
     now = time.monotonic()
     worker._start_asks.put(jid)
     worker._ask_starts(now, fresh=True)

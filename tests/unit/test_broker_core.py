@@ -403,12 +403,17 @@ def test_cancel_queued_request(h: Harness) -> None:
 # --------------------------------------------------------------------------- worker loss
 
 
-def test_silent_worker_is_removed_and_its_echo_runs_elsewhere(h: Harness) -> None:
+def echo_on_w1_of_two(h: Harness, payload: bytes) -> None:
+    """Workers w1 and w2 ready, and echo ``rid(1)`` of ``payload`` dispatched to w1."""
     h.ready(W1, "w1")
     h.ready(W2, "w2")
     h.take_worker()
-    h.request(C1, rid(1), frames=[b"data"])
+    h.request(C1, rid(1), frames=[payload])
     assert h.one_dispatch(W1).header["id"] == rid(1)
+
+
+def test_silent_worker_is_removed_and_its_echo_runs_elsewhere(h: Harness) -> None:
+    echo_on_w1_of_two(h, b"data")
     h.advance(2.5)
     h.heartbeat(W2, 1)  # w2 stays alive, w1 says nothing
     h.tick(0.5)  # 3.0 s of silence: exactly the expiry, still there
@@ -495,11 +500,7 @@ def test_retries_stop_after_max_attempts() -> None:
 
 
 def test_shutting_down_result_is_placed_elsewhere(h: Harness) -> None:
-    h.ready(W1, "w1")
-    h.ready(W2, "w2")
-    h.take_worker()
-    h.request(C1, rid(1), frames=[b"z"])
-    h.one_dispatch(W1)
+    echo_on_w1_of_two(h, b"z")
     h.result(W1, rid(1), ok=False, code="SHUTTING_DOWN", message="stopping")
     assert h.take_client() == []
     d = h.one_dispatch(W2)
@@ -603,6 +604,19 @@ def open_session(h: Harness, sid: bytes, ident: bytes = W1) -> None:
     assert reply.header["ok"] is True and reply.header["session"] == sid
 
 
+def leased_session(*others: tuple[bytes, str]) -> tuple[Harness, bytes]:
+    """A core whose session leases last 5 s (a worker's liveness 30 s), workers w1 and ``others``
+    (ident, name) ready, and session ``rid(100)`` open on w1; the harness and the session id."""
+    h = Harness(session_lease=5.0, heartbeat=HeartbeatPolicy(10.0, 3))
+    h.ready(W1, "w1")
+    for ident, name in others:
+        h.ready(ident, name)
+    h.take_worker()
+    sid = rid(100)
+    open_session(h, sid)
+    return h, sid
+
+
 def test_session_open_call_close(h: Harness) -> None:
     h.ready(W1, "w1")
     h.take_worker()
@@ -650,11 +664,7 @@ def test_call_to_unknown_session(h: Harness) -> None:
 
 
 def test_session_lease_expiry_closes_and_releases() -> None:
-    h = Harness(session_lease=5.0, heartbeat=HeartbeatPolicy(10.0, 3))
-    h.ready(W1, "w1")
-    h.take_worker()
-    sid = rid(100)
-    open_session(h, sid)
+    h, sid = leased_session()
     h.tick(4.0)
     assert h.take_worker() == []
     h.client(C1, Command.PING, {"sessions": [sid, rid(5), "junk"]})  # renews the lease

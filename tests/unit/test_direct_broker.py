@@ -4,9 +4,8 @@ what a session's DISPATCH says about the direct path, and the leases the worker'
 from __future__ import annotations
 
 from gpud import protocol as P
-from gpud.heartbeat import HeartbeatPolicy
 from gpud.protocol import Command, Peer
-from tests.unit.test_broker_core import C1, W1, Harness, open_session, rid
+from tests.unit.test_broker_core import C1, W1, Harness, leased_session, open_session, rid
 
 KEY = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"  # a Z85 public key, as ZAP hands it back
 
@@ -48,11 +47,7 @@ def test_calls_of_a_curve_client_keep_their_tenant() -> None:
 
 
 def test_heartbeats_hold_the_lease_of_a_session_used_directly() -> None:
-    h = Harness(session_lease=5.0, heartbeat=HeartbeatPolicy(10.0, 3))
-    h.ready(W1, "w1")
-    h.take_worker()
-    sid = rid(100)
-    open_session(h, sid)
+    h, sid = leased_session()
     for _ in range(4):  # 16 s with no client message: the worker saw calls 0.5 s ago each time
         h.tick(4.0)
         h.heartbeat(W1, 1, running=[{"id": sid, "kind": "session", "since": 1.0, "idle": 0.5}])
@@ -70,12 +65,7 @@ def test_heartbeats_hold_the_lease_of_a_session_used_directly() -> None:
 
 
 def test_another_workers_heartbeat_renews_nothing() -> None:
-    h = Harness(session_lease=5.0, heartbeat=HeartbeatPolicy(10.0, 3))
-    h.ready(W1, "w1")
-    h.ready(b"W2", "w2")
-    h.take_worker()
-    sid = rid(100)
-    open_session(h, sid)
+    h, sid = leased_session((b"W2", "w2"))
     h.tick(4.0)
     h.heartbeat(b"W2", 1, running=[{"id": sid, "kind": "session", "since": 1.0, "idle": 0.0}])
     h.tick(1.5)

@@ -17,6 +17,22 @@ from gpud_broker.tasks import State
 from tests.unit.test_broker_core import C1, C2, W1, W2, W3, Harness, rid
 
 
+def dispatched(h: Harness) -> list[tuple[bytes, bytes]]:
+    return [(i, m.header["id"]) for i, m, _ in h.take_worker() if m.command is Command.DISPATCH]
+
+
+def session_on_w1() -> Harness:
+    """Session 1 dispatched to w1; w2 is w1's replica, w3 looks better to the policy."""
+    h = Harness()
+    h.ready(W1, "w1")
+    h.request(C1, rid(1), kind="session", need={"gpu_milli": 100})
+    h.ready(W2, "w2", replica_of="w1")
+    h.ready(W3, "w3")
+    h.core.registry.by_name["w2"].gpus[0].granted_milli = 800  # w3 looks better to the policy
+    assert dispatched(h) == [(W1, rid(1))]
+    return h
+
+
 def pair(**config: Any) -> tuple[Harness, Harness]:
     """An active core with a journal, and a passive core loaded from its (empty) snapshot."""
     a, b = Harness(**config), Harness(**config)
@@ -225,13 +241,7 @@ def test_work_of_a_lost_worker_goes_to_its_replica_first() -> None:
 
 
 def test_a_session_replacing_a_lost_one_opens_on_the_replica() -> None:
-    h = Harness()
-    h.ready(W1, "w1")
-    h.request(C1, rid(1), kind="session", need={"gpu_milli": 100})
-    h.ready(W2, "w2", replica_of="w1")
-    h.ready(W3, "w3")
-    h.core.registry.by_name["w2"].gpus[0].granted_milli = 800  # w3 looks better to the policy
-    h.take_worker()
+    h = session_on_w1()
     h.result(W1, rid(1), session=rid(1))
     h.take_client()
     h.core.worker_lost(h.core.registry.get(W1), "test")  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ from gpud.protocol import Command
 from gpud_broker import replication
 from gpud_broker.tasks import State
 from tests.unit.test_broker_core import C1, W1, W2, W3, Harness, error_code, rid
-from tests.unit.test_replication import confirm, pair, ship, take_over
+from tests.unit.test_replication import confirm, dispatched, pair, session_on_w1, ship, take_over
 
 JOB = {"kind": "job", "argv": ["/bin/sh", "-c", "date > started"], "need": {"gpu_milli": 100}}
 
@@ -22,10 +22,6 @@ def start(h: Harness, ident: bytes, *ids: bytes) -> None:
 def gos(h: Harness) -> list[tuple[bytes, list[bytes], list[bytes]]]:
     """(worker, ids told GO, ids refused) of every GO sent since the last look."""
     return [(i, m.header["ids"], m.header.get("refused", [])) for i, m, _ in h.take_worker() if m.command is Command.GO]
-
-
-def dispatched(h: Harness) -> list[tuple[bytes, bytes]]:
-    return [(i, m.header["id"]) for i, m, _ in h.take_worker() if m.command is Command.DISPATCH]
 
 
 def lose(h: Harness, ident: bytes) -> None:
@@ -238,18 +234,6 @@ def test_a_passive_broker_ignores_start_and_the_mark_travels_in_the_snapshot() -
 
 
 # --------------------------------------------------------------------------- sessions and calls
-
-
-def session_on_w1() -> Harness:
-    """Session 1 dispatched to w1; w2 is w1's replica, w3 looks better to the policy."""
-    h = Harness()
-    h.ready(W1, "w1")
-    h.request(C1, rid(1), kind="session", need={"gpu_milli": 100})
-    h.ready(W2, "w2", replica_of="w1")
-    h.ready(W3, "w3")
-    h.core.registry.by_name["w2"].gpus[0].granted_milli = 800
-    assert dispatched(h) == [(W1, rid(1))]
-    return h
 
 
 def test_a_session_whose_opening_was_never_answered_opens_on_the_replica() -> None:

@@ -24,8 +24,8 @@ def rid(n: int) -> bytes:
     return n.to_bytes(16, "big")
 
 
-class Harness:
-    """One BrokerCore, its two outboxes, and helpers that speak the wire protocol to it."""
+class CoreOnFakeClock:
+    """One BrokerCore (``**config``) on a fake clock, with its two outboxes."""
 
     def __init__(self, **config: Any) -> None:
         self.clock = FakeClock(1000.0)
@@ -37,6 +37,10 @@ class Harness:
             lambda ident, frames: self.to_client.append((ident, list(frames))),
             lambda ident, frames: self.to_worker.append((ident, list(frames))),
         )
+
+
+class Harness(CoreOnFakeClock):
+    """One BrokerCore, its two outboxes, and helpers that speak the wire protocol to it."""
 
     # time ---------------------------------------------------------------------------------------
 

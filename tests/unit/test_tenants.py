@@ -9,29 +9,19 @@ from typing import Any
 import pytest
 
 from gpud import protocol as P
-from gpud.clock import FakeClock
 from gpud.heartbeat import HeartbeatPolicy
 from gpud.protocol import Command, Message, Peer
 from gpud.resources import TenantLimits
-from gpud_broker.core import ID_IN_USE, BrokerConfig, BrokerCore
+from gpud_broker.core import ID_IN_USE
+from tests.unit.test_broker_core import CoreOnFakeClock, rid
 
 GiB = 1 << 30
 A, B, C = b"client-a", b"client-b", b"client-c"
 W1 = b"conn-w1"
 
 
-def rid(n: int) -> bytes:
-    return n.to_bytes(16, "big")
-
-
-class H:
-    def __init__(self, **config: Any) -> None:
-        self.clock = FakeClock(1000.0)
-        self.to_client: list[tuple[bytes, list[Any]]] = []
-        self.to_worker: list[tuple[bytes, list[Any]]] = []
-        self.core = BrokerCore(BrokerConfig(**config), self.clock.monotonic(),
-                               lambda i, f: self.to_client.append((i, list(f))),
-                               lambda i, f: self.to_worker.append((i, list(f))))
+class H(CoreOnFakeClock):
+    """The core's client dialog with the tenant each message's connection authenticated."""
 
     def client(self, ident: bytes, cmd: Command, header: dict[str, Any], tenant: str | None,
                frames: Sequence[Any] = ()) -> None:

@@ -16,6 +16,7 @@ from gpud.protocol import BUILTIN_MODULE
 from gpud_worker.device import SimulatedDevice, SimulatedSession
 from gpud_worker.gpu import NvmlProbe, SimulatedProbe, simulated_gpus
 from gpud_worker.kernels import BUILTINS, check_args
+from tests.nvml_stand_in import NvmlStandIn
 
 MiB = 1 << 20
 G1 = (1, 1, 1)
@@ -488,29 +489,11 @@ def test_nvml_available_does_not_raise() -> None:
             NvmlProbe()
 
 
-class FakeNvml:
-    """Stands in for the pynvml module: two GPUs; GPU 1 has no power sensor; ``lost`` GPUs fail."""
-
-    NVML_TEMPERATURE_GPU = 0
-
-    class NVMLError(Exception):
-        pass
-
-    class NVMLError_GpuIsLost(NVMLError):
-        pass
-
-    class NVMLError_NotSupported(NVMLError):
-        pass
-
-    class _Mem:
-        def __init__(self, total: int, used: int) -> None:
-            self.total, self.used = total, used
-
-    class _Util:
-        gpu = 42
+class FakeNvml(NvmlStandIn):
+    """Two GPUs; GPU 1 gives its uuid as bytes and has no power sensor; ``lost`` GPUs fail."""
 
     def __init__(self) -> None:
-        self.lost: set[int] = set()
+        super().__init__()
         self.inits = self.shutdowns = 0
 
     def nvmlInit(self) -> None:
@@ -519,43 +502,14 @@ class FakeNvml:
     def nvmlShutdown(self) -> None:
         self.shutdowns += 1
 
-    def nvmlDeviceGetCount(self) -> int:
-        return 2
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
-        return i
-
     def nvmlDeviceGetUUID(self, h: int) -> str | bytes:
         return f"GPU-{h}" if h == 0 else b"GPU-1"
-
-    def nvmlDeviceGetName(self, h: int) -> str:
-        return "NVIDIA H200"
-
-    def _check(self, h: int) -> None:
-        if h in self.lost:
-            raise self.NVMLError_GpuIsLost("GPU is lost")
-
-    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
-        self._check(h)
-        return self._Mem(141 << 30, 1 << 30)
-
-    def nvmlDeviceGetCudaComputeCapability(self, h: int) -> tuple[int, int]:
-        return (9, 0)
-
-    def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
-        self._check(h)
-        return self._Util()
-
-    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
-        self._check(h)
-        assert sensor == self.NVML_TEMPERATURE_GPU
-        return 55
 
     def nvmlDeviceGetPowerUsage(self, h: int) -> int:
         self._check(h)
         if h == 1:
             raise self.NVMLError_NotSupported("Not Supported")
-        return 123_500  # milliwatts
+        return self.power_mw  # milliwatts
 
 
 def test_nvml_probe_with_fake_binding() -> None:

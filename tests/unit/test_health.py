@@ -16,6 +16,7 @@ from gpud.resources import GpuState
 from gpud_worker.device import SimulatedDevice
 from gpud_worker.gpu import NvmlProbe, SimulatedProbe, parse_faults, simulated_gpus
 from gpud_worker.health import APPLICATION_XIDS, FAULT_KINDS, Fault, HealthTracker
+from tests.nvml_stand_in import NvmlStandIn
 
 # ----------------------------------------------------------------------------- HealthTracker
 
@@ -257,37 +258,26 @@ def test_fault_request_without_a_fault_file_is_logged(clock: FakeClock, caplog: 
 # ----------------------------------------------------------------------------- NVML checks
 
 
-class SimulatedNvml:
-    """SIMULATED NVML: stands in for the pynvml module (no GPU, no driver) so that NvmlProbe's
-    health checks run here. Two GPUs, handles 0 and 1; tests set the counters and queue events."""
+class SimulatedNvml(NvmlStandIn):
+    """SIMULATED NVML (an A100 pair) with health counters and events, so that NvmlProbe's health
+    checks run here; tests set the counters and queue events."""
 
-    NVML_TEMPERATURE_GPU = 0
-
-    class NVMLError(Exception):
+    class NVMLError_Timeout(NvmlStandIn.NVMLError):
         pass
 
-    class NVMLError_GpuIsLost(NVMLError):
-        pass
-
-    class NVMLError_NotSupported(NVMLError):
-        pass
-
-    class NVMLError_Timeout(NVMLError):
-        pass
-
-    class _Mem:
-        total, used = 80 << 30, 1 << 30
-
-    class _Util:
-        gpu = 10
+    name = b"NVIDIA A100"
+    mem = (80 << 30, 1 << 30)
+    cc = (8, 0)
+    util = 10
+    power_mw = 100_000
 
     class _Event:
         def __init__(self, device: int, event_type: int, data: int) -> None:
             self.device, self.eventType, self.eventData = device, event_type, data
 
     def __init__(self, supported: bool = True) -> None:
+        super().__init__()
         self.supported = supported  # False: every health call raises NotSupported
-        self.lost: set[int] = set()
         self.events: list[SimulatedNvml._Event] = []
         self.registered: dict[int, int] = {}
         self.ecc = [0, 0]
@@ -297,51 +287,10 @@ class SimulatedNvml:
         self.freed = 0
         self.waits: list[int] = []
 
-    def _check(self, h: int) -> None:
-        if h in self.lost:
-            raise self.NVMLError_GpuIsLost("GPU is lost")
-
     def _health(self, h: int) -> None:
         self._check(h)
         if not self.supported:
             raise self.NVMLError_NotSupported("Not Supported")
-
-    def nvmlInit(self) -> None:
-        pass
-
-    def nvmlShutdown(self) -> None:
-        pass
-
-    def nvmlDeviceGetCount(self) -> int:
-        return 2
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
-        return i
-
-    def nvmlDeviceGetUUID(self, h: int) -> str:
-        return f"GPU-{h}"  # handle 7: a GPU this probe does not serve
-
-    def nvmlDeviceGetName(self, h: int) -> bytes:
-        return b"NVIDIA A100"
-
-    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
-        self._check(h)
-        return self._Mem()
-
-    def nvmlDeviceGetCudaComputeCapability(self, h: int) -> tuple[int, int]:
-        return (8, 0)
-
-    def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
-        self._check(h)
-        return self._Util()
-
-    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
-        self._check(h)
-        return self.temp[h]
-
-    def nvmlDeviceGetPowerUsage(self, h: int) -> int:
-        self._check(h)
-        return 100_000
 
     def nvmlEventSetCreate(self) -> str:
         if not self.supported:

@@ -1,28 +1,25 @@
-"""A hand-written stand-in for OpenStack, kept for what real Nova cannot be made to show on demand:
-429 with Retry-After, 5xx, 409 while busy, slow answers and answers lost to a timeout, servers stuck
-in BUILD or REBOOT. What Nova really answers (policy, scheduling by PCI alias, task states, user
-data, Keystone and its catalog) is tested against real Nova: tests/realnova, used by
-tests/integration/test_openstack.py. The unit tests of gpud's Nova client and OpenStack controller
-(tests/unit/test_openstack_*.py) use this server, in-process and fast, to inject those faults.
+"""A hand-written stand-in for OpenStack, kept only for what real Nova cannot be made to show on
+demand: an error status on any call (429 with Retry-After, 5xx, 409, a 401 from Nova itself, 413),
+slow answers and answers lost to a timeout, a server stuck in BUILD, and the metadata service's
+answers to a VM (which real Nova gives only through Neutron's metadata proxy). Everything else,
+listing, boot, reboot, delete, policy, scheduling by PCI alias, quota, Keystone and its catalog,
+is tested against real Nova: tests/realnova, used by tests/integration/test_openstack*.py. The unit
+tests tests/unit/test_openstack_nova.py and test_openstack_controller.py use this server,
+in-process and fast, to inject those faults.
 
-It serves the subset of the Compute API (Nova) that gpud uses, a minimal Identity v3 (Keystone) so
-that keystoneauth1 authenticates for real, the image and network look-ups python-novaclient makes by
-name, and the metadata service's ``meta_data.json``.
+It serves what those tests make gpud call: a minimal Identity v3 (Keystone) so that keystoneauth1
+authenticates for real, Nova's server list (paged by marker, as python-novaclient asks), get,
+create and delete, flavors, the image look-up by name, and the metadata service's
+``meta_data.json``. It is a stateful ``http.server`` on 127.0.0.1 (port chosen by the kernel), run
+in a thread of the test process; the real python-novaclient and keystoneauth1 talk to it over HTTP.
+A server is ACTIVE once created, or stays in BUILD with ``stuck_in_build``. Tests inject errors
+(``fail``) and slow answers (``slow``) and read what was asked (``requests``, ``count``).
 
-It is a stateful ``http.server`` on 127.0.0.1 (port chosen by the kernel), run in a thread of the
-test process; the real python-novaclient and keystoneauth1 talk to it over HTTP. Servers have
-metadata, tags, a flavor with extra specs (embedded as microversion 2.47+ does), addresses, a host,
-and a status that moves on by itself (BUILD -> ACTIVE after ``build_s``, REBOOT -> ACTIVE after
-``reboot_s``, or stuck with ``None``). Tests inject errors (``fail``) and slow answers (``slow``),
-change a server's status (``set_status``) and read what was asked (``requests``, ``actions``).
-
-Not a Nova: no scheduling, no policy, one project.
+Not a Nova: no scheduling, no policy, no quota, one project.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import re
 import threading
@@ -62,22 +59,10 @@ class Server:
     id: str
     name: str
     flavor_id: str
-    image_id: str
-    status: str = "BUILD"
-    metadata: dict[str, str] = field(default_factory=dict)
-    tags: list[str] = field(default_factory=list)
-    key_name: str | None = None
-    user_data: str = ""  # decoded
-    network: str = "gpu-net"
-    addr: str = ""
-    host: str = "compute-1"
-    task_state: str | None = None
-    fault: str = ""
-    created: str = ""
-    # A transition under way: ``then`` at ``until`` (monotonic); None: none.
-    until: float | None = None
-    then: str = ""
-    actions: list[str] = field(default_factory=list)
+    status: str
+    metadata: dict[str, str]
+    tags: list[str]
+    created: str
 
 
 _ERROR_KEYS = {400: "badRequest", 403: "forbidden", 404: "itemNotFound", 409: "conflictingRequest",
@@ -85,7 +70,7 @@ _ERROR_KEYS = {400: "badRequest", 403: "forbidden", 404: "itemNotFound", 409: "c
 
 
 class ComputeAPI:
-    """The fake cloud. ``start()`` returns its base URL; ``auth_env()`` the OS_* variables for it."""
+    """The fault server. ``start()`` returns its base URL; ``auth_env()`` the OS_* variables for it."""
 
     def __init__(self, username: str = "gpud", password: str = "s3cret", project: str = "gpu") -> None:
         self.username, self.password, self.project = username, password, project
@@ -94,18 +79,13 @@ class ComputeAPI:
         self.deleted: dict[str, Server] = {}  # still good as a list marker, as in Nova
         self.flavors: dict[str, dict[str, Any]] = {}
         self.images: dict[str, str] = {}  # id -> name
-        self.networks: dict[str, str] = {}  # id -> name
         self.tokens: set[str] = set()
         self.faults: list[Fault] = []
         self.delays: list[Delay] = []
         self.requests: list[tuple[str, str]] = []  # (method, path with query), in order
-        self.max_servers: int | None = None  # the instances quota; None: unlimited
-        self.quota_status = 403  # what going over it answers (Nova: 403; before Queens: 413)
-        self.build_s: float | None = 0.0  # seconds in BUILD; None: stuck in BUILD
-        self.reboot_s: float | None = 0.0  # seconds in REBOOT; None: stuck
+        self.stuck_in_build = False  # True: a new server stays in BUILD; else it is ACTIVE at once
         self.metadata_uuid = ""  # what meta_data.json says ("" : 404)
         self._released = threading.Event()  # set at stop: slow answers return at once
-        self._next_ip = 10
         self.httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -164,10 +144,9 @@ class ComputeAPI:
 
     # ------------------------------------------------------------------ set-up and inspection
 
-    def add_flavor(self, name: str, extra_specs: dict[str, str] | None = None, vcpus: int = 8,
-                   ram: int = 65536) -> str:
+    def add_flavor(self, name: str, extra_specs: dict[str, str] | None = None) -> str:
         fid = str(len(self.flavors) + 1)
-        self.flavors[fid] = {"id": fid, "name": name, "vcpus": vcpus, "ram": ram, "disk": 40,
+        self.flavors[fid] = {"id": fid, "name": name, "vcpus": 8, "ram": 65536, "disk": 40,
                              "extra_specs": dict(extra_specs or {})}
         return fid
 
@@ -175,36 +154,6 @@ class ComputeAPI:
         iid = str(uuid.uuid4())
         self.images[iid] = name
         return iid
-
-    def add_network(self, name: str) -> str:
-        nid = str(uuid.uuid4())
-        self.networks[nid] = name
-        return nid
-
-    def add_server(self, name: str, flavor_id: str, status: str = "ACTIVE", metadata: dict[str, str] | None = None,
-                   tags: list[str] | None = None, image_id: str = "") -> str:
-        with self.lock:
-            s = self._new_server(name, flavor_id, image_id, metadata or {}, tags or [])
-            s.status = status
-            return s.id
-
-    def set_status(self, server_id: str, status: str, fault: str = "") -> None:
-        with self.lock:
-            s = self.servers[server_id]
-            s.status, s.fault, s.until, s.task_state = status, fault, None, None
-
-    def status(self, server_id: str) -> str | None:
-        with self.lock:
-            s = self.servers.get(server_id)
-            if s is None:
-                return None
-            self._advance(s)
-            return s.status
-
-    def actions(self, server_id: str) -> list[str]:
-        with self.lock:
-            s = self.servers.get(server_id)
-            return list(s.actions) if s is not None else []
 
     def names(self) -> dict[str, str]:
         """Live servers: id -> name."""
@@ -234,56 +183,16 @@ class ComputeAPI:
 
     # ------------------------------------------------------------------ internals (under lock)
 
-    def _new_server(self, name: str, flavor_id: str, image_id: str, metadata: dict[str, str],
-                    tags: list[str]) -> Server:
-        self._next_ip += 1
-        s = Server(id=str(uuid.uuid4()), name=name, flavor_id=flavor_id, image_id=image_id, metadata=dict(metadata),
-                   tags=list(tags), addr=f"10.0.0.{self._next_ip}",
-                   created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        self.servers[s.id] = s
-        return s
-
-    def _advance(self, s: Server) -> None:
-        if s.until is not None and time.monotonic() >= s.until:
-            s.status, s.until, s.task_state = s.then, None, None
-
-    def _move(self, s: Server, now_status: str, seconds: float | None, then: str, task: str | None) -> None:
-        s.status, s.task_state = now_status, task
-        if seconds is None:
-            s.until = None  # stuck
-        elif seconds <= 0:
-            s.status, s.task_state, s.until = then, None, None
-        else:
-            s.until, s.then = time.monotonic() + seconds, then
-
     def _server_json(self, s: Server) -> dict[str, Any]:
-        self._advance(s)
-        f = self.flavors.get(s.flavor_id, {"name": "?", "vcpus": 0, "ram": 0, "disk": 0, "extra_specs": {}})
-        out: dict[str, Any] = {
-            "id": s.id,
-            "name": s.name,
-            "status": s.status,
-            "tenant_id": "p1",
-            "user_id": "u1",
-            "metadata": dict(s.metadata),
-            "tags": list(s.tags),
-            "created": s.created,
-            "updated": s.created,
-            "hostId": "h" + s.host,
-            "key_name": s.key_name,
-            "image": {"id": s.image_id},
+        f = self.flavors[s.flavor_id]
+        return {
+            "id": s.id, "name": s.name, "status": s.status, "tenant_id": "p1", "user_id": "u1",
+            "metadata": dict(s.metadata), "tags": list(s.tags), "created": s.created, "updated": s.created,
             "flavor": {"original_name": f["name"], "vcpus": f["vcpus"], "ram": f["ram"], "disk": f["disk"],
                        "ephemeral": 0, "swap": 0, "extra_specs": dict(f["extra_specs"])},
-            "addresses": {s.network: [{"addr": s.addr, "version": 4, "OS-EXT-IPS:type": "fixed"}]}
-            if s.status != "BUILD" else {},
-            "OS-EXT-SRV-ATTR:host": s.host if s.status != "BUILD" else None,
-            "OS-EXT-STS:task_state": s.task_state,
-            "OS-EXT-STS:vm_state": s.status.lower(),
+            "addresses": {}, "OS-EXT-STS:task_state": "spawning" if s.status == "BUILD" else None,
             "links": [{"rel": "self", "href": f"{self.url}/compute/v2.1/servers/{s.id}"}],
         }
-        if s.status == "ERROR":
-            out["fault"] = {"code": 500, "message": s.fault or "failed", "created": s.created}
-        return out
 
 
 def _flavor_json(f: dict[str, Any]) -> dict[str, Any]:
@@ -379,15 +288,12 @@ class _Handler(BaseHTTPRequestHandler):
             ("POST", r"/identity/v3/auth/tokens", self._token),
             ("GET", r"/openstack/latest/meta_data\.json", self._meta_data),
             ("GET", r"/image/v2/images", self._images),
-            ("GET", r"/image/v2/images/(?P<id>[^/]+)", self._image),
-            ("GET", r"/network/v2\.0/networks", self._networks),
         ]
         for m, rx, fn in routes:
-            match = re.fullmatch(rx, path)
-            if m == method and match:
+            if m == method and re.fullmatch(rx, path):
                 if not path.startswith(("/identity", "/openstack")) and not self._authorized():
                     return
-                fn(body=body, query=query, **match.groupdict())
+                fn(body=body, query=query)
                 return
         if path.startswith("/compute/v2.1"):
             if not self._authorized():
@@ -410,9 +316,6 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:  # noqa: N802
         self._handle("DELETE")
-
-    def do_PUT(self) -> None:  # noqa: N802
-        self._handle("PUT")
 
     # ------------------------------------------------------------------ identity
 
@@ -439,8 +342,7 @@ class _Handler(BaseHTTPRequestHandler):
         catalog = [
             {"type": t, "name": n, "id": n, "endpoints": [
                 {"id": n + "-public", "interface": "public", "region": REGION, "region_id": REGION, "url": url}]}
-            for t, n, url in (("compute", "nova", f"{base}/compute/v2.1"), ("image", "glance", f"{base}/image"),
-                              ("network", "neutron", f"{base}/network"))
+            for t, n, url in (("compute", "nova", f"{base}/compute/v2.1"), ("image", "glance", f"{base}/image"))
         ]
         with cloud.lock:
             cloud.tokens.add(token)
@@ -458,24 +360,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._send(200, {"uuid": self.cloud.metadata_uuid, "name": "gpu-vm", "meta": {}})
 
-    # ------------------------------------------------------------------ image and network look-ups
-
     def _images(self, query: dict[str, list[str]], **_: Any) -> None:
         name = (query.get("name") or [""])[0]
         rows = [{"id": i, "name": n, "status": "active"} for i, n in self.cloud.images.items() if not name or n == name]
         self._send(200, {"images": rows})
-
-    def _image(self, id: str, **_: Any) -> None:  # noqa: A002 - the route's group
-        name = self.cloud.images.get(id)
-        if name is None:
-            self._error(404, f"No image found with ID {id}")
-        else:
-            self._send(200, {"id": id, "name": name, "status": "active"})
-
-    def _networks(self, query: dict[str, list[str]], **_: Any) -> None:
-        name = (query.get("name") or [""])[0]
-        rows = [{"id": i, "name": n} for i, n in self.cloud.networks.items() if not name or n == name]
-        self._send(200, {"networks": rows})
 
     # ------------------------------------------------------------------ compute
 
@@ -500,16 +388,6 @@ class _Handler(BaseHTTPRequestHandler):
                 else:
                     cloud.deleted[s.id] = s
                     self._send(204)
-            elif method == "POST" and len(parts) == 3 and parts[0] == "servers" and parts[2] == "action":
-                self._action(parts[1], body)
-            elif method == "GET" and len(parts) == 3 and parts[0] == "servers" and parts[2] == "os-instance-actions":
-                s = cloud.servers.get(parts[1])
-                if s is None:
-                    self._error(404, f"Instance {parts[1]} could not be found.")
-                else:
-                    self._send(200, {"instanceActions": [
-                        {"action": a, "instance_uuid": s.id, "request_id": "req-1", "message": None}
-                        for a in s.actions]})
             elif method == "GET" and parts in (["flavors"], ["flavors", "detail"]):
                 self._send(200, {"flavors": [_flavor_json(f) for f in cloud.flavors.values()]})
             elif method == "GET" and len(parts) == 2 and parts[0] == "flavors":
@@ -518,21 +396,12 @@ class _Handler(BaseHTTPRequestHandler):
                     self._error(404, f"Flavor {parts[1]} could not be found.")
                 else:
                     self._send(200, {"flavor": _flavor_json(f)})
-            elif method == "GET" and len(parts) == 3 and parts[0] == "flavors" and parts[2] == "os-extra_specs":
-                f = cloud.flavors.get(parts[1])
-                if f is None:
-                    self._error(404, f"Flavor {parts[1]} could not be found.")
-                else:
-                    self._send(200, {"extra_specs": dict(f["extra_specs"])})
             else:
                 self._error(404, f"no route {method} /compute/v2.1{path}")
 
     def _list_servers(self, query: dict[str, list[str]]) -> None:
         cloud = self.cloud
         rows = sorted(cloud.servers.values(), key=lambda s: s.created + s.id)
-        tags = [t for t in (query.get("tags") or [""])[0].split(",") if t]
-        if tags:
-            rows = [s for s in rows if all(t in s.tags for t in tags)]
         marker = (query.get("marker") or [""])[0]
         if marker:
             m = cloud.servers.get(marker) or cloud.deleted.get(marker)
@@ -555,62 +424,9 @@ class _Handler(BaseHTTPRequestHandler):
         if req.get("imageRef") not in cloud.images:
             self._error(400, f"Image {req.get('imageRef')} could not be found.")
             return
-        nets = req.get("networks")
-        if nets != "auto" and not (isinstance(nets, list) and all(n.get("uuid") in cloud.networks for n in nets)):
-            self._error(400, f"Network {nets!r} could not be found.")
-            return
-        if cloud.max_servers is not None and len(cloud.servers) >= cloud.max_servers:
-            self._error(cloud.quota_status, f"Quota exceeded for instances: Requested 1, but already used "
-                                            f"{len(cloud.servers)} of {cloud.max_servers} instances")
-            return
-        user_data = ""
-        if req.get("user_data"):
-            try:
-                user_data = base64.b64decode(req["user_data"], validate=True).decode()
-            except (binascii.Error, UnicodeDecodeError):
-                self._error(400, "User data needs to be valid base 64.")
-                return
-        s = cloud._new_server(req["name"], req["flavorRef"], req["imageRef"], req.get("metadata") or {},
-                              req.get("tags") or [])
-        s.key_name, s.user_data = req.get("key_name"), user_data
-        if isinstance(nets, list) and nets:
-            s.network = cloud.networks[nets[0]["uuid"]]
-        s.actions.append("create")
-        cloud._move(s, "BUILD", cloud.build_s, "ACTIVE", "spawning")
+        s = Server(id=str(uuid.uuid4()), name=req["name"], flavor_id=req["flavorRef"],
+                   status="BUILD" if cloud.stuck_in_build else "ACTIVE", metadata=dict(req.get("metadata") or {}),
+                   tags=list(req.get("tags") or []), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        cloud.servers[s.id] = s
         self._send(202, {"server": {"id": s.id, "links": [], "adminPass": "x", "OS-DCF:diskConfig": "AUTO",
                                     "security_groups": [{"name": "default"}]}})
-
-    def _action(self, server_id: str, body: dict[str, Any]) -> None:
-        cloud = self.cloud
-        s = cloud.servers.get(server_id)
-        if s is None:
-            self._error(404, f"Instance {server_id} could not be found.")
-            return
-        cloud._advance(s)
-        if s.task_state is not None:
-            self._error(409, f"Cannot '{next(iter(body), '?')}' instance {s.id} while it is in task_state {s.task_state}")
-            return
-        if "reboot" in body:
-            kind = (body["reboot"] or {}).get("type", "SOFT")
-            if kind not in ("SOFT", "HARD"):
-                self._error(400, f"Invalid reboot type {kind}")
-                return
-            if s.status == "BUILD" or (kind == "SOFT" and s.status != "ACTIVE"):
-                self._error(409, f"Cannot 'reboot' instance {s.id} while it is in vm_state {s.status.lower()}")
-                return
-            s.actions.append("reboot")
-            cloud._move(s, "HARD_REBOOT" if kind == "HARD" else "REBOOT", cloud.reboot_s, "ACTIVE",
-                        "reboot_started_hard" if kind == "HARD" else "reboot_started")
-        elif "os-stop" in body:
-            s.actions.append("stop")
-            cloud._move(s, "SHUTOFF", 0, "SHUTOFF", None)
-        elif "os-start" in body:
-            if s.status != "SHUTOFF":
-                self._error(409, f"Cannot 'start' instance {s.id} while it is in vm_state {s.status.lower()}")
-                return
-            s.actions.append("start")
-            cloud._move(s, "ACTIVE", 0, "ACTIVE", None)
-        else:
-            self._error(400, f"unsupported action {sorted(body)!r}")
-            return
-        self._send(202)

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-def wait_for(pred: Callable[[], Any], what: str = "condition", timeout: float = 30.0) -> Any:
-    """Call ``pred`` until it returns something true and return that; AssertionError naming
-    ``what`` after ``timeout`` seconds."""
+def wait_for(pred: Callable[[], Any], what: str = "condition", timeout: float = 30.0, interval: float = 0.05) -> Any:
+    """Call ``pred`` every ``interval`` seconds until it returns something true and return that;
+    AssertionError naming ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         value = pred()
@@ -17,4 +17,4 @@ def wait_for(pred: Callable[[], Any], what: str = "condition", timeout: float = 
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(interval)

@@ -1,24 +1,24 @@
 """OpenStack end to end against real Nova: a real broker and workers (LocalCluster) with
 ``[openstack]`` on, talking through python-novaclient and keystoneauth1 to nova-api, whose real
-conductor, scheduler and compute services (a fake virt driver with two NVIDIA PCI devices) and
+conductor, scheduler and compute services (a fake virt driver with NVIDIA PCI devices) and
 placement run on 127.0.0.1 (tests/realnova), and gpudctl.
 
-The broker's credentials are an operator's: a clouds.yaml cloud (``auth_type: admin_token``,
-``auth: {endpoint, token}``) named by ``[openstack] cloud``; the image and network are given by id
-(such a cloud has no catalog). gpud's Nova client is also run with a password, in OS_* and in
-clouds.yaml, through real Keystone, its catalog's Image and Network services finding the image and
-network by name.
+The broker is configured as an operator configures it: gpud.toml (``--config``) names a cloud of
+clouds.yaml (``$OS_CLIENT_CONFIG_FILE``) whose credentials are a password of a user of a project in
+real Keystone; keystoneauth1 gets the token and the catalog from Keystone, the image and network
+are found by name in the catalog's Image and Network services, and Nova validates the token with
+Keystone (keystonemiddleware).
 
 The test plays cloud-init: when the broker boots a server, the test reads the server's user data
 from Nova (as admin) and starts the worker it names, with that server's id, as the VM would. The
 healing test kills a worker (SIGKILL) and stops its server through Nova: the broker reboots it, and
-replaces it when the worker does not come back. Faults real Nova cannot be made to show on demand
-(429, 5xx, slow answers) are tested against tests/compute_api.py in tests/unit.
+replaces it when the worker does not come back. gpud's Nova client and the controller alone:
+test_openstack_nova.py, test_openstack_controller.py; faults real Nova cannot be made to show on
+demand (429, 5xx, slow answers): tests/unit, against tests/compute_api.py.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import signal
 import subprocess
@@ -28,13 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from gpud_cli.cluster import LocalCluster, admin_call
 from tests.realnova import ALIAS, GPUS, RealNova
-from tests.realnova.fixture import real_nova  # noqa: F401 (the fixture)
-from tests.waiting import wait_for
+from tests.realnova.project import IMAGE, NETWORK, Project, wait_for
 
+pytest_plugins = ["tests.realnova.fixture"]
 # The first test starts Nova: from nothing (no database template yet, a fresh machine) that is a
 # minute or two of migrations on a loaded machine.
 pytestmark = pytest.mark.timeout(600)
@@ -44,82 +43,60 @@ WORKER = {"gpud:role": "worker"}
 FLAVOR = "g1.gpu"
 
 
-class Cloud:
-    """Real Nova as the tests use it: an admin client, the project's user client, its servers."""
+def toml(value: Any) -> str:
+    """``value`` written as a TOML value (strings, numbers, booleans, lists, tables)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml(v) for v in value) + "]"
+    return "{ " + ", ".join(f"{json.dumps(str(k))} = {toml(v)}" for k, v in value.items()) + " }"
+
+
+class Cloud(Project):
+    """The module's project in real Keystone, its servers, and an operator's configuration of a
+    broker for it: a clouds.yaml cloud ``gpu`` (Keystone, password) and gpud.toml naming it."""
 
     def __init__(self, nova: RealNova, tmp: Path) -> None:
-        self.nova = nova
-        self.admin = nova.admin()
-        self.user = nova.client(nova.user_token())
-        self.image = next(iter(nova.images))
-        self.network = next(i for i, name in nova.networks.items() if name == "private")
-        self.clouds_yaml = tmp / "clouds.yaml"
-        self.clouds_yaml.write_text(yaml.safe_dump({"clouds": {"gpu": {
-            "auth_type": "admin_token", "auth": {"endpoint": nova.url, "token": nova.user_token()}}}}))
+        super().__init__(nova, "gpu")
+        self.tmp = tmp
+        self.clouds = self.clouds_yaml(tmp / "clouds.yaml", "gpu")
 
-    def flavor(self, name: str, specs: dict[str, str]) -> str:
-        found = [f for f in self.admin.flavors.list(is_public=None) if f.name == name]
-        f = found[0] if found else self.admin.flavors.create(name, 1024, 1, 10)
-        f.set_keys(specs)
-        return str(f.id)
+    def broker_args(self, name: str, **openstack: Any) -> list[str]:
+        """``--config`` of a broker: gpud.toml NAME.toml whose [openstack] names the cloud, the
+        image and network (by name) and the flavor, and has ``openstack`` besides."""
+        keys = {"enabled": True, "cloud": "gpu", "image": IMAGE, "network": NETWORK, "flavor": FLAVOR,
+                "poll_interval": 0.2, "api_retries": 1, **openstack}
+        path = self.tmp / f"{name}.toml"
+        path.write_text("[openstack]\n" + "".join(f"{k} = {toml(v)}\n" for k, v in keys.items()))
+        return ["--config", str(path)]
 
-    def boot(self, name: str, flavor: str, metadata: dict[str, str] | None = None, tags: list[str] | None = None) -> str:
-        s = self.user.servers.create(name, image=self.image, flavor=flavor, meta=metadata or {},
-                                     nics=[{"net-id": self.network}], tags=tags)
-        wait_for(lambda: self.status(s.id) == "ACTIVE", f"server {name} to go ACTIVE", timeout=60)
-        return str(s.id)
-
-    def servers(self) -> dict[str, Any]:
-        """Every server of the project, by id, as Nova lists it to an admin."""
-        return {s.id: s for s in self.admin.servers.list(search_opts={"all_tenants": True})}
-
-    def names(self) -> dict[str, str]:
-        return {i: s.name for i, s in self.servers().items()}
-
-    def status(self, sid: str) -> str | None:
-        s = self.servers().get(sid)
-        return None if s is None else str(s.status)
-
-    def actions(self, sid: str) -> list[str]:
-        return [a.action for a in self.admin.instance_action.list(sid)]
-
-    def user_data(self, sid: str) -> str:
-        raw = getattr(self.admin.servers.get(sid), "OS-EXT-SRV-ATTR:user_data")
-        return base64.b64decode(raw).decode()
-
-    def env(self) -> dict[str, str]:
-        return {"OS_CLIENT_CONFIG_FILE": str(self.clouds_yaml), "GPUD_OPENSTACK_CLOUD": "gpu",
-                "GPUD_OPENSTACK_ENABLED": "true", "GPUD_OPENSTACK_IMAGE": self.image,
-                "GPUD_OPENSTACK_NETWORK": self.network, "GPUD_OPENSTACK_FLAVOR": FLAVOR,
-                "GPUD_OPENSTACK_POLL_INTERVAL": "0.2", "GPUD_OPENSTACK_API_RETRIES": "1"}
+    def daemon_env(self) -> dict[str, str]:
+        """Where the broker finds clouds.yaml (else ./clouds.yaml, ~/.config/openstack, /etc/openstack)."""
+        return {"OS_CLIENT_CONFIG_FILE": str(self.clouds)}
 
 
 @pytest.fixture(scope="module")
-def cloud(real_nova: RealNova, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:  # noqa: F811
+def cloud(real_nova: RealNova, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
     c = Cloud(real_nova, tmp_path_factory.mktemp("openstack"))
     gpu = c.flavor(FLAVOR, {"pci_passthrough:alias": f"{ALIAS}:1"})
     plain = c.flavor("m1.small", {})
     c.ids = {n: c.boot(n, gpu, WORKER) for n in ("gpu-0", "gpu-1", "gpu-lonely")}  # type: ignore[attr-defined]
     c.ids["web-1"] = c.boot("web-1", plain, {"role": "web"})  # type: ignore[attr-defined]
     yield c
-    for sid in c.servers():
-        c.admin.servers.delete(sid)
+    c.clear()
 
 
 @pytest.fixture(scope="module")
 def cluster(cloud: Cloud) -> Iterator[LocalCluster]:
-    env = {
-        **cloud.env(),
-        "GPUD_OPENSTACK_BROKERS": "tcp://127.0.0.1:5556",
-        "GPUD_OPENSTACK_MAX_WORKERS": "5",
-        "GPUD_OPENSTACK_HEAL": "true",
-        "GPUD_OPENSTACK_HEAL_AFTER": "0.5",
-        "GPUD_OPENSTACK_REBOOT_TIMEOUT": "3",
-        "GPUD_OPENSTACK_RETIRE_TIMEOUT": "5",
-    }
+    args = cloud.broker_args("heal", brokers=["tcp://127.0.0.1:5556"], max_workers=5, heal=True, heal_after=0.5,
+                             reboot_timeout=3.0, retire_timeout=5.0)
     # Short heartbeats (a killed worker is gone after 0.9 s); healing acts only on servers that Nova
     # shows ERROR or SHUTOFF, so a worker a loaded machine loses for a moment triggers nothing.
-    with LocalCluster(workers=0, heartbeat_ms=300, liveness=3, env=env) as c:
+    with LocalCluster(workers=0, heartbeat_ms=300, liveness=3, broker_args=args, env=cloud.daemon_env()) as c:
         ids = cloud.ids  # type: ignore[attr-defined]
         c.add_worker("w0", ["--instance-id", ids["gpu-0"]])
         c.add_worker("w1", ["--instance-id", ids["gpu-1"]])
@@ -179,10 +156,13 @@ def test_list_matches_real_nova_then_boot_and_retire(cloud: Cloud, cluster: Loca
     boot = json.loads(booted.stdout)["actions"][0]
     sid = wait_for(lambda: next((i for i, n in cloud.names().items() if n == boot["new_server_name"]), None), "the boot")
     assert sid not in ids.values()
-    # Nova scheduled it on the GPU host (the PCI alias of the flavor), with gpud's metadata.
+    # Nova scheduled it on the GPU host (the PCI alias of the flavor), with gpud's metadata, in
+    # Keystone's project, with the image and network the broker found by name in the catalog.
     wait_for(lambda: cloud.status(sid) == "ACTIVE", "the new server to go ACTIVE")
     server = cloud.admin.servers.get(sid)
     assert server.metadata.get("gpud:role") == "worker" and getattr(server, "OS-EXT-SRV-ATTR:host") == "compute-1"
+    assert server.tenant_id == cloud.id and server.image["id"] == cloud.image
+    assert {p.net_id for p in cloud.admin.servers.interface_list(sid)} == {cloud.network}
     name = play_cloud_init(cloud, cluster, sid)
     wait_for(lambda: action(cluster, boot["id"])["outcome"] == "done", "the new worker to be matched")
 
@@ -227,12 +207,11 @@ def test_scaling_boots_up_to_min_workers_recognised_by_tags(cloud: Cloud) -> Non
     boots servers until min_workers have one, and a server that Nova cannot place (more GPUs than
     the host has) fails its boot with Nova's answer."""
     pool = {"gpud:pool": "scale"}
-    env = {**cloud.env(), "GPUD_OPENSTACK_WORKER_METADATA": "gpud:pool=scale", "GPUD_OPENSTACK_WORKER_TAGS": "gpu-pool",
-           "GPUD_OPENSTACK_BROKERS": "tcp://127.0.0.1:5556", "GPUD_OPENSTACK_SCALE": "true",
-           "GPUD_OPENSTACK_MIN_WORKERS": "1", "GPUD_OPENSTACK_MAX_WORKERS": "2", "GPUD_OPENSTACK_NAME_PREFIX": "gpud-scale"}
+    args = cloud.broker_args("scale", worker_metadata=pool, worker_tags=["gpu-pool"], brokers=["tcp://127.0.0.1:5556"],
+                             scale=True, min_workers=1, max_workers=2, name_prefix="gpud-scale")
     # A server with the metadata but not the tag is not this pool's.
-    untagged = cloud.boot("scale-untagged", cloud.flavor(FLAVOR, {"pci_passthrough:alias": f"{ALIAS}:1"}), pool)
-    with LocalCluster(workers=0, heartbeat_ms=300, liveness=3, env=env) as c:
+    untagged = cloud.boot("scale-untagged", cloud.flavor(FLAVOR, {}), pool)
+    with LocalCluster(workers=0, heartbeat_ms=300, liveness=3, broker_args=args, env=cloud.daemon_env()) as c:
         booted = wait_for(lambda: next((a for a in openstack(c, "actions")["actions"] if a["kind"] == "boot"), None),
                           "the scaler to boot", timeout=60)
         assert "scale" in booted["reason"] and "min_workers" in booted["reason"], booted
@@ -254,58 +233,3 @@ def test_scaling_boots_up_to_min_workers_recognised_by_tags(cloud: Cloud) -> Non
     s = cloud.user.servers.create("too-big", image=cloud.image, flavor=big, nics=[{"net-id": cloud.network}])
     wait_for(lambda: cloud.status(s.id) == "ERROR", "the unschedulable server to fail")
     assert "No valid host" in cloud.admin.servers.get(s.id).fault["message"]
-
-
-def _config(**over: object) -> Any:
-    import dataclasses
-
-    from gpud.config import OpenStackConfig
-
-    base = dict(enabled=True, flavor=FLAVOR, api_timeout=30.0, api_retries=1)
-    return dataclasses.replace(OpenStackConfig(), **{**base, **over})  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("source", ["os_env", "clouds_yaml"])
-def test_keystone_credentials_and_look_ups_by_name(cloud: Cloud, tmp_path: Path, source: str) -> None:
-    """What an operator configures: a password in OS_* (an openrc) or a clouds.yaml cloud, real
-    Keystone issuing the token and the catalog, the image and network by name (found through the
-    catalog's Image and Network services). gpud's Nova boots a server that Nova schedules by the
-    flavor's PCI alias, lists it as a worker, reboots it and deletes it."""
-    from gpud_broker.openstack.nova import Nova, NovaError
-
-    nova = cloud.nova
-    env = nova.os_env()
-    image = "fakeimage7"
-    assert list(nova.images.values()).count(image) == 1
-    if source == "os_env":
-        make = lambda **over: Nova(_config(**over), env, clouds_files=[])  # noqa: E731
-    else:
-        auth = {"auth_url": env["OS_AUTH_URL"], "username": "gpud", "password": env["OS_PASSWORD"], "project_name": "gpu",
-                "user_domain_name": "Default", "project_domain_name": "Default"}
-        (tmp_path / "clouds.yaml").write_text(yaml.safe_dump({"clouds": {"prod": {"auth": auth, "region_name": "RegionOne"}}}))
-        make = lambda **over: Nova(_config(cloud="prod", **over), {}, clouds_files=[str(tmp_path / "clouds.yaml")])  # noqa: E731
-    n = make(image=image, network="private", worker_tags=("gpu-kst",))
-    s = n.boot(f"gpud-kst-{source}", "#cloud-config\n", {"gpud:role": "worker"}, ["gpu-kst"])
-    try:
-        wait_for(lambda: (g := n.get_server(s.id)) is not None and g.status == "ACTIVE", "the server to go ACTIVE", timeout=60)
-        raw = cloud.admin.servers.get(s.id)
-        assert raw.image["id"] == next(i for i, name in nova.images.items() if name == image)
-        assert cloud.network in {p.net_id for p in cloud.admin.servers.interface_list(s.id)}
-        assert raw.tenant_id == nova.keystone_project  # Keystone's project, not the test's
-        listed = n.list_servers()
-        assert [x.id for x in listed] == [s.id] and listed[0].pci_alias == f"{ALIAS}:1"
-        n.reboot(s.id)
-        wait_for(lambda: "reboot" in cloud.actions(s.id), "Nova to record the reboot")
-        wait_for(lambda: (g := n.get_server(s.id)) is not None and g.status == "ACTIVE", "the reboot", timeout=60)
-    finally:
-        assert n.delete(s.id) is True
-    wait_for(lambda: n.get_server(s.id) is None, "the server to be deleted", timeout=60)
-    # A name that more than one image has is refused with a clear message, not guessed.
-    with pytest.raises(NovaError, match="fakeimage123456") as exc:
-        make(image="fakeimage123456").boot("gpud-kst-ambiguous", "", {}, [])
-    assert exc.value.kind == "config"
-    # Wrong password: Keystone refuses, and gpud says so.
-    bad = {**env, "OS_PASSWORD": "wrong"}
-    with pytest.raises(NovaError) as exc:
-        Nova(_config(), bad, clouds_files=[]).list_servers()
-    assert exc.value.kind == "auth", exc.value.message

@@ -10,15 +10,19 @@ placement and nova, and registers compute, image and network in Keystone's catal
 
 - ``url``: the Compute API endpoint; ``token(user, project, roles)``: a token the paste filter in
   nova_parts.py accepts (``admin_token`` credentials: endpoint and token, as a clouds.yaml cloud
-  with ``auth_type: admin_token`` says); ``os_env()``: the OS_* variables of user ``gpud`` of
-  project ``gpu`` in Keystone (password), whose tokens keystonemiddleware validates in nova;
+  with ``auth_type: admin_token`` says);
+- ``add_project(name)``: a Keystone project with user ``gpud`` as its member; ``os_env(name)``: the
+  OS_* variables (password) of ``gpud`` in it, whose tokens keystonemiddleware validates in nova
+  (project.py: a project as a test module uses it);
 - ``catalog``: the Image (``/v2/images``) and Network (``/v2.0/networks``) APIs over nova's
   GlanceFixture and NeutronFixture data; ``images`` and ``networks``: id -> name;
-- ``admin()``: a python-novaclient client as admin (flavors, server state changes).
+- ``admin()``: a python-novaclient client as admin (flavors, server state changes);
+  ``keystone_admin()``: one with Keystone's admin token (a project's quota).
 
 Nova's configuration: fifteen NVIDIA PCI devices on the one compute host (``[pci] device_spec``),
-the alias ``gpu`` for them, PciPassthroughFilter on, quota defaults high (``os-quota-sets`` needs
-Keystone), MariaDB databases on a private socket (mariadb.py; sqlite locks).
+the alias ``gpu`` for them, PciPassthroughFilter on, quota defaults high (a project's own quota is
+set through ``keystone_admin()``: ``os-quota-sets`` asks Keystone about the project), MariaDB
+databases on a private socket (mariadb.py; sqlite locks).
 """
 
 from __future__ import annotations
@@ -222,8 +226,10 @@ class RealNova:
         self.state = state
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.db = MariaDB(state / "mysql")
-        self.url = self.catalog = self.project = self.keystone = self.keystone_project = ""
+        self.url = self.catalog = self.project = self.keystone = ""
         self.user_password = "gpud-secret"
+        self._gpud_user = ""
+        self._keystone_admin: Any = None
         self.images: dict[str, str] = {}
         self.networks: dict[str, str] = {}
 
@@ -333,36 +339,54 @@ class RealNova:
         return self
 
     def _catalog(self) -> None:
-        """Keystone's catalog (identity, compute, image, network on RegionOne) and a project
-        ``gpu`` with a user ``gpud`` (member) in it."""
+        """Keystone's catalog: identity, compute, image and network on RegionOne."""
+        self.db.sql(f"UPDATE keystone.endpoint SET url = '{self.keystone}/v3'")
+        self._keystone_admin = self._admin_session()
+        for kind, name, url in (("compute", "nova", self.url), ("image", "glance", self.catalog),
+                                ("network", "neutron", self.catalog)):
+            sid = self._keystone_post("services", {"service": {"type": kind, "name": name}})["service"]["id"]
+            self._keystone_post("endpoints", {"endpoint": {"service_id": sid, "interface": "public", "url": url,
+                                                           "region_id": REGION}})
+
+    def _admin_session(self) -> Any:
+        """A keystoneauth1 session of Keystone's admin (its token, once asked for, has the catalog
+        of that moment)."""
         from keystoneauth1 import session
         from keystoneauth1.identity import v3
 
-        self.db.sql(f"UPDATE keystone.endpoint SET url = '{self.keystone}/v3'")
-        admin = session.Session(auth=v3.Password(auth_url=f"{self.keystone}/v3", username="admin", password=ADMIN_PASSWORD,
-                                                 project_name="admin", user_domain_id="default", project_domain_id="default"))
+        return session.Session(auth=v3.Password(auth_url=f"{self.keystone}/v3", username="admin", password=ADMIN_PASSWORD,
+                                                project_name="admin", user_domain_id="default", project_domain_id="default"))
 
-        def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
-            r = admin.post(f"{self.keystone}/v3/{path}", json=body)
-            out: dict[str, Any] = r.json()
-            return out
+    def _keystone_post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = self._keystone_admin.post(f"{self.keystone}/v3/{path}", json=body).json()
+        return out
 
-        for kind, name, url in (("compute", "nova", self.url), ("image", "glance", self.catalog),
-                                ("network", "neutron", self.catalog)):
-            sid = post("services", {"service": {"type": kind, "name": name}})["service"]["id"]
-            post("endpoints", {"endpoint": {"service_id": sid, "interface": "public", "url": url, "region_id": REGION}})
-        project = post("projects", {"project": {"name": "gpu", "domain_id": "default"}})["project"]["id"]
-        user = post("users", {"user": {"name": "gpud", "password": self.user_password, "domain_id": "default",
-                                       "default_project_id": project}})["user"]["id"]
-        roles = admin.get(f"{self.keystone}/v3/roles?name=member").json()["roles"]
-        admin.put(f"{self.keystone}/v3/projects/{project}/users/{user}/roles/{roles[0]['id']}")
-        self.keystone_project = project
+    def add_project(self, name: str) -> str:
+        """A Keystone project ``name`` with user ``gpud`` as its member (the user made with the
+        first one); its id. Each test module that boots servers takes a project of its own, so
+        that what it lists is only its own."""
+        ks = self._keystone_admin
+        project = self._keystone_post("projects", {"project": {"name": name, "domain_id": "default"}})["project"]["id"]
+        if not self._gpud_user:
+            self._gpud_user = self._keystone_post("users", {"user": {
+                "name": "gpud", "password": self.user_password, "domain_id": "default",
+                "default_project_id": project}})["user"]["id"]
+        role = ks.get(f"{self.keystone}/v3/roles?name=member").json()["roles"][0]["id"]
+        ks.put(f"{self.keystone}/v3/projects/{project}/users/{self._gpud_user}/roles/{role}")
+        return str(project)
 
-    def os_env(self) -> dict[str, str]:
-        """The OS_* variables of an openrc file for user gpud of project gpu."""
+    def os_env(self, project: str = "gpu") -> dict[str, str]:
+        """The OS_* variables of an openrc file for user gpud of ``project``."""
         return {"OS_AUTH_URL": f"{self.keystone}/v3", "OS_USERNAME": "gpud", "OS_PASSWORD": self.user_password,
-                "OS_PROJECT_NAME": "gpu", "OS_USER_DOMAIN_NAME": "Default", "OS_PROJECT_DOMAIN_NAME": "Default",
+                "OS_PROJECT_NAME": project, "OS_USER_DOMAIN_NAME": "Default", "OS_PROJECT_DOMAIN_NAME": "Default",
                 "OS_REGION_NAME": REGION, "OS_IDENTITY_API_VERSION": "3", "OS_INTERFACE": "public"}
+
+    def keystone_admin(self) -> Any:
+        """A python-novaclient client as Keystone's admin (a real token, with its catalog): for
+        what Nova checks with Keystone, such as a project's quota."""
+        from novaclient import client
+
+        return client.Client("2.61", session=self._admin_session(), region_name=REGION)
 
     def log(self, name: str) -> str:
         out = ""
@@ -409,8 +433,10 @@ class RealNova:
     def admin(self) -> Any:
         return self.client(ADMIN)
 
-    def user_token(self) -> str:
-        return token("gpud", self.project, "member,reader")
+    def user_token(self, project: str = "") -> str:
+        """A stand-in token of user gpud, a member of ``project`` (an id; default nova's own test
+        project, which Keystone does not know)."""
+        return token("gpud", project or self.project, "member,reader")
 
 
 def main() -> None:

@@ -7,7 +7,8 @@
   Nova's own policy still decides what each caller may do.
 - ``GpuFakeDriver``: nova's MediumFakeDriver (servers go ACTIVE at once, stop and reboot for
   real) reporting fifteen NVIDIA A100 PCI devices, which ``[pci] device_spec`` and ``alias`` match and
-  the PciPassthroughFilter schedules.
+  the PciPassthroughFilter schedules, and four VGPU in placement, which a flavor's
+  ``resources:VGPU`` asks for.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from nova.virt import fake
 GPU_VENDOR = "10de"
 GPU_PRODUCT = "20b5"
 GPU_ADDRESSES = tuple(f"0000:{bus:02x}:00.0" for bus in range(0x10, 0x100, 0x10))  # 15
+VGPUS = 4
 
 
 def _stand_in(token: str) -> tuple[str, str, str] | None:
@@ -62,3 +64,10 @@ class GpuFakeDriver(fake.MediumFakeDriver):
              "dev_type": "type-PCI", "parent_addr": None, "numa_node": None, "label": "label_10de_20b5"}
             for a in GPU_ADDRESSES])
         return status
+
+    def update_provider_tree(self, provider_tree: Any, nodename: str, allocations: Any = None) -> None:
+        super().update_provider_tree(provider_tree, nodename, allocations)
+        inventory = dict(provider_tree.data(nodename).inventory)
+        inventory["VGPU"] = {"total": VGPUS, "min_unit": 1, "max_unit": VGPUS, "step_size": 1, "allocation_ratio": 1.0,
+                             "reserved": 0}
+        provider_tree.update_inventory(nodename, inventory)

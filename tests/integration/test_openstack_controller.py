@@ -16,7 +16,7 @@ import pytest
 from gpud.errors import ConflictError
 from gpud.security import SecuritySettings, keygen, load_public_key
 from gpud_broker.openstack.controller import Controller
-from tests.openstack_ctl import admin, config, core, last_action, ready, tick_until
+from tests.openstack_harness import admin, config, core, last_action, ready, tick_until
 from tests.realnova import ALIAS, RealNova
 from tests.realnova.project import IMAGE, NETWORK, Project
 

@@ -23,6 +23,7 @@ import pytest
 
 from gpud.config import OpenStackConfig
 from gpud_broker.openstack.nova import Nova, NovaError
+from tests.openstack_harness import Waits
 from tests.realnova import ALIAS, RealNova
 from tests.realnova.project import IMAGE, NETWORK, Project, wait_for
 
@@ -46,17 +47,6 @@ def project(cloud: Project) -> Iterator[Project]:
     """The module's project, emptied of servers after each test."""
     yield cloud
     cloud.clear()
-
-
-class Waits:
-    """Records the retry delays instead of sleeping them."""
-
-    def __init__(self) -> None:
-        self.delays: list[float] = []
-
-    def __call__(self, seconds: float) -> bool:
-        self.delays.append(seconds)
-        return False
 
 
 class Requests(logging.Handler):

@@ -19,7 +19,7 @@ from gpud_broker.openstack.controller import Controller
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compute_api import ComputeAPI  # noqa: E402
-from openstack_ctl import admin, config, core, last_action, ready, tick_until  # noqa: E402
+from openstack_harness import admin, config, core, last_action, ready, tick_until  # noqa: E402
 
 
 @pytest.fixture()

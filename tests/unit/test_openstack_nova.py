@@ -28,6 +28,7 @@ from gpud_worker import instance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compute_api import ComputeAPI  # noqa: E402
+from openstack_harness import Waits  # noqa: E402
 
 WORKER = {"gpud:role": "worker"}
 
@@ -38,17 +39,6 @@ def api() -> Iterator[ComputeAPI]:
         cloud.add_flavor("g2.a100x2", {"pci_passthrough:alias": "a100:2"})
         cloud.add_image("ubuntu-gpu")
         yield cloud
-
-
-class Waits:
-    """Records the retry delays instead of sleeping them."""
-
-    def __init__(self) -> None:
-        self.delays: list[float] = []
-
-    def __call__(self, seconds: float) -> bool:
-        self.delays.append(seconds)
-        return False
 
 
 def cfg(**over: object) -> OpenStackConfig:

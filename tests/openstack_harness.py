@@ -1,8 +1,9 @@
-"""Driving gpud's OpenStack controller (gpud_broker.openstack.controller) in the test process, as
-the broker's loop does: a real BrokerCore, ``on_tick`` called in a loop, admin commands as
-``gpudctl openstack`` sends them, and a worker's READY as the VM's gpud-worker would send it.
-Used against real Nova (tests/integration/test_openstack_controller.py) and against the fault
-server (tests/unit/test_openstack_controller.py)."""
+"""Driving gpud's OpenStack code in the test process: the controller
+(gpud_broker.openstack.controller) as the broker's loop drives it (a real BrokerCore, ``on_tick``
+called in a loop, admin commands as ``gpudctl openstack`` sends them, a worker's READY as the VM's
+gpud-worker would send it), and the Nova client's waits between retries, recorded instead of
+slept. Used against real Nova (tests/integration/test_openstack_*.py) and against the fault server
+(tests/unit/test_openstack_*.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,17 @@ from gpud_broker.core import BrokerConfig, BrokerCore
 from gpud_broker.openstack.controller import Controller
 
 GiB = 1 << 30
+
+
+class Waits:
+    """The ``wait`` of gpud's Nova client: records the retry delays instead of sleeping them."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    def __call__(self, seconds: float) -> bool:
+        self.delays.append(seconds)
+        return False
 
 
 def config(**over: object) -> OpenStackConfig:

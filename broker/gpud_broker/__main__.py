@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="frontend connections at once, from all sources (default: sized from the descriptor limit)")
     p.add_argument("--max-connections-per-source", type=int,
                    help="frontend connections at once from one address (default: max_connections/16, 64 to 1024)")
-    p.add_argument("--io-threads", type=int, help="libzmq I/O threads (default: half the CPUs, 1 to 4)")
+    p.add_argument("--io-threads", type=int, help="libzmq I/O threads (default: half the CPUs, 2 to 4)")
     p.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=W",
                    help="fair-share weight of a tenant (default 1); repeat for each tenant")
     p.add_argument("--aging", type=float, help=f"seconds of waiting worth one priority level (default {_D.aging:g})")

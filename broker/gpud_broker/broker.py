@@ -839,8 +839,9 @@ def serve(config: BrokerConfig, endpoints: Endpoints, ready_file: str | None = N
     nofile = raise_descriptor_limit()
     # Its own context, with I/O threads sized from the CPUs: a connection's bytes (CURVE included)
     # are moved by one of them, and libzmq spreads connections over them by load, so one peer's
-    # big messages do not hold up everyone's.
-    io_threads = config.io_threads or max(1, min(4, (os.cpu_count() or 2) // 2))
+    # big messages do not hold up everyone's. At least two, even on two cores: measured with one
+    # tenant's 8 MiB echoes, another's echo p50 was 700 ms with one I/O thread, 1 ms with two.
+    io_threads = config.io_threads or max(2, min(4, (os.cpu_count() or 2) // 2))
     broker = Broker(config, endpoints, ctx=zmq.Context(io_threads=io_threads), security=security, pair=pair)
     broker.reloader = reloader
     metrics_server = None

@@ -313,13 +313,13 @@ class Broker:
             peer = _peer(conn, self._frontend_port)
             if peer is None:  # the descriptor is another socket's by now
                 return
-            why = self.gate.accept(fd, peer)
+            why = self.gate.accept(fd, peer, self.core.now)
             if why is not None and self.core.now >= self._gate_check_at:
                 # Before refusing, forget what is counted but gone (a disconnect not seen: the
                 # monitor's pipe has no bound, so this should find nothing), at most once a while.
                 self._gate_check_at = self.core.now + GATE_CHECK_S
                 if self._check_gate():
-                    why = self.gate.accept(fd, peer)
+                    why = self.gate.accept(fd, peer, self.core.now)
             if why is None:
                 return
             self.core.counters["refused_connections"] += 1

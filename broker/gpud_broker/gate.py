@@ -12,9 +12,10 @@ that left). A refused connection costs a descriptor for a moment and no CURVE ha
 what libzmq did before the event was read.
 
 A source held off (``limits.refusals`` handshakes refused within ``hold_off_s``: an outsider with
-a fresh key each time) still has its known keys admitted; its unknown ones are refused without the
-key directories being read again (``gpud.security.ZapHandler``), so a flood of them costs the
-broker's loop a dictionary look-up each.
+a fresh key each time) may open ``limits.held_off_rate`` connections a second; the rest are shut
+down as they are accepted, before their CURVE handshake costs much. Its known keys are still
+admitted (a client sharing its address gets in, if at a slower pace: libzmq reconnects); its unknown
+ones are refused without the key directories being read again (``gpud.security.ZapHandler``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class ConnectionLimits:
     total: int = 10_000  # connections on the frontend at once, from all sources
     per_source: int = 1_000  # connections on the frontend at once from one address (IPv6: one /64)
     refusals: int = 20  # refused handshakes of one source within ``hold_off_s`` before it is held off
-    hold_off_s: float = 10.0  # how long a source is held off (its unknown keys refused at once)
+    hold_off_s: float = 10.0  # how long a source is held off
+    held_off_rate: float = 10.0  # new connections a second a held-off source may open (the rest: shut down)
 
 
 def default_limits(nofile: int) -> ConnectionLimits:
@@ -68,17 +70,18 @@ class ConnectionGate:
         self.held_off: dict[str, float] = {}  # source -> until when (oldest first)
         self._refusals: dict[str, tuple[float, int]] = {}  # source -> (window start, refusals in it)
         self.refused = 0  # connections refused (shut down) so far
-        self.refused_by: dict[str, int] = {"per_source": 0, "total": 0}
+        self.refused_by: dict[str, int] = {"per_source": 0, "total": 0, "held_off": 0}
+        self._tokens: dict[str, tuple[float, float]] = {}  # held-off source -> (connections it may open, when)
 
     def __len__(self) -> int:
         return len(self.by_fd)
 
-    def accept(self, fd: int, address: str) -> str | None:
+    def accept(self, fd: int, address: str, now: float) -> str | None:
         """A connection accepted on descriptor ``fd`` from ``address``: None when admitted (it is
         counted), else why it is refused (the caller shuts it down)."""
         self.closed(fd)  # a descriptor reused before its disconnect was seen
         source = source_of(address)
-        why = self._why_not(source)
+        why = self._why_not(source, now)
         if why is not None:
             self.refused += 1
             return why
@@ -86,7 +89,11 @@ class ConnectionGate:
         self.per_source[source] = self.per_source.get(source, 0) + 1
         return None
 
-    def _why_not(self, source: str) -> str | None:
+    def _why_not(self, source: str, now: float) -> str | None:
+        if source in self.held_off and self.is_held_off(source, now) and not self._take_token(source, now):
+            self.refused_by["held_off"] += 1
+            return (f"source {source} is held off (its handshakes keep being refused): "
+                    f"{self.limits.held_off_rate:g} new connections a second at most")
         if self.per_source.get(source, 0) >= self.limits.per_source:
             self.refused_by["per_source"] += 1
             return f"source {source} holds {self.limits.per_source} connections, its bound max_connections_per_source"
@@ -94,6 +101,15 @@ class ConnectionGate:
             self.refused_by["total"] += 1
             return f"the frontend holds {self.limits.total} connections, its bound max_connections"
         return None
+
+    def _take_token(self, source: str, now: float) -> bool:
+        """May held-off ``source`` open one more connection now (a token bucket of one second)?"""
+        rate = self.limits.held_off_rate
+        tokens, at = self._tokens.get(source, (rate, now))
+        tokens = min(rate, tokens + (now - at) * rate)
+        ok = tokens >= 1.0
+        self._tokens[source] = (tokens - 1.0 if ok else tokens, now)
+        return ok
 
     def closed(self, fd: int) -> None:
         """The connection on ``fd`` is gone (or was never admitted: then nothing changes)."""
@@ -131,6 +147,7 @@ class ConnectionGate:
         if now < until:
             return True
         del self.held_off[source]
+        self._tokens.pop(source, None)
         return False
 
     def shown(self, now: float) -> dict[str, object]:

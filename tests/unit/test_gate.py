@@ -19,13 +19,13 @@ from gpud_broker.gate import ConnectionGate, ConnectionLimits, default_limits, s
 
 def test_a_source_at_its_bound_is_refused_and_another_source_is_not() -> None:
     gate = ConnectionGate(ConnectionLimits(total=10, per_source=3))
-    assert [gate.accept(fd, "192.0.2.1") for fd in (10, 11, 12)] == [None] * 3
-    why = gate.accept(13, "192.0.2.1")
+    assert [gate.accept(fd, "192.0.2.1", 0.0) for fd in (10, 11, 12)] == [None] * 3
+    why = gate.accept(13, "192.0.2.1", 0.0)
     assert why is not None and "max_connections_per_source" in why
-    assert gate.accept(14, "192.0.2.2") is None  # another source: admitted
+    assert gate.accept(14, "192.0.2.2", 0.0) is None  # another source: admitted
     gate.closed(10)
     gate.closed(13)  # never admitted: nothing changes
-    assert gate.accept(15, "192.0.2.1") is None  # one of its own went: room again
+    assert gate.accept(15, "192.0.2.1", 0.0) is None  # one of its own went: room again
     assert gate.per_source == {"192.0.2.1": 3, "192.0.2.2": 1} and len(gate) == 4
     assert gate.refused_by["per_source"] == 1
 
@@ -33,20 +33,20 @@ def test_a_source_at_its_bound_is_refused_and_another_source_is_not() -> None:
 def test_the_total_bound_holds_for_every_source() -> None:
     gate = ConnectionGate(ConnectionLimits(total=4, per_source=3))
     for fd, src in ((1, "a"), (2, "a"), (3, "b"), (4, "c")):
-        assert gate.accept(fd, src) is None
-    why = gate.accept(5, "d")
+        assert gate.accept(fd, src, 0.0) is None
+    why = gate.accept(5, "d", 0.0)
     assert why is not None and "max_connections" in why and len(gate) == 4
 
 
 def test_a_reused_descriptor_counts_once() -> None:
     gate = ConnectionGate(ConnectionLimits(total=10, per_source=2))
-    gate.accept(7, "a")
-    gate.accept(7, "b")  # its disconnect was not seen before the descriptor came back
+    gate.accept(7, "a", 0.0)
+    gate.accept(7, "b", 0.0)  # its disconnect was not seen before the descriptor came back
     assert gate.per_source == {"b": 1} and len(gate) == 1
 
 
 def test_refused_handshakes_hold_a_source_off_for_a_while() -> None:
-    limits = ConnectionLimits(total=10, per_source=10, refusals=3, hold_off_s=10.0)
+    limits = ConnectionLimits(total=100, per_source=100, refusals=3, hold_off_s=10.0, held_off_rate=2.0)
     gate = ConnectionGate(limits)
     for t in (0.0, 1.0):
         gate.handshake_refused("192.0.2.9", t)
@@ -54,8 +54,14 @@ def test_refused_handshakes_hold_a_source_off_for_a_while() -> None:
     gate.handshake_refused("192.0.2.9", 2.0)
     assert gate.is_held_off("192.0.2.9", 2.0) and not gate.is_held_off("192.0.2.8", 2.0)
     assert gate.shown(5.0)["held_off"] == ["192.0.2.9"]
-    assert gate.accept(3, "192.0.2.9") is None  # its connections are admitted still (their keys decide)
+    # It may open held_off_rate connections a second (their keys decide); the rest are refused.
+    got = [gate.accept(fd, "192.0.2.9", 5.0) for fd in range(100, 110)]
+    assert got[:2] == [None, None] and all(why is not None and "held off" in why for why in got[2:])
+    assert gate.accept(200, "192.0.2.8", 5.0) is None  # another source: not held off
+    assert gate.accept(201, "192.0.2.9", 5.5) is None  # half a second later: one more
+    assert gate.refused_by["held_off"] == 8
     assert not gate.is_held_off("192.0.2.9", 12.0)  # its time is over
+    assert all(gate.accept(fd, "192.0.2.9", 12.0) is None for fd in range(300, 305))
     # Refusals spread wider than the window never add up to a hold-off.
     for t in (20.0, 29.0, 39.5, 49.0):
         gate.handshake_refused("192.0.2.7", t)

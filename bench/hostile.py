@@ -7,7 +7,7 @@ The target (issue "The broker under hostile tenants") is A's p99 under each floo
 
 Usage::
 
-    .venv/bin/python bench/hostile.py [--echoes 300] [--seconds 6]
+    .venv/bin/python bench/hostile.py [--echoes 300] [--settle 1.5] [--payload-bytes 8388608]
 
 The last line is one JSON object; the table before it is what BENCHMARKS.md shows.
 """
@@ -37,6 +37,8 @@ from gpud.protocol import Command, Peer  # noqa: E402
 from gpud.security import CurveKeys, apply_client_keys  # noqa: E402
 from gpud_cli.cluster import LocalCluster  # noqa: E402
 from gpud_client import Client  # noqa: E402
+
+OUTSIDER = "127.0.0.3"  # the outsiders' address (A and B connect from 127.0.0.1)
 
 
 def _dealer(ctx: zmq.Context[Any], endpoint: str, keys: CurveKeys | None) -> zmq.Socket[bytes]:
@@ -88,9 +90,8 @@ def flood_payload(stop: Any, endpoint: str, keys: CurveKeys, size: int) -> None:
         while out < 4:
             s.send_multipart([*P.encode(Peer.CLIENT, Command.REQUEST, {"id": P.new_id(), "kind": "echo"}), chunk])
             out += 1
-        if s.poll(100):
-            s.recv_multipart()
-            out -= 1
+        if s.poll(100):  # replies may come as a BATCH: count the messages in it
+            out -= len(P.messages(P.decode(s.recv_multipart(), Peer.CLIENT)))
     s.close(0)
     ctx.term()
 
@@ -112,13 +113,14 @@ def flood_garbage(stop: Any, endpoint: str, keys: CurveKeys) -> None:
 
 
 def flood_handshakes(stop: Any, endpoint: str, server_key: bytes) -> None:
-    """An outsider: a fresh CURVE key per connection, each refused by ZAP."""
+    """An outsider on OUTSIDER: a fresh CURVE key per connection, each refused by ZAP."""
     ctx: zmq.Context[Any] = zmq.Context()
+    host_port = endpoint.removeprefix("tcp://")
     while not stop.is_set():
         socks = []
         for _ in range(20):
             public, secret = zmq.curve_keypair()
-            socks.append(_dealer(ctx, endpoint, CurveKeys(public, secret, server_key)))
+            socks.append(_dealer(ctx, f"tcp://{OUTSIDER}:0;{host_port}", CurveKeys(public, secret, server_key)))
         time.sleep(0.05)
         for s in socks:
             s.close(0)
@@ -126,13 +128,13 @@ def flood_handshakes(stop: Any, endpoint: str, server_key: bytes) -> None:
 
 
 def flood_connections(stop: Any, endpoint: str, n: int) -> None:
-    """An outsider: ``n`` idle TCP connections, opened again as the broker closes them."""
+    """An outsider on OUTSIDER: ``n`` idle TCP connections, opened again as the broker closes them."""
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     held: list[socket.socket] = []
     while not stop.is_set():
         while len(held) < n and not stop.is_set():
             try:
-                held.append(socket.create_connection((host, int(port)), timeout=0.5))
+                held.append(socket.create_connection((host, int(port)), timeout=0.5, source_address=(OUTSIDER, 0)))
             except OSError:
                 break
         time.sleep(0.2)
@@ -177,10 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--echoes", type=int, default=300, help="A's sequential echoes per figure (default %(default)s)")
     p.add_argument("--settle", type=float, default=1.5, help="seconds a flood runs before A measures (default %(default)s)")
+    p.add_argument("--payload-bytes", type=int, default=8 << 20, help="size of B's echoes in the payload flood (default %(default)s)")
+    p.add_argument("--io-threads", type=int, default=0, help="the broker's libzmq I/O threads (default: its own default)")
+    p.add_argument("--only", default="", help="run only the floods whose name contains this (e.g. payload)")
     args = p.parse_args(argv)
     mp_ctx = mp.get_context("fork")
+    extra = ["--io-threads", str(args.io_threads)] if args.io_threads else []
     with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=500, security="curve", log_level="WARNING",
-                      dynamic_uid_base=61184 + 16 * 300) as c:
+                      broker_args=extra, dynamic_uid_base=61184 + 16 * 200) as c:
         alice, bob = c.client_keys("alice"), c.client_keys("bob")
         assert c.broker is not None
         pid = c.broker.pid
@@ -189,11 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         server_key = alice.server_public
         floods: list[tuple[str, Callable[..., None], tuple[Any, ...]]] = [
             (f"queue flood ({queued + 2000} jobs, budget {queued})", flood_queue, (c.frontend, bob, queued + 2000)),
-            ("payload flood (8 MiB echoes)", flood_payload, (c.frontend, bob, 8 << 20)),
+            (f"payload flood ({args.payload_bytes >> 10} KiB echoes)", flood_payload, (c.frontend, bob, args.payload_bytes)),
             ("malformed messages", flood_garbage, (c.frontend, bob)),
             ("handshake spam (a fresh key each)", flood_handshakes, (c.frontend, server_key)),
             ("idle TCP connections (500)", flood_connections, (c.frontend, 500)),
         ]
+        floods = [f for f in floods if args.only in f[0]]
         rows: list[dict[str, Any]] = []
         with Client(c.frontend, timeout=60, curve=alice) as a:
             echo_latencies(a, 50)  # warm

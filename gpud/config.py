@@ -182,6 +182,9 @@ class BrokerSection:
     max_held_bytes: int = _key(0, _at_least(0))  # payload bytes held for all tenants together
     result_bytes: int = _key(0, _at_least(0))  # the reply store, all tenants together
     max_message_bytes: int = _key(0, _at_least(0))  # one message at most (0: 1 GiB, or memory/8 if less)
+    max_connections: int = _key(0, _at_least(0))  # frontend connections at once (0: sized from the descriptor limit)
+    max_connections_per_source: int = _key(0, _at_least(0))  # of those from one address (0: sized likewise)
+    io_threads: int = _key(0, _at_least(0))  # libzmq I/O threads (0: half the CPUs, 2 to 4)
     tenants: Mapping[str, TenantLimits] = _key({})
     tenant_pool_share: float = _key(0.5, _share)  # most of a worker's pool users one tenant may hold
 

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.auth
@@ -39,6 +39,7 @@ import zmq.utils.z85
 from gpud.config import SecurityConfig, for_role
 from gpud.errors import ConfigError
 from gpud.protocol import _TENANT_RE
+from gpud.ratelog import RateLimit
 
 log = logging.getLogger(__name__)
 
@@ -484,35 +485,27 @@ def client_user(tenant: str, key: bytes) -> str:
     return f"{tenant} {zmq.utils.z85.encode(key).decode('ascii')}"
 
 
-class _Limiter:
-    """At most one log line per key and interval; counts what it held back."""
+class SourceGate(Protocol):
+    """Which sources are held off for refused handshakes (``gpud_broker.gate.ConnectionGate``)."""
 
-    def __init__(self, interval: float, clock: Callable[[], float]) -> None:
-        self.interval = interval
-        self.clock = clock
-        self.seen: dict[Any, tuple[float, int]] = {}
+    def is_held_off(self, address: str, now: float) -> bool: ...
 
-    def __call__(self, key: Any) -> int | None:
-        """None: stay quiet; otherwise log, mentioning the returned count of held-back events."""
-        now = self.clock()
-        last = self.seen.get(key)
-        if last is not None and now - last[0] < self.interval:
-            self.seen[key] = (last[0], last[1] + 1)
-            return None
-        if len(self.seen) >= 4096:
-            self.seen.clear()
-        self.seen[key] = (now, 0)
-        return 0 if last is None else last[1]
+    def handshake_refused(self, address: str, now: float) -> None: ...
 
 
 class ZapHandler:
-    """The broker's ZAP policy (RFC 27) over a ``KeyStore``."""
+    """The broker's ZAP policy (RFC 27) over a ``KeyStore``. With a ``gate``, each refusal is
+    counted against its source address; for a source held off for too many, the key directories
+    are not re-read: its known keys are admitted, its unknown ones refused at the cost of a look-up."""
 
     def __init__(self, keys: KeyStore, clock: Callable[[], float] = time.monotonic,
-                 log_interval: float = REFUSAL_LOG_INTERVAL_S, peer_key: bytes | None = None) -> None:
+                 log_interval: float = REFUSAL_LOG_INTERVAL_S, peer_key: bytes | None = None,
+                 gate: SourceGate | None = None) -> None:
         self.keys = keys
         self.peer_key = peer_key  # raw 32 bytes: the broker pair's public key (PEER_DOMAIN)
-        self._limit = _Limiter(log_interval, clock)
+        self.clock = clock
+        self.gate = gate
+        self._limit = RateLimit(log_interval, clock)
         self.refused = 0
         self.admitted = 0
 
@@ -524,7 +517,8 @@ class ZapHandler:
             return self._refuse(domain, address, key, "400", f"mechanism {mechanism or '?'} not allowed; CURVE required")
         if len(key) != 32:
             return self._refuse(domain, address, key, "400", "malformed CURVE credentials")
-        self.keys.refresh()
+        if self.gate is None or not self.gate.is_held_off(address, self.clock()):
+            self.keys.refresh()  # a source held off (its handshakes keep being refused) is judged by the keys as read
         if domain == FRONTEND_DOMAIN:
             tenant = self.keys.clients.get(key)
             user = None if tenant is None else client_user(tenant, key)
@@ -549,6 +543,8 @@ class ZapHandler:
 
     def _refuse(self, domain: str, address: str, key: bytes, code: str, why: str) -> tuple[str, str, str]:
         self.refused += 1
+        if self.gate is not None:
+            self.gate.handshake_refused(address, self.clock())
         # Per source address, not per key: an outsider with a fresh key per handshake is one line.
         held = self._limit((domain, address))
         if held is not None:
@@ -585,7 +581,7 @@ class HandshakeLog:
                  interval: float = REFUSAL_LOG_INTERVAL_S, skip_auth: bool = True) -> None:
         self.what = what
         self.skip_auth = skip_auth
-        self._limit = _Limiter(interval, clock)
+        self._limit = RateLimit(interval, clock)
         self.failures = 0
 
     def event(self, event: int, value: int, endpoint: str) -> None:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from gpud_broker.accounts import Budgets
     from gpud_broker.broker import Endpoints
     from gpud_broker.core import BrokerConfig
+    from gpud_broker.gate import ConnectionLimits
     from gpud_standby.pair import PairConfig
 
 _D = config.BrokerSection()  # the defaults, for the help texts
@@ -27,7 +28,8 @@ DEFAULT_FRONTEND = _D.frontend
 DEFAULT_BACKEND = _D.backend
 FLAGS = ("name", "frontend", "backend", "admin", "policy", "heartbeat_ms", "liveness", "max_queue",
          "session_lease", "result_ttl", "aging", "reserve_after", "data_path", "max_message_bytes",
-         "tenant_max_queued", "tenant_max_bytes", "max_held_bytes")
+         "tenant_max_queued", "tenant_max_bytes", "max_held_bytes", "max_connections", "max_connections_per_source",
+         "io_threads")
 """The [broker] keys that have a flag of the same name (--heartbeat-ms for heartbeat_ms)."""
 LIMIT_KEYS = ("max_milli", "max_mem", "max_sessions", "max_queued")
 STANDBY_FLAGS = ("role", "peer", "peer_bind", "peer_heartbeat_ms", "peer_expiry_ms")
@@ -58,6 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenant-max-queued", type=int, help="requests of one tenant queued at once (default: max_queue/4)")
     p.add_argument("--tenant-max-bytes", type=int, help="payload bytes held for one tenant (default: memory/16, at most 4 GiB)")
     p.add_argument("--max-held-bytes", type=int, help="payload bytes held for all tenants (default: memory/4)")
+    p.add_argument("--max-connections", type=int,
+                   help="frontend connections at once, from all sources (default: sized from the descriptor limit)")
+    p.add_argument("--max-connections-per-source", type=int,
+                   help="frontend connections at once from one address (default: max_connections/16, 64 to 1024)")
+    p.add_argument("--io-threads", type=int, help="libzmq I/O threads (default: half the CPUs, 2 to 4)")
     p.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=W",
                    help="fair-share weight of a tenant (default 1); repeat for each tenant")
     p.add_argument("--aging", type=float, help=f"seconds of waiting worth one priority level (default {_D.aging:g})")
@@ -141,7 +148,25 @@ def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | Non
         reserve_after=b.reserve_after,
         tenant_pool_share=b.tenant_pool_share,
         data_path=b.data_path,
+        connection_limits=connection_limits(b),
+        io_threads=b.io_threads,
     )
+
+
+def connection_limits(b: config.BrokerSection) -> ConnectionLimits | None:
+    """``[broker] max_connections`` and ``max_connections_per_source`` over the defaults sized
+    from the descriptor limit the broker raises itself to; None when neither is set (the broker
+    sizes them at start)."""
+    import resource
+    from dataclasses import replace
+
+    from gpud_broker.gate import default_limits
+
+    if not b.max_connections and not b.max_connections_per_source:
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    base = default_limits(hard if hard != resource.RLIM_INFINITY else soft)
+    return replace(base, total=b.max_connections or base.total, per_source=b.max_connections_per_source or base.per_source)
 
 
 def budgets(b: config.BrokerSection) -> Budgets:

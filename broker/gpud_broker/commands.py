@@ -153,6 +153,8 @@ def status(target: Any, args: dict[str, Any]) -> dict[str, Any]:
                     "reply_store": {"max_bytes": core.tasks.max_bytes, "bytes": core.tasks.bytes,
                                     "dropped_early": core.tasks.dropped_early},
                     "load": {t: {"outstanding": v.outstanding, "bytes": v.bytes} for t, v in sorted(core.accounts.load.items())}},
+        # Frontend connections against their bounds (the socket shell's gate; None without one).
+        "connections": target.gate.shown(now) if hasattr(target, "gate") else None,
         # How long placement decisions take: count and max since start, p50/p99 of recent ones.
         "placement": core.placement_times.summary(),
         "workers": worker_rows,

@@ -58,6 +58,7 @@ from gpud_broker.accounts import (
     machine_memory,
 )
 from gpud_broker.direct import renew_leases, session_body, silent_worker
+from gpud_broker.gate import ConnectionLimits
 from gpud_broker.leases import SessionLeases
 from gpud_broker.mix import TaskMix
 from gpud_broker.policies import (
@@ -111,6 +112,10 @@ class BrokerConfig:
     tenant_pool_share: float = 0.5  # most of a worker's pool users one tenant may hold (policies.pool_allows)
     data_path: str = "auto"  # "broker": no session's CALLs go straight to its worker (PROTOCOL.md §10)
     budgets: Budgets | None = None  # what the broker holds per tenant and in all (None: sized from the machine)
+    # The shell's: frontend connections per source and in all (None: sized from the descriptor
+    # limit, gate.default_limits), and libzmq's I/O threads (0: sized from the CPUs).
+    connection_limits: ConnectionLimits | None = None
+    io_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in FACTORIES:
@@ -143,7 +148,7 @@ class BrokerCore:
         self.send_client = send_client
         self.send_worker = send_worker
         self.registry = WorkerRegistry()
-        self.tasks = TaskTable(config.result_ttl, config.result_bytes, self._reply_share)
+        self.tasks = self._task_table()
         self.accounts = Accounts(self.registry, config.tenant_weights, config.tenant_limits, self._budgets(config))
         self.queue: PendingQueue[Task] = PendingQueue(config.max_queue, self.accounts.fair, config.aging_s, config.reserve_after)
         self.leases = SessionLeases(config.session_lease)
@@ -153,7 +158,8 @@ class BrokerCore:
         self.policy = make_policy(config.policy, mix=self.mix)
         self._observe = self.mix.observe if config.policy.startswith("fgd") else None
         self.counters = {"requests": 0, "retries": 0, "errors": 0, "bad_messages": 0, "bad_routes": 0, "worker_losses": 0, "takeovers": 0,
-                         "job_timeouts": 0, "session_replays": 0, "refused_workers": 0, "fd_pauses": 0}
+                         "job_timeouts": 0, "session_replays": 0, "refused_workers": 0, "fd_pauses": 0,
+                         "refused_connections": 0}
         self.stats = RequestStats()  # by kind and by error code, for the metrics endpoint
         self.placement_times = PlacementTimes()  # seconds per placement decision (admin status)
         self.open_workers = 0  # registered workers with a free slot (see the module docstring)
@@ -178,6 +184,13 @@ class BrokerCore:
         self.owners: dict[bytes, str] = {}
         self._users: dict[str, tuple[str, str]] = {}  # User-Id -> (tenant, owner), memoized
         self.worker_names_bound = False  # CURVE: a worker's name must be its key's name
+
+    def _task_table(self) -> TaskTable:
+        """An empty task table whose replies dropped early are journalled (a pair's passive broker
+        then refuses their retries RESULT_EXPIRED too, PROTOCOL.md §9.3)."""
+        table = TaskTable(self.config.result_ttl, self.config.result_bytes, self._reply_share)
+        table.on_expired = lambda rid, until, tenant: self.journal.expired(rid, until - self.now, tenant)
+        return table
 
     def _reply_share(self, tenant: str) -> int:
         """``tenant``'s share of the reply store, in bytes (its budget)."""
@@ -1042,7 +1055,7 @@ class BrokerCore:
     def clear_work(self) -> None:
         """Forget every task, session, grant and queued request (a passive broker's tables are
         the snapshot it loads next). Workers stay registered."""
-        self.tasks = TaskTable(self.config.result_ttl, self.config.result_bytes, self._reply_share)
+        self.tasks = self._task_table()
         self.accounts.clear()
         self.queue = PendingQueue(self.config.max_queue, self.accounts.fair, self.config.aging_s, self.config.reserve_after)
         self.leases.clear()

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Update tags (the first item of each update).
-TASK, RUN, QUEUE, DONE, FORGET, SESSION, END, MARKS, START = ("task", "run", "queue", "done", "forget", "session",
-                                                            "end", "marks", "start")
+TASK, RUN, QUEUE, DONE, FORGET, SESSION, END, MARKS, START, EXPIRED = (
+    "task", "run", "queue", "done", "forget", "session", "end", "marks", "start", "expired")
 
 
 class Journal:
@@ -74,6 +74,9 @@ class Journal:
     def start(self, rid: bytes) -> None:
         self._add([START, rid])
 
+    def expired(self, rid: bytes, left: float, tenant: str) -> None:
+        self._add([EXPIRED, rid, left, tenant])
+
     def take(self) -> list[list[Any]]:
         """The updates journalled since the last ``take`` (the pair sends them as one UPDATES)."""
         updates, self.updates = self.updates, []
@@ -111,6 +114,9 @@ class _NullJournal(Journal):
         pass
 
     def start(self, rid: bytes) -> None:
+        pass
+
+    def expired(self, rid: bytes, left: float, tenant: str) -> None:
         pass
 
 
@@ -153,22 +159,25 @@ def task_to_wire(t: Task, now: float) -> list[Any]:
         t.id, t.kind, protocol.need_to_wire(t.need) if t.need is not None else None, t.body, frames_bytes(t.frames),
         now - t.created, t.deadline - now, t.tenant, t.retryable, t.attempts, sorted(t.avoid), t.session,
         t.state.value, t.worker, grant_to_wire(t.grant), frames_bytes(t.reply) if t.reply is not None else None,
-        t.started,
+        t.started, t.owner,
     ]
 
 
 def task_from_wire(raw: Any, now: float) -> Task:
-    if type(raw) is not list or len(raw) not in (16, 17):
-        raise ProtocolError("a replicated task must be a list of 16 or 17 items")
+    if type(raw) is not list or len(raw) not in (16, 17, 18):
+        raise ProtocolError("a replicated task must be a list of 16 to 18 items")
     (rid, kind, need, body, frames, age, left, tenant, retryable, attempts, avoid, session,
      state, worker, grant, reply) = raw[:16]
+    owner = raw[17] if len(raw) > 17 else None
+    if owner is not None and type(owner) is not str:
+        raise ProtocolError("a replicated task's owner must be a string or nil")
     parsed = protocol.parse_need(kind, need) if need is not None else None
     return Task(
         id=rid, kind=kind, need=parsed, body=body, frames=frames, route=None,
         created=now - age, deadline=now + left, state=State(state),
         priority=parsed.priority if parsed is not None else 0, tenant=tenant, grant=grant_from_wire(grant),
         worker=worker, attempts=attempts, avoid=set(avoid), retryable=retryable, session=session, reply=reply,
-        started=len(raw) > 16 and raw[16] is True,
+        started=len(raw) > 16 and raw[16] is True, owner=owner,
     )
 
 
@@ -195,6 +204,7 @@ def snapshot(core: BrokerCore) -> dict[str, Any]:
         "tasks": [task_to_wire(t, now) for t in core.tasks.tasks.values()],
         "sessions": [session_to_wire(s) for s in core.sessions.values()],
         "marks": [sorted(core.registry.drained), sorted(core.registry.cordoned)],
+        "expired": [[rid, until - now, tenant] for rid, (until, tenant) in core.tasks.expired.items()],
     }
 
 
@@ -214,6 +224,19 @@ def load(core: BrokerCore, snap: Any) -> None:
         core.sessions[s.id] = s
     drained, cordoned = _fields(snap.get("marks", [[], []]), 2, "set of marks")
     core.set_marks(drained, cordoned)
+    expired = snap.get("expired", [])
+    if type(expired) is not list:
+        raise ProtocolError("a snapshot's 'expired' must be a list")
+    for raw in expired:
+        _expire(core, raw)
+
+
+def _expire(core: BrokerCore, raw: Any) -> None:
+    """``[id, left, tenant]``: a reply the active broker dropped early; a retry gets RESULT_EXPIRED."""
+    rid, left, tenant = _fields(raw, 3, "expired id")
+    if type(rid) is not bytes or type(left) not in (int, float) or type(tenant) is not str:
+        raise ProtocolError("a replicated expired id must be [id, seconds left, tenant]")
+    core.tasks.mark_expired(rid, core.now + left, tenant)
 
 
 def apply(core: BrokerCore, update: Any) -> None:
@@ -236,6 +259,9 @@ def apply(core: BrokerCore, update: Any) -> None:
     if tag == MARKS:
         _, drained, cordoned = _fields(update, 3, "marks update")
         core.set_marks(drained, cordoned)
+        return
+    if tag == EXPIRED:
+        _expire(core, update[1:])
         return
     if len(update) < 2:
         raise ProtocolError(f"update {tag!r} names no task")

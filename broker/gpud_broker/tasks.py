@@ -90,6 +90,8 @@ class TaskTable:
         self._expired_order: deque[tuple[float, bytes]] = deque()
         self.finished_total = 0
         self.dropped_early = 0
+        # Told of each reply dropped early (id, until, tenant): a pair's active broker journals it.
+        self.on_expired: Callable[[bytes, float, str], None] | None = None
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -123,6 +125,16 @@ class TaskTable:
         """Drop a task that never ran (e.g. refused at the door)."""
         if self.tasks.get(task.id) is task:
             del self.tasks[task.id]
+
+    def mark_expired(self, rid: bytes, until: float, tenant: str) -> None:
+        """Until ``until``, a retry of ``rid`` by ``tenant`` gets RESULT_EXPIRED; a task of that id
+        still kept (a passive broker's copy) is forgotten."""
+        task = self.tasks.get(rid)
+        if task is not None and task.state is State.DONE:
+            del self.tasks[rid]  # its entry in _done goes at its own time (_drop skips a forgotten task)
+        if rid not in self.expired:
+            self._expired_order.append((until, rid))
+        self.expired[rid] = (until, tenant)
 
     @property
     def bytes(self) -> int:
@@ -161,6 +173,7 @@ class TaskTable:
             del self.tasks[task.id]
             if until > now and not task.retryable:  # dropped early: a retry must not run it again
                 self.dropped_early += 1
-                self.expired[task.id] = (until, tenant)
-                self._expired_order.append((until, task.id))
+                self.mark_expired(task.id, until, tenant)
+                if self.on_expired is not None:
+                    self.on_expired(task.id, until, tenant)
         return 1

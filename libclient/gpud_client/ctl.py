@@ -195,6 +195,21 @@ def _budget_lines(budgets: Mapping[str, Any]) -> list[str]:
         f"held {_bytes(_num(budgets.get('held_bytes')))} of {_bytes(_num(budgets.get('max_held_bytes')))} payload"]
 
 
+def _connection_lines(conns: Mapping[str, Any]) -> list[str]:
+    """The frontend connections line of ``status`` (none when the broker does not say)."""
+    if not conns:
+        return []
+    refused = _map(conns.get("refused"))
+    held = conns.get("held_off")
+    held_off = [str(h) for h in held] if isinstance(held, list) else []
+    return ["connections {} of {} ({} per source) from {} source(s); refused {} over a source's bound, {} over "
+            "the total{}".format(
+                int(_num(conns.get("connections"))), int(_num(conns.get("max_connections"))),
+                int(_num(conns.get("max_connections_per_source"))), int(_num(conns.get("sources"))),
+                int(_num(refused.get("per_source"))), int(_num(refused.get("total"))),
+                f"; held off for refused handshakes: {', '.join(held_off)}" if held_off else "")]
+
+
 def _bytes(n: float) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
@@ -285,7 +300,7 @@ def format_status(status: Mapping[str, Any], width: int | None = WIDTH) -> str:
             said += "; not in sync"
         lines += _wrap(f"peer {peer}: {said}", "", width)
     lines += _wrap("  ".join(f"{k} {int(_num(counts.get(k)))}" for k in _COUNTS), "", width)
-    for line in _budget_lines(_map(status.get("budgets"))):
+    for line in [*_budget_lines(_map(status.get("budgets"))), *_connection_lines(_map(status.get("connections")))]:
         lines += _wrap(line, "", width)
     lines.append("")
     gpus = _by_position(_rows(status.get("gpus")))

@@ -245,6 +245,58 @@ def test_an_oversize_result_fails_its_job_and_costs_the_worker_nothing() -> None
 # ----------------------------------------------------------------------------- sockets and descriptors
 
 
+_OUT_OF_DESCRIPTORS = """
+import os, resource, sys, zmq
+ctx = zmq.Context()
+admin = ctx.socket(zmq.ROUTER)
+admin.setsockopt(zmq.LINGER, 0)
+admin.bind(sys.argv[1])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+held = []
+while True:  # every descriptor in use, as a broker without a reserve ends up under a flood
+    try:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        break
+print("full", flush=True)
+while True:  # an admin socket's loop: answer what comes
+    if admin.poll(100):
+        admin.send_multipart(admin.recv_multipart())
+"""
+
+
+def test_without_free_descriptors_a_zmq_process_cannot_take_an_admin_connection(tmp_path: Any) -> None:
+    """Why the broker keeps descriptors in reserve: a process with a ROUTER on an IPC socket (the
+    admin socket's shape) and no descriptor free either aborts inside libzmq when a connection
+    comes (an assertion on EMFILE) or never accepts it. The broker with its reserve answers its
+    admin socket under a descriptor flood (the test below)."""
+    import subprocess
+    import sys
+
+    endpoint = f"ipc://{tmp_path}/admin.sock"
+    ctx: zmq.Context[Any] = zmq.Context()
+    with subprocess.Popen([sys.executable, "-c", _OUT_OF_DESCRIPTORS, endpoint], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == b"full\n"
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(endpoint)
+            s.send(b"status?")
+            answered = bool(s.poll(3000))
+            s.close(0)
+            aborted = proc.poll() is not None
+            assert aborted or not answered, "a process without free descriptors took a connection"
+            assert proc.stderr is not None
+            why = proc.stderr.read().decode(errors="replace") if aborted else "it never accepted the connection"
+            print(f"without free descriptors: {why.strip()} (exit {proc.returncode})")
+        finally:
+            proc.kill()
+            proc.wait()
+            ctx.term()
+
+
 def test_a_descriptor_flood_neither_aborts_the_broker_nor_silences_admin_or_connected_clients() -> None:
     import resource
     import socket
@@ -285,3 +337,140 @@ def test_a_descriptor_flood_neither_aborts_the_broker_nor_silences_admin_or_conn
         raise
     finally:
         c.stop()
+
+
+def _open(host: str, port: int, n: int, source: str = "127.0.0.1") -> list[Any]:
+    """Up to ``n`` idle TCP connections from ``source`` (as many as connect within a second each)."""
+    import socket
+
+    out = []
+    for _ in range(n):
+        try:
+            out.append(socket.create_connection((host, port), timeout=1, source_address=(source, 0)))
+        except OSError:
+            break
+    return out
+
+
+def test_one_source_holding_many_connections_keeps_no_other_source_out() -> None:
+    per_source, total = 16, 40
+    with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, security="curve", log_level="INFO",
+                      broker_args=["--max-connections-per-source", str(per_source), "--max-connections", str(total)],
+                      dynamic_uid_base=UIDS + 128) as c:
+        host, port = c.frontend.removeprefix("tcp://").rsplit(":", 1)
+        alice = c.client_keys("alice")
+        elsewhere = f"tcp://127.0.0.2:0;{host}:{port}"  # alice connects from another loopback address
+        flood: list[Any] = []
+        try:
+            # An outsider on 127.0.0.1: 120 idle connections. All but its bound are shut down as
+            # they are accepted, long before the handshake timeout would close them.
+            flood = _open(host, int(port), 120)
+            assert len(flood) >= 100
+            wait_for(lambda: c.status()["connections"]["refused"]["per_source"] >= len(flood) - per_source,
+                     "the broker to refuse the outsider's connections past its bound")
+            st = c.status()["connections"]
+            assert st["max_connections_per_source"] == per_source and st["max_connections"] == total
+            assert st["busiest"].get("127.0.0.1", 0) <= per_source
+            with Client(elsewhere, timeout=20, curve=alice) as a:
+                assert a.echo(b"from another address") == b"from another address"
+                assert a.run(["true"], gpu_milli=10).exit_code == 0
+            assert "refused a frontend connection from 127.0.0.1" in c.log_tail("broker", 5000)
+            # Outsiders on three more addresses fill the total: it holds, for everyone.
+            for source in ("127.0.0.3", "127.0.0.4", "127.0.0.5"):
+                flood += _open(host, int(port), per_source, source)
+            wait_for(lambda: c.status()["connections"]["refused"]["total"] > 0, "the total bound to refuse some")
+            assert c.status()["connections"]["connections"] <= total
+        finally:
+            for s in flood:
+                s.close()
+        assert c.broker is not None and c.broker.poll() is None, c.log_tail("broker")
+        wait_for(lambda: c.status()["connections"]["connections"] == 0, "the outsiders' connections to be forgotten")
+        with Client(elsewhere, timeout=20, curve=alice) as a:
+            assert a.echo(b"after") == b"after"
+
+
+def test_handshakes_refused_again_and_again_hold_their_source_off_and_known_keys_in() -> None:
+    with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, security="curve", log_level="INFO",
+                      dynamic_uid_base=UIDS + 160) as c:
+        host, port = c.frontend.removeprefix("tcp://").rsplit(":", 1)
+        ctx: zmq.Context[Any] = zmq.Context()
+        alice = c.client_keys("alice")
+        server = alice.server_public
+        assert server is not None
+        strangers = []
+        try:
+            # An outsider on 127.0.0.3 with a fresh key per connection: each refused by ZAP, until
+            # its address is held off.
+            for _ in range(40):
+                public, secret = zmq.curve_keypair()
+                strangers.append(Raw(ctx, f"tcp://127.0.0.3:0;{host}:{port}", CurveKeys(public, secret, server), os.urandom(16)))
+            wait_for(lambda: c.status()["connections"]["held_off"] == ["127.0.0.3"], "the outsider's address to be held off",
+                     timeout=10)
+            # A known key is admitted from that very address, and from any other.
+            for source in ("127.0.0.3", "127.0.0.2"):
+                with Client(f"tcp://{source}:0;{host}:{port}", timeout=20, curve=alice) as a:
+                    assert a.echo(b"a known key") == b"a known key"
+        finally:
+            for r in strangers:
+                r.close()
+            ctx.term()
+        assert c.broker is not None and c.broker.poll() is None, c.log_tail("broker")
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+PAYLOAD_COPIES = 2  # a queued payload is held once; a second copy lives while CURVE decrypts it
+REQUEST_BYTES = 16 << 10  # what one queued request costs the broker besides its payload, at most
+
+
+def test_a_queue_flood_at_the_budgets_limits_keeps_the_brokers_memory_under_their_bound() -> None:
+    """Bob fills his payload budget (max_bytes) with 256 KiB inputs, then his queue budget
+    (max_queued) with small jobs. The broker's RSS grows by at most PAYLOAD_COPIES x max_bytes
+    plus REQUEST_BYTES a queued request, the bound the budgets set (docs/OPERATIONS.md)."""
+    max_queued, max_bytes = 400, 32 << 20
+    with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, security="curve", log_level="INFO",
+                      broker_args=["--tenant-max-queued", str(max_queued), "--tenant-max-bytes", str(max_bytes)],
+                      dynamic_uid_base=UIDS + 192) as c:
+        assert c.broker is not None
+        ctx: zmq.Context[Any] = zmq.Context()
+        b = Raw(ctx, c.frontend, c.client_keys("bob"), os.urandom(16))
+        try:
+            b.send(Command.PING, {})
+            assert b.recv() is not None
+            before = _rss(c.broker.pid)
+            blob = os.urandom(256 << 10)
+            job = {"kind": "job", "argv": ["sleep", "20"], "need": {"gpu_milli": 900}, "time_limit": 30}
+            busy: dict[str, int] = {}
+            ids = []
+            for files in ([b"in"],) * (max_bytes // len(blob) + 20) + ([],) * (max_queued + 50):
+                rid = P.new_id()
+                ids.append(rid)
+                header = {"id": rid, **job, "files": ["in"] if files else []}
+                b.sock.send_multipart([*P.encode(Peer.CLIENT, Command.REQUEST, header), *([blob] if files else [])])
+            deadline = time.monotonic() + 60
+            while (busy.get("max_bytes", 0) < 20 or busy.get("max_queued", 0) < 50) and time.monotonic() < deadline:
+                for msg in b.replies(timeout=5):
+                    assert msg.header.get("code") == "BUSY", msg.header
+                    which = "max_bytes" if "max_bytes" in msg.header["message"] else "max_queued"
+                    busy[which] = busy.get(which, 0) + 1
+            st = c.status()
+            load = st["budgets"]["load"]["bob"]
+            assert busy.get("max_bytes", 0) >= 20 and busy.get("max_queued", 0) >= 50, busy
+            assert load["bytes"] <= max_bytes and st["counts"]["queued"] <= max_queued
+            grown = _rss(c.broker.pid) - before
+            bound = PAYLOAD_COPIES * max_bytes + max_queued * REQUEST_BYTES
+            print(f"broker RSS grew {grown >> 20} MiB under the flood, bound {bound >> 20} MiB "
+                  f"(bob holds {load['bytes'] >> 20} MiB in {st['counts']['queued']} queued)")
+            assert grown <= bound, f"RSS grew {grown} bytes, over the budgets' bound {bound}"
+        finally:
+            for rid in ids:
+                b.send(Command.CANCEL, {"id": rid})
+            b.close()
+            ctx.term()
+        assert c.broker.poll() is None

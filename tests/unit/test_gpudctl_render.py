@@ -183,3 +183,14 @@ def test_top_shows_the_whole_peer_and_its_state_where_the_window_allows() -> Non
     st["pair"] = {"peer_state": "passive"}
     assert "peer tcp://10.20.30.40:5557 (passive)" in render(st, None, 120, 24)[0]
     assert len(render(st, None, 40, 24)[0]) <= 40
+
+
+def test_status_shows_the_connection_bounds_and_what_is_held() -> None:
+    from gpud_client.ctl import format_status
+
+    conns = {"max_connections": 32640, "max_connections_per_source": 1024, "connections": 17, "sources": 3,
+             "busiest": {"10.0.0.5": 12}, "refused": {"per_source": 4, "total": 0}, "held_off": ["192.0.2.9"]}
+    text = format_status({"broker": {}, "counts": {}, "gpus": [], "connections": conns}, width=None)
+    assert ("connections 17 of 32640 (1024 per source) from 3 source(s); refused 4 over a source's bound, 0 over "
+            "the total; held off for refused handshakes: 192.0.2.9") in text
+    assert "connections" not in format_status({"broker": {}, "counts": {}, "gpus": []}, width=None)

@@ -25,6 +25,8 @@ PURE = [
     "broker/gpud_broker/accounts.py",
     "broker/gpud_broker/leases.py",
     "broker/gpud_broker/takeover.py",
+    "broker/gpud_broker/gate.py",
+    "gpud/ratelog.py",
     "worker/gpud_worker/health.py",
     "worker/gpud_worker/modules.py",
     "worker/gpud_worker/cgroups.py",

@@ -282,3 +282,65 @@ def test_the_operators_marks_travel_with_the_tables() -> None:
     from gpud.errors import ConflictError
     with pytest.raises(ConflictError, match="passive"):
         ADMIN.dispatch(Passive(), "undrain", {"worker": "w1"}, who="test")
+
+
+ALICE, ALICE2, MALLORY = "alice " + "A" * 40, "alice " + "B" * 40, "mallory " + "M" * 40
+
+
+def user_request(h: Harness, ident: bytes, r: bytes, user: str, **fields: Any) -> None:
+    """A REQUEST as a CURVE broker hands it to its core: with the sender's ZAP User-Id."""
+    h.core.now = h.clock.monotonic()
+    header = {"id": r, "kind": "job", "argv": ["true"], "need": {"gpu_milli": 100}, **fields}
+    h.core.on_client(ident, P.decode(P.encode(P.Peer.CLIENT, Command.REQUEST, header), P.Peer.CLIENT), user)
+
+
+def test_after_a_failover_a_request_stays_bound_to_the_key_that_sent_it() -> None:
+    a, b = pair()
+    for h in (a, b):
+        h.ready(W1, "w1")
+    user_request(a, C1, rid(1), ALICE)
+    a.take_worker()
+    ship(a, b)
+    take_over(b)
+    confirm(b, W1, running=[{"id": rid(1), "kind": "job"}])
+    b.take_worker()
+    assert b.core.tasks.tasks[rid(1)].owner == ALICE
+    # Another key of the same tenant, and another tenant, retry alice's id: neither attaches.
+    user_request(b, C2, rid(1), ALICE2)
+    user_request(b, C2, rid(1), MALLORY)
+    refused = [m for _, m, _ in b.take_client()]
+    assert [(m.header["ok"], m.header.get("code")) for m in refused] == [(False, "INVALID_REQUEST")] * 2
+    b.result(W1, rid(1), exit_code=0)
+    assert b.take_client() == []  # the reply waits for alice: C1's last sender on this broker is nobody
+    user_request(b, C1, rid(1), ALICE)  # alice's own retry gets it
+    [(who, reply, _)] = b.take_client()
+    assert who == C1 and reply.header["ok"] is True and reply.header["exit_code"] == 0
+
+
+def test_a_reply_dropped_early_stays_expired_on_the_passive_broker_through_updates_and_snapshots() -> None:
+    from gpud_broker.accounts import Budgets, TenantBudget
+
+    a, b = pair(budgets=Budgets(default=TenantBudget(reply_bytes=1)))  # no room for any reply
+    for h in (a, b):
+        h.ready(W1, "w1")
+    user_request(a, C1, rid(1), ALICE)  # not idempotent
+    a.take_worker()
+    a.result(W1, rid(1), exit_code=0)
+    a.take_client()
+    a.core.tasks.evict(a.core.now)
+    assert rid(1) in a.core.tasks.expired
+    ship(a, b)
+    assert rid(1) in b.core.tasks.expired and rid(1) not in b.core.tasks.tasks
+    # A passive broker that re-syncs from a snapshot keeps the mark too.
+    c = Harness(budgets=Budgets(default=TenantBudget(reply_bytes=1)))
+    c.core.join_pair()
+    c.core.load(P.unpackb(P.packb(a.core.snapshot())), c.clock.monotonic())
+    c.ready(W1, "w1")
+    for h in (b, c):
+        take_over(h)
+        confirm(h, W1)
+        h.take_worker()
+        user_request(h, C1, rid(1), ALICE)  # alice's retry, well inside the window
+        [(_, reply, _)] = h.take_client()
+        assert reply.header.get("code") == "RESULT_EXPIRED"
+        assert h.take_worker() == []  # it never runs a second time

@@ -281,7 +281,7 @@ def test_a_replicated_grant_session_and_task_are_the_documented_items_in_order(l
     need = protocol.parse_need("job", {"gpu_milli": 500})
     t = Task(id=b"t" * 16, kind="job", need=need, body={"argv": ["x"]}, frames=[b"in"], route=b"r", created=90.0,
              deadline=130.0, state=TaskState.RUNNING, tenant="acme", grant=GRANT, worker="w1", attempts=2,
-             avoid={"w3", "w0"}, retryable=True, session=b"s" * 16, reply=[b"sig", b"cmd"])
+             avoid={"w3", "w0"}, retryable=True, session=b"s" * 16, reply=[b"sig", b"cmd"], owner="acme KEY")
     names = layout(lines, "task")
     wire = {"need": protocol.need_to_wire(need), "created": 10.0, "deadline": 30.0,  # age and time left
             "avoid": ["w0", "w3"], "state": "running", "grant": replication.grant_to_wire(GRANT)}
@@ -307,6 +307,8 @@ def updates_of_every_kind() -> list[list[Any]]:
         h.request(C1, rid(5), kind="job", argv=["x"], need={"gpu_milli": 100})  # task, run
         h.worker(W1, Command.START, {"ids": [rid(5)]})  # start
         h.result(W1, rid(5))  # done
+        h.core.tasks.share = lambda _tenant: 0  # no room for the job's reply: expired
+        h.core.tasks.evict(h.core.now)
         h.request(C1, rid(3), kind="job", argv=["x"], idempotent=True, need={"gpu_milli": 100})
         h.worker(W1, Command.DISCONNECT, {})  # end (the session), queue (the idempotent job: it fills the queue)
         h.request(C1, rid(4), kind="job", argv=["x"])  # task, then forget: no room in the queue
@@ -324,7 +326,8 @@ def test_every_replicated_update_has_the_documented_items(lines: list[str]) -> N
     rows = table_rows(lines, after_marker(lines, "updates"))
     documented = {row[0].strip("`"): [i.strip() for i in row[1].split(",")] for row in rows}
     assert set(documented) == {replication.TASK, replication.RUN, replication.QUEUE, replication.DONE, replication.FORGET,
-                               replication.SESSION, replication.END, replication.MARKS, replication.START}
+                               replication.SESSION, replication.END, replication.MARKS, replication.START,
+                               replication.EXPIRED}
     seen: dict[str, set[int]] = {}
     for update in updates_of_every_kind():
         seen.setdefault(update[0], set()).add(len(update) - 1)

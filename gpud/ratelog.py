@@ -1,0 +1,57 @@
+"""Rate limits for log lines about events a peer can repeat at will (refused handshakes, bad
+messages): per source, the first event of each interval is logged in full and the rest are
+counted; a count is reported with the source's next full line, or on its own once the interval is
+over (``due``), so a flood costs a few lines per interval and is never silent. Pure: the caller
+passes the clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+OTHERS = "others"  # the source that new sources share once ``max_new`` are logged in one interval
+MAX_SOURCES = 4096  # sources remembered at most (then forgotten all at once: each logs again)
+
+
+class RateLimit:
+    """At most one full line per source and ``interval``; counts what it held back.
+
+    ``max_new`` (0: no bound): sources logged in full at most per interval, whoever they are; past
+    it, events of new sources count under ``OTHERS`` (a peer with a fresh address or routing id per
+    event is a few lines, not one per event)."""
+
+    def __init__(self, interval: float, clock: Callable[[], float], max_new: int = 0) -> None:
+        self.interval = interval
+        self.clock = clock
+        self.max_new = max_new
+        self.seen: dict[Hashable, tuple[float, int]] = {}  # source -> (its last full line, held since)
+        self._window = float("-inf")  # when the current interval of ``max_new`` began
+        self._new = 0  # sources logged in full in it
+
+    def __call__(self, source: Hashable) -> int | None:
+        """None: stay quiet (counted); otherwise log in full, mentioning the returned count of
+        events held back since this source's last full line."""
+        now = self.clock()
+        last = self.seen.get(source)
+        if last is not None and now - last[0] < self.interval:
+            self.seen[source] = (last[0], last[1] + 1)
+            return None
+        if self.max_new and source != OTHERS:
+            if now - self._window >= self.interval:
+                self._window, self._new = now, 0
+            if self._new >= self.max_new:
+                return self(OTHERS)
+            self._new += 1
+        if len(self.seen) >= MAX_SOURCES:
+            self.seen.clear()
+        self.seen[source] = (now, 0)
+        return 0 if last is None else last[1]
+
+    def due(self) -> list[tuple[Hashable, int]]:
+        """(source, count) of every source whose interval is over with events held back: report
+        each count now. Those sources start afresh (their next event is logged in full)."""
+        now = self.clock()
+        out = [(s, held) for s, (at, held) in self.seen.items() if held and now - at >= self.interval]
+        for s, _ in out:
+            del self.seen[s]
+        return out

@@ -27,8 +27,15 @@ from gpud_cli.cluster import LocalCluster, admin_call
 from gpud_cli.uid_ranges import UidBlocks
 from gpud_client import Client, Timeout
 from gpud_client.ctl import main as gpudctl
-from gpud_worker.cgroups import JobCgroupsV1, setup_job_cgroups
+from gpud_worker.cgroups import (
+    JobCgroups,
+    JobCgroupsV1,
+    parse_mountinfo,
+    remove_cgroup,
+    setup_job_cgroups,
+)
 from gpud_worker.jobs import JobLimits, JobRunner, UserPool
+from gpud_worker.sandbox import Sandbox
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces and pool users need root")
 
@@ -305,6 +312,58 @@ def test_cgroup_v1_limits_memory_and_denies_the_gpus_not_granted(stand_in_gpu_no
         assert fat.exit_code == -9 and b"survived" not in fat.stdout, fat
     finally:
         cgroups.close()
+        blocks.close()
+
+
+@pytest.fixture
+def v2_parent() -> Iterator[str]:
+    """A cgroup of the v2 hierarchy for a runner's job cgroups (cgroup_parent): on a hybrid host
+    like this one the v1 hierarchies would be chosen otherwise."""
+    with open("/proc/self/mountinfo") as f:
+        mount = parse_mountinfo(f.read()).v2
+    if mount is None:
+        pytest.skip("this host has no cgroup v2 hierarchy")
+    path = os.path.join(mount, f"gpud-isotest-{os.getpid()}")
+    os.mkdir(path)
+    try:
+        yield path
+    finally:
+        remove_cgroup(path)
+
+
+def test_cgroup_v2_device_program_denies_the_gpus_not_granted(stand_in_gpu_nodes: list[str], v2_parent: str,
+                                                               tmp_path: Path) -> None:
+    """The real job runner with job cgroups on cgroup v2, each with a BPF device program of the
+    job's own nodes. Without namespaces (so the VM's /dev, with the STAND-IN /dev/nvidia0, nvidia1
+    and nvidiactl, is in reach): a job granted GPU 0 opens /dev/null, gets ENXIO opening nvidia0
+    and nvidiactl (allowed; no driver behind a stand-in) and EPERM opening nvidia1 (denied). In
+    namespaces, the sandbox's /dev, whose nodes the job's process makes once in its fenced
+    cgroup, works as before, terminals (ptmx, pts) included."""
+    cgroups = JobCgroups.setup(v2_parent)
+    assert cgroups is not None and cgroups.device_fence == "bpf"
+    blocks = UidBlocks(UID_BASE)
+    uids = blocks.take()
+    try:
+        os.chmod(tmp_path, 0o711)
+        probe = ("import errno, os\nfor n in ('null', 'nvidia0', 'nvidiactl', 'nvidia1'):\n"
+                 "    try: open(f'/dev/{n}', 'rb'); print(n, 'ok')\n"
+                 "    except OSError as e: print(n, errno.errorcode[e.errno])\n"
+                 "m, s = os.openpty(); print('pty', os.ttyname(s))\n")
+        spec = JobSpec(argv=(PY, "-c", probe), env={}, files=(), outputs=())
+        plain = JobRunner(tmp_path / "plain", UserPool("gpud-dyn-", uids[:2]), cgroups=cgroups,
+                          gpu_minors={"G0": 0, "G1": 1})
+        out = plain.run(os.urandom(8), spec, [], "0", "alice", gpus=["G0"])
+        said = out.stdout.decode().split()
+        assert said[:8] == ["null", "ok", "nvidia0", "ENXIO", "nvidiactl", "ENXIO", "nvidia1", "EPERM"], out
+        sandbox = Sandbox("none")
+        boxed = JobRunner(tmp_path / "boxed", UserPool("gpud-dyn-", uids[2:4]), cgroups=cgroups, sandbox=sandbox,
+                          gpu_minors={"G0": 0, "G1": 1})
+        out = boxed.run(os.urandom(8), spec, [], "0", "alice", gpus=["G0"])
+        assert out.exit_code == 0, out
+        said = out.stdout.decode().split()
+        assert said[:7] == ["null", "ok", "nvidia0", "ENXIO", "nvidiactl", "ENXIO", "nvidia1"], out
+        assert said[7] == "ENOENT" and said[8:] == ["pty", "/dev/pts/0"], out  # not in its /dev at all
+    finally:
         blocks.close()
 
 

@@ -19,6 +19,11 @@ The first half is pure: parsing ``/proc/self/mountinfo``, ``/proc/self/cgroup`` 
   process enters it before it executes the job's program (``JobCgroup.procs_fd``, written by the
   child while it is still root), so everything it starts is inside; ``JobCgroup.kill`` kills them all
   (``cgroup.kill``, or one by one on kernels before 5.14) and ``JobCgroup.remove`` removes it.
+- Devices: on v2, each job's cgroup gets a BPF device program (``gpud_worker.device_program``)
+  that allows only the nodes of the job's sandbox ``/dev`` (its own GPUs' among them), where
+  ``setup`` found that one can be attached below the base (``JobCgroups.device_fence``); on v1,
+  the ``devices`` hierarchy denies the GPUs not granted (``JobCgroupsV1``). Which one, or neither,
+  is logged at start.
 
 Nothing here raises for a cgroup failure at run time: the failure is logged and the job runs
 without its cgroup (its rlimits still apply). With cgroup v1, a hybrid hierarchy (controllers on
@@ -36,6 +41,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gpud_worker import device_program
+
 log = logging.getLogger(__name__)
 
 CONTROLLERS = ("memory", "cpu", "pids")
@@ -43,6 +50,7 @@ CONTROLLERS = ("memory", "cpu", "pids")
 CPU_PERIOD_US = 100_000
 MIN_CPU_QUOTA_US = 1_000  # the kernel refuses a cpu.max quota below 1 ms
 DAEMON_LEAF = "daemon"
+DEVICE_PROBE = "gpud-device-probe"  # the cgroup setup attaches a device program to, once, to see that it can
 JOB_PREFIX = "job-"
 _JOB_CGROUP_RE = re.compile(r"job-(?:[0-9a-f]{2}){1,64}\Z")
 OPTIONAL_FILES = frozenset({"memory.swap.max", "memory.oom.group"})
@@ -309,11 +317,13 @@ class JobCgroup:
 
 
 class JobCgroups:
-    """Creates the cgroups of jobs below ``base``, with ``controllers`` enabled there."""
+    """Creates the cgroups of jobs below ``base``, with ``controllers`` enabled there and, with
+    ``device_fence`` ``"bpf"``, a device program attached to each."""
 
-    def __init__(self, base: str, controllers: Iterable[str]) -> None:
+    def __init__(self, base: str, controllers: Iterable[str], device_fence: str = "") -> None:
         self.base = base
         self.controllers = frozenset(controllers)
+        self.device_fence = device_fence
 
     @classmethod
     def setup(cls, parent: str = "", proc: str = "/proc/self") -> JobCgroups | None:
@@ -369,8 +379,14 @@ class JobCgroups:
         if absent:
             log.warning("cgroup %s does not offer the %s controller(s): jobs get no %s limits there",
                         base, ", ".join(absent), "/".join(absent))
+        why = probe_device_program(base)
+        if why:
+            log.warning("no BPF device program can be attached to cgroups below %s (%s): jobs' devices are "
+                        "fenced only by their sandbox's /dev, and not at all without namespaces", base, why)
         log.info("jobs run in cgroups below %s (controllers: %s)", base, " ".join(wanted) or "none")
-        cgroups = cls(base, wanted)
+        if not why:
+            log.info("devices: each job's cgroup gets a BPF device program that allows only its own nodes")
+        cgroups = cls(base, wanted, "" if why else "bpf")
         cgroups.remove_stale()
         return cgroups
 
@@ -387,8 +403,11 @@ class JobCgroups:
                 log.info("removing stale job cgroup %s", path)
                 remove_cgroup(path)
 
-    def create(self, hexid: str, limits: CgroupLimits) -> JobCgroup | None:
-        """A new cgroup for job ``hexid`` with ``limits``; None (logged) where it cannot be made."""
+    def create(self, hexid: str, limits: CgroupLimits,
+               devices: Iterable[device_program.Rule] | None = None) -> JobCgroup | None:
+        """A new cgroup for job ``hexid`` with ``limits`` and, with ``devices`` and a
+        ``device_fence``, a device program that allows those devices only; None (logged) where it
+        cannot be made."""
         path = os.path.join(self.base, JOB_PREFIX + hexid)
         try:
             if os.path.isdir(path):
@@ -406,6 +425,11 @@ class JobCgroups:
                     log.debug("job cgroup %s: %s not set: %s", path, name, exc)
                 else:
                     log.warning("job cgroup %s: cannot set %s to %s: %s", path, name, value, exc)
+        if devices is not None and self.device_fence:
+            try:
+                device_program.fence(path, devices)
+            except OSError as exc:
+                log.warning("job cgroup %s: no device program (%s): only its sandbox's /dev fences its devices", path, exc)
         try:
             fd = os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
         except OSError as exc:
@@ -413,6 +437,28 @@ class JobCgroups:
             remove_cgroup(path)
             return None
         return JobCgroup(path, fd)
+
+
+def probe_device_program(base: str) -> str:
+    """Whether a device program can be attached to a cgroup below ``base``: "" if so, else why
+    not (the kernel's errno). Tried on a cgroup of its own (``DEVICE_PROBE``), removed after."""
+    path = os.path.join(base, DEVICE_PROBE)
+    try:
+        if os.path.isdir(path):
+            os.rmdir(path)
+        os.mkdir(path, 0o755)
+    except OSError as exc:
+        return f"cannot make the cgroup {path} to try: {exc}"
+    try:
+        device_program.fence(path, [])
+    except OSError as exc:
+        return str(exc)
+    finally:
+        try:
+            os.rmdir(path)
+        except OSError as exc:
+            log.warning("cannot remove cgroup %s: %s", path, exc)
+    return ""
 
 
 # ---------------------------------------------------------------------------- cgroup v1
@@ -477,6 +523,7 @@ class JobCgroupsV1:
     def __init__(self, bases: dict[str, str]) -> None:
         self.bases = bases  # controller -> directory job cgroups are made in
         self.controllers = frozenset(bases)
+        self.device_fence = "v1" if "devices" in bases else ""
 
     @classmethod
     def setup(cls, proc: str = "/proc/self") -> JobCgroupsV1 | None:
@@ -501,6 +548,11 @@ class JobCgroupsV1:
             return None
         log.info("jobs run in cgroup v1 hierarchies (controllers: %s) below %s", " ".join(sorted(bases)),
                  ", ".join(sorted(set(bases.values()))))
+        if "devices" in bases:
+            log.info("devices: the v1 devices cgroup of each job denies the GPUs it was not granted")
+        else:
+            log.warning("no cgroup v1 devices hierarchy: jobs' devices are fenced only by their sandbox's /dev, "
+                        "and not at all without namespaces")
         return cls(bases)
 
     def close(self) -> None:

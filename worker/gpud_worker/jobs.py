@@ -38,18 +38,20 @@ Isolation model (DESIGN.md §5):
 - With ``cgroups`` (``gpud_worker.cgroups``: cgroup v2 delegated to the worker, else the host's v1
   hierarchies), each job runs in a cgroup of its own, entered before the job's program is executed:
   memory (the grant's ``host_mem``, else ``JobLimits.memory``), CPU (the grant's ``cpu_milli``),
-  pids (``JobLimits.nproc``) and, on v1, the devices of the GPUs it was not granted denied; after
-  the job the whole cgroup is killed and removed. Without them (not delegated, or any cgroup
+  pids (``JobLimits.nproc``) and its devices: on v1 the GPUs it was not granted denied, on v2 a BPF
+  device program (``gpud_worker.device_program``) that allows only its sandbox's ``/dev`` nodes
+  (its own GPUs', by device number) and denies every other device; after the job the whole cgroup
+  is killed and removed. Without them (not delegated, or any cgroup
   operation failing) the job runs with its rlimits only, logged.
 - With ``mps`` (CUDA MPS runs on this GPU VM), the job's environment carries the MPS client limits
   of its grant: ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
   (``MpsSettings.environment``), and the pipe and log directories.
 
 Not covered (docs/OPERATIONS.md, Tenant isolation): the kernel and the GPU are shared; there is no
-user namespace, so a job reads what the VM leaves world-readable; on cgroup v2 no BPF device
-program backs the sandbox's ``/dev``. Without a sandbox, GPU device nodes are not restricted
-(``CUDA_VISIBLE_DEVICES`` steers CUDA, it does not fence it) except by a v1 devices cgroup, and the
-network and ``/proc`` are the VM's. Without cgroups there is no memory limit unless ``RLIMIT_AS`` is
+user namespace, so a job reads what the VM leaves world-readable; session processes have no
+cgroup, so only their sandbox's ``/dev`` fences their devices. Without a sandbox, GPU device nodes
+are not restricted (``CUDA_VISIBLE_DEVICES`` steers CUDA, it does not fence it) except by a devices
+cgroup (v1, or v2's device program), and the network and ``/proc`` are the VM's. Without cgroups there is no memory limit unless ``RLIMIT_AS`` is
 set (off by default: CUDA needs large virtual address space). Without root, a process that calls
 ``setsid()`` can escape the kill (unless cgroups are delegated to that user), and there is no
 sandbox, sweep or directory size limit.
@@ -83,6 +85,7 @@ import psutil
 from gpud.errors import ConfigError, InvalidRequest, RemoteError
 from gpud.protocol import JobSpec, check_file_name
 from gpud_worker.cgroups import JobCgroup, JobCgroups, JobCgroupsV1, job_limits
+from gpud_worker.device_program import job_rules
 from gpud_worker.sandbox import Plan, Sandbox, mount_tmpfs, sweep_uid, unmount
 
 if TYPE_CHECKING:
@@ -646,9 +649,8 @@ class JobRunner:
                         plan = None
                         if self.sandbox is not None:
                             plan = self.sandbox.plan(granted, str(workdir), dfd)
-                        deny = sorted(set(self.gpu_minors.values()) - set(granted))
                         job_grant = grant if grant is not None else JobGrant()
-                        with self._cgroup(hexid, job_grant, deny) as cgroup:
+                        with self._cgroup(hexid, job_grant, granted) as cgroup:
                             return self._execute(
                                 hexid, spec, workdir, dfd, user, visible_devices, cancel,
                                 job_grant, cgroup, begin, plan,
@@ -877,10 +879,10 @@ class JobRunner:
         return setup
 
     @contextmanager
-    def _cgroup(self, hexid: str, grant: JobGrant, deny: Sequence[int] = ()) -> Iterator[JobCgroup | None]:
+    def _cgroup(self, hexid: str, grant: JobGrant, granted: Sequence[int] = ()) -> Iterator[JobCgroup | None]:
         """The job's cgroup (None without cgroups) while it runs; its OOM kills are logged and it
         is removed after."""
-        cgroup = self._make_cgroup(hexid, grant, deny)
+        cgroup = self._make_cgroup(hexid, grant, granted)
         try:
             yield cgroup
         finally:
@@ -890,13 +892,15 @@ class JobRunner:
                     log.info("job %s: %d process(es) killed for its memory limit", hexid, oom)
                 cgroup.remove()
 
-    def _make_cgroup(self, hexid: str, grant: JobGrant, deny: Sequence[int] = ()) -> JobCgroup | None:
+    def _make_cgroup(self, hexid: str, grant: JobGrant, granted: Sequence[int] = ()) -> JobCgroup | None:
+        """The job's cgroup; its devices fenced to the GPUs of minors ``granted``: on v1 the
+        others denied, on v2 a device program of the job's own nodes only."""
         if self.cgroups is None:
             return None
         limits = job_limits(grant.host_mem, grant.cpu_milli, self.limits.memory, self.limits.nproc)
-        if isinstance(self.cgroups, JobCgroupsV1):  # v2 has no devices files: the sandbox's /dev fences GPUs there
-            return self.cgroups.create(hexid, limits, deny)
-        return self.cgroups.create(hexid, limits)
+        if isinstance(self.cgroups, JobCgroupsV1):
+            return self.cgroups.create(hexid, limits, sorted(set(self.gpu_minors.values()) - set(granted)))
+        return self.cgroups.create(hexid, limits, job_rules(granted) if self.cgroups.device_fence else None)
 
     def _execute(
         self,

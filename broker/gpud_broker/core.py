@@ -499,7 +499,8 @@ class BrokerCore:
         avoid = task.avoid | excluded if excluded else task.avoid
         registry = self.registry
         if task.kind in ("job", "session"):  # work that holds a pool user on its worker
-            blocked = pool_blocked(task.kind, task.tenant, registry.by_identity.values(), self.config.tenant_pool_share)
+            blocked = pool_blocked(task.kind, task.tenant, registry.pool_index.candidates(task.tenant),
+                                   self.config.tenant_pool_share)
             if blocked:
                 avoid = avoid | blocked
         t0 = perf_counter()
@@ -774,6 +775,7 @@ class BrokerCore:
             replica_of=ready.replica_of,
         )
         worker.isolation, worker.job_network, worker.pool_users, worker.pool_kinds = ready.isolation
+        self.registry.pool_index.file(worker)
         if worker.has_slot:
             self.open_workers += 1
         self._fits.clear()

@@ -51,6 +51,8 @@ def _count_pool(worker: WorkerRecord, g: Grant, sign: int) -> None:
             worker.pool_held[g.pool_tenant] = held
         else:
             worker.pool_held.pop(g.pool_tenant, None)
+        if worker.pool_index is not None:
+            worker.pool_index.file(worker, g.pool_tenant)
 
 
 def restore(worker: WorkerRecord, gpus: list[GpuRecord], g: Grant) -> None:
@@ -91,6 +93,8 @@ def release(worker: WorkerRecord, gpus: list[GpuRecord], g: Grant) -> None:
 def clear(worker: WorkerRecord) -> None:
     """Forget every grant on ``worker``: its records and its GPUs' back to nothing granted."""
     worker.grants.clear()
+    if worker.pool_index is not None:
+        worker.pool_index.drop(worker)
     worker.pool_held.clear()
     worker.granted_cpu = worker.granted_host_mem = 0
     for g in worker.gpus:

@@ -89,7 +89,7 @@ def pool_allows(w: WorkerRecord, tenant: str, share: float) -> bool:
 
 def pool_blocked(kind: str, tenant: str, workers: Iterable[WorkerRecord], share: float) -> set[str]:
     """The names of ``workers`` where work of ``kind`` for ``tenant`` would need a pool user that
-    ``pool_allows`` refuses."""
+    ``pool_allows`` refuses (the broker passes only those that may: ``PoolIndex.candidates``)."""
     return {w.name for w in workers if kind in w.pool_kinds and not pool_allows(w, tenant, share)}
 
 

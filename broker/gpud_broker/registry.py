@@ -80,6 +80,7 @@ class WorkerRecord:
     pool_users: int = 0  # its pool users (READY); 0: work there holds none, not limited
     pool_kinds: frozenset[str] = frozenset()  # request kinds whose work holds a pool user
     pool_held: dict[str, int] = field(default_factory=dict)  # tenant -> pool users its live grants hold
+    pool_index: PoolIndex | None = None  # its registry's, which the ledger keeps as it counts pool_held
     pos: int = -1  # index in WorkerRegistry.workers while registered (O(1) removal)
 
     @property
@@ -93,6 +94,47 @@ class WorkerRecord:
     @property
     def has_slot(self) -> bool:
         return self.inflight < self.slots and not self.draining
+
+
+class PoolIndex:
+    """The workers that may refuse work holding a pool user (``policies.pool_blocked``), kept by
+    the ledger on each grant and release that holds one (``file``): ``full``, those whose every
+    pool user is held, and ``holding[tenant]``, those where ``tenant`` holds one or more. Any other
+    worker has a pool user free and ``tenant`` holds none there, below its share (at least one):
+    it refuses nobody. So a placement looks at these workers only, not at every one."""
+
+    def __init__(self) -> None:
+        self.full: set[WorkerRecord] = set()
+        self.holding: dict[str, set[WorkerRecord]] = {}
+
+    def file(self, worker: WorkerRecord, tenant: str = "") -> None:
+        """Re-file ``worker`` after its pool users, or what ``tenant`` holds there, changed."""
+        if 0 < worker.pool_users <= sum(worker.pool_held.values()):
+            self.full.add(worker)
+        else:
+            self.full.discard(worker)
+        if not tenant:
+            return
+        if worker.pool_held.get(tenant, 0) > 0:
+            self.holding.setdefault(tenant, set()).add(worker)
+        elif tenant in self.holding:
+            self.holding[tenant].discard(worker)
+            if not self.holding[tenant]:
+                del self.holding[tenant]
+
+    def drop(self, worker: WorkerRecord) -> None:
+        """Forget ``worker`` (unregistered; its grants die with it, uncounted)."""
+        self.full.discard(worker)
+        for tenant in list(worker.pool_held):
+            held = self.holding.get(tenant)
+            if held is not None:
+                held.discard(worker)
+                if not held:
+                    del self.holding[tenant]
+
+    def candidates(self, tenant: str) -> list[WorkerRecord]:
+        """Every worker that might refuse ``tenant``'s work (see the class's doc), some twice."""
+        return [*self.full, *self.holding.get(tenant, ())]
 
 
 class WorkerRegistry:
@@ -109,6 +151,7 @@ class WorkerRegistry:
         # reconnection, so a worker that comes back is still drained and its GPUs still cordoned.
         self.drained: set[str] = set()
         self.cordoned: set[str] = set()
+        self.pool_index = PoolIndex()
 
     def __len__(self) -> int:
         return len(self.by_identity)
@@ -150,11 +193,13 @@ class WorkerRegistry:
             replica_of=replica_of,
             connected_at=now,
             draining=name in self.drained,
+            pool_index=self.pool_index,
         )
         worker.gpus = [GpuRecord(info=g, worker=worker, cordoned=g.uuid in self.cordoned) for g in gpus]
         stale = self.by_identity.get(identity)
         if stale is not None:  # a caller that did not remove it: its list entry goes too
             self._unlist(stale)
+            self.pool_index.drop(stale)
         self.by_identity[identity] = worker
         self.by_name[name] = worker
         worker.pos = len(self.workers)
@@ -166,6 +211,7 @@ class WorkerRegistry:
     def remove(self, worker: WorkerRecord) -> None:
         if self.by_identity.get(worker.identity) is worker:
             del self.by_identity[worker.identity]
+        self.pool_index.drop(worker)
         self._unlist(worker)
         if self.by_name.get(worker.name) is worker:
             del self.by_name[worker.name]

@@ -4,6 +4,7 @@ ledger counts, READY's isolation fields, uid blocks under lock files, and the sa
 from __future__ import annotations
 
 import os
+import random
 import stat
 from pathlib import Path
 
@@ -12,10 +13,10 @@ import pytest
 from gpud import protocol as P
 from gpud.errors import ConfigError, InvalidRequest
 from gpud.heartbeat import HeartbeatPolicy
-from gpud.resources import GpuInfo, Need
+from gpud.resources import GpuInfo, Grant, Need
 from gpud_broker import ledger
 from gpud_broker.policies import pool_allows, pool_blocked
-from gpud_broker.registry import WorkerRegistry
+from gpud_broker.registry import WorkerRecord, WorkerRegistry
 from gpud_cli.uid_ranges import UidBlocks, uids_in_use
 from gpud_client.ctl import render_result
 from gpud_worker.sandbox import (
@@ -133,6 +134,52 @@ def test_a_tiny_pool_still_lets_each_tenant_have_one_and_no_pool_is_no_limit() -
     assert pool_allows(unlimited, "a", 0.5)
     plain = ledger.grant(unlimited, unlimited.gpus, Need(gpu_milli=1, tenant="b"))
     assert plain.pool_tenant == "" and "b" not in unlimited.pool_held
+
+
+def test_the_pool_index_names_every_worker_that_may_refuse_as_a_scan_would() -> None:
+    """Random grants, releases, clears and removals on six workers (pools of 0 to 4 users, some
+    holding sessions' users too): after each, the broker's candidates (PoolIndex) give the same
+    blocked workers as a scan of all of them, for every tenant, kind and share."""
+    rng = random.Random(7)
+    reg = WorkerRegistry()
+    workers = []
+    for i in range(6):
+        w = reg.add(name=f"w{i}", identity=b"w%d" % i, hostname="h", gpus=[GpuInfo(f"G{i}", 0, "A100", 1 << 34, (8, 0))],
+                    cpu_milli=8000, host_mem=1 << 34, slots=64, policy=HeartbeatPolicy(), now=0.0)
+        w.pool_users, w.pool_kinds = i % 5, frozenset({"job"} if i % 2 else {"job", "session"})
+        reg.pool_index.file(w)
+        workers.append(w)
+    live: list[tuple[WorkerRecord, Grant]] = []
+    refusals = 0
+    tenants = ["a", "b", "c"]
+    for step in range(600):
+        roll = rng.random()
+        if roll < 0.55 or not live:
+            w = rng.choice(workers)
+            live.append((w, ledger.grant(w, w.gpus, Need(gpu_milli=1, tenant=rng.choice(tenants)), pool=rng.random() < 0.9)))
+        elif roll < 0.95:
+            w, g = live.pop(rng.randrange(len(live)))
+            ledger.release(w, w.gpus, g)
+        elif roll < 0.98:
+            w = rng.choice(workers)
+            ledger.clear(w)
+            live = [(x, g) for x, g in live if x is not w]
+        else:  # the worker is lost (its grants go uncounted) and comes back, new and empty
+            old = rng.choice(workers)
+            reg.remove(old)
+            live = [(x, g) for x, g in live if x is not old]
+            w = reg.add(name=old.name, identity=old.identity, hostname="h", gpus=[old.gpus[0].info], cpu_milli=8000,
+                        host_mem=1 << 34, slots=64, policy=HeartbeatPolicy(), now=0.0)
+            w.pool_users, w.pool_kinds = old.pool_users, old.pool_kinds
+            reg.pool_index.file(w)
+            workers[workers.index(old)] = w
+        for tenant in tenants + ["d"]:
+            for kind in ("job", "session"):
+                for share in (0.25, 0.5, 1.0):
+                    want = pool_blocked(kind, tenant, reg.by_identity.values(), share)
+                    assert pool_blocked(kind, tenant, reg.pool_index.candidates(tenant), share) == want, step
+                    refusals += len(want)
+    assert refusals > 1000  # full pools and tenants at their share were met often
 
 
 def test_ready_isolation_fields_are_checked() -> None:

@@ -3,6 +3,8 @@ ledger counts, READY's isolation fields, uid blocks under lock files, and the sa
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import random
 import stat
@@ -19,6 +21,7 @@ from gpud_broker.policies import pool_allows, pool_blocked
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
 from gpud_cli.uid_ranges import UidBlocks, uids_in_use
 from gpud_client.ctl import render_result
+from gpud_worker import sandbox
 from gpud_worker.sandbox import (
     CLONE_NEWNET,
     MS_NODEV,
@@ -81,6 +84,48 @@ def test_host_nodes_copies_character_devices_and_skips_the_rest(tmp_path: Path) 
     (tmp_path / "nvidiactl").write_text("a regular file is not a device")
     nodes = host_nodes(gpu_node_names([1]), str(tmp_path))
     assert [(n.name, os.major(n.rdev), os.minor(n.rdev), n.mode) for n in nodes] == [("nvidia1", 195, 1, 0o660)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root")
+@pytest.mark.parametrize("make_read_only", ["one mount_setattr", "mount by mount"])
+def test_every_mount_turns_read_only_keeping_its_flags(make_read_only: str, tmp_path: Path) -> None:
+    """In a mount namespace of its own, a child makes every mount read-only: in one
+    mount_setattr(2) call, and mount by mount (what kernels before 5.12 get). Then it cannot write
+    here, and each mount keeps its nosuid, nodev and noexec flags."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            sandbox._check(sandbox._libc.unshare(sandbox.CLONE_NEWNS), "unshare")
+            if make_read_only == "one mount_setattr":
+                assert sandbox._read_only_private_tree()
+            else:
+                sandbox._read_only_mount_by_mount()
+            try:
+                open(tmp_path / "x", "w").close()
+                said = "wrote"
+            except OSError as exc:
+                said = errno.errorcode[exc.errno]
+            with open("/proc/self/mountinfo") as f:
+                after = f.read()
+            os.write(w, json.dumps([said, after]).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        said, after = json.loads(f.read())
+    os.waitpid(pid, 0)
+    with open("/proc/self/mountinfo") as f:
+        before = f.read()
+    assert said == "EROFS"
+    options = {fields[4]: set(fields[5].split(",")) for fields in (line.split() for line in before.splitlines())}
+    changed = {fields[4]: set(fields[5].split(",")) for fields in (line.split() for line in after.splitlines())}
+    for path, was in options.items():
+        if make_read_only == "mount by mount" and path.startswith(("/proc", "/dev")):
+            continue  # left as they are: the sandbox mounts its own there
+        assert "ro" in changed[path] and was - {"rw"} <= changed[path], path
+    assert not any("shared:" in line for line in after.splitlines())  # every mount private
 
 
 def test_plan_network_none_adds_a_network_namespace() -> None:

@@ -17,8 +17,9 @@ nothing installed, and a session process (which executes no program) gets the sa
 What ``Plan.enter`` does, in order:
 
 1. ``unshare`` mount, PID, IPC, UTS and (unless ``job_network = "host"``) network namespaces.
-2. Makes every mount private, then read-only (a bind remount of each, keeping its nosuid, nodev,
-   noexec flags): the job can write nothing of the VM's file systems.
+2. Makes every mount private and read-only, keeping its nosuid, nodev, noexec flags (one
+   ``mount_setattr(2)`` of the whole tree; before Linux 5.12 a bind remount of each mount): the job
+   can write nothing of the VM's file systems.
 3. Size-limited tmpfs on ``/tmp`` and ``/var/tmp``; an empty read-only tmpfs over each hidden path
    (the worker's work root, its configuration and keys, its runtime directory): other jobs'
    directories, keys and sockets are not there.
@@ -238,17 +239,8 @@ class Plan:
             os.umask(umask)
 
     def _mount_all(self) -> None:
-        _mount(None, "/", None, MS_REC | MS_PRIVATE)
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            points = mount_points(f.read())
-        for path, flags in points:
-            if path.startswith(("/proc/", "/dev/")) or path in ("/proc", "/dev"):
-                continue  # replaced below by the sandbox's own (autofs mounts there refuse a remount)
-            try:
-                _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
-            except OSError as exc:
-                if exc.errno not in (errno.ENOENT, errno.EACCES):  # shadowed by a later mount
-                    raise
+        if not _read_only_private_tree():
+            _read_only_mount_by_mount()
         # What is bound back after the covers, opened as this namespace sees it (a mount of the
         # worker's namespace, which the worker's fd is in, cannot be bound here): the job's
         # directory, checked to be that same directory, and the shared paths (MPS's directories).
@@ -299,6 +291,50 @@ class Plan:
         for i, name in enumerate(("stdin", "stdout", "stderr")):
             os.symlink(f"/proc/self/fd/{i}", "/dev/" + name)
         _mount(None, "/dev", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
+
+
+class _MountAttr(ctypes.Structure):
+    """``struct mount_attr`` of mount_setattr(2)."""
+
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+_SYS_MOUNT_SETATTR = 442  # Linux 5.12; one number on every architecture
+_AT_FDCWD = -100
+_AT_RECURSIVE = 0x8000
+_MOUNT_ATTR_RDONLY = 0x1
+
+
+def _read_only_private_tree() -> bool:
+    """Make every mount of this namespace read-only and private, keeping each one's other flags,
+    in one mount_setattr(2) call; False where the kernel has none (before 5.12, or a seccomp
+    filter that does not know it)."""
+    attr = _MountAttr(attr_set=_MOUNT_ATTR_RDONLY, propagation=MS_PRIVATE)
+    result = _libc.syscall(ctypes.c_long(_SYS_MOUNT_SETATTR), ctypes.c_int(_AT_FDCWD), b"/",
+                           ctypes.c_uint(_AT_RECURSIVE), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
+    if result == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EPERM):
+        return False
+    raise OSError(err, f"mount_setattr /: {os.strerror(err)}")
+
+
+def _read_only_mount_by_mount() -> None:
+    """What ``_read_only_private_tree`` does, on older kernels: every mount private, then a bind
+    remount of each that ``/proc/self/mountinfo`` lists, read-only with its own flags."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        points = mount_points(f.read())
+    for path, flags in points:
+        if path.startswith(("/proc/", "/dev/")) or path in ("/proc", "/dev"):
+            continue  # replaced by the sandbox's own (autofs mounts there refuse a remount)
+        try:
+            _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.EACCES):  # shadowed by a later mount
+                raise
 
 
 NVIDIA_PROC_GPUS = "/proc/driver/nvidia/gpus"

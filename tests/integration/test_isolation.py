@@ -367,6 +367,31 @@ def test_cgroup_v2_device_program_denies_the_gpus_not_granted(stand_in_gpu_nodes
         blocks.close()
 
 
+def test_a_sandboxed_jobs_exit_is_its_own_code_or_signal(tmp_path: Path) -> None:
+    """A job's process is PID 1 of its namespace (gpud-init), which ends by no signal: the job's
+    own exit code or signal reaches its outcome all the same, also a SIGTERM at its time limit;
+    and PID 1 is gone with it, and so is what the job left running."""
+    blocks = UidBlocks(UID_BASE)
+    uids = blocks.take()
+    try:
+        os.chmod(tmp_path, 0o711)
+        runner = JobRunner(tmp_path / "jobs", UserPool("gpud-dyn-", uids[:2]), sandbox=Sandbox("none"))
+
+        def run(argv: tuple[str, ...], time_limit: float = 60.0) -> tuple[int, bool, bytes]:
+            out = runner.run(os.urandom(8), JobSpec(argv=argv, env={}, files=(), outputs=(), time_limit=time_limit),
+                             [], "0", "alice")
+            return out.exit_code, out.timed_out, out.stdout
+
+        assert run(("sh", "-c", "exit 7")) == (7, False, b"")
+        assert run((PY, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")) == (-11, False, b"")
+        assert run(("sh", "-c", "echo $$ $PPID; exec sleep 30"), time_limit=1) == (-15, True, b"2 1\n")
+        left = f"1000.{os.getpid()}"  # seconds of a sleep nobody else runs
+        code, _, out = run(("sh", "-c", f"sleep {left} & echo $!"))
+        assert code == 0 and not any(c[:2] == ["sleep", left] for c in _cmdlines())
+    finally:
+        blocks.close()
+
+
 def test_a_session_process_runs_in_namespaces_of_its_own(stand_in_gpu_nodes: list[str]) -> None:
     """A session in a process of its own (session_processes on): its mount, PID, IPC, UTS and
     network namespaces are not the worker's, its /dev holds its one GPU's STAND-IN node, and the

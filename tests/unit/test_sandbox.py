@@ -128,6 +128,19 @@ def test_every_mount_turns_read_only_keeping_its_flags(make_read_only: str, tmp_
     assert not any("shared:" in line for line in after.splitlines())  # every mount private
 
 
+def test_job_status_is_what_pid_1_wrote_else_its_own_exit() -> None:
+    r, w = os.pipe()
+    try:
+        assert sandbox.job_status(r, -9) == -9  # it wrote nothing: SIGKILLed itself
+        os.write(w, str(15).encode())  # the wait status of a process killed by SIGTERM
+        assert sandbox.job_status(r, 0) == -15
+        os.write(w, str(7 << 8).encode())  # exited with 7
+        assert sandbox.job_status(r, 0) == 7
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_plan_network_none_adds_a_network_namespace() -> None:
     assert Plan("none", 1, (), ()).flags() & CLONE_NEWNET
     assert not Plan("host", 1, (), ()).flags() & CLONE_NEWNET

@@ -76,7 +76,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
 
@@ -86,7 +86,7 @@ from gpud.errors import ConfigError, InvalidRequest, RemoteError
 from gpud.protocol import JobSpec, check_file_name
 from gpud_worker.cgroups import JobCgroup, JobCgroups, JobCgroupsV1, job_limits
 from gpud_worker.device_program import job_rules
-from gpud_worker.sandbox import Plan, Sandbox, mount_tmpfs, sweep_uid, unmount
+from gpud_worker.sandbox import Plan, Sandbox, job_status, mount_tmpfs, sweep_uid, unmount
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -650,10 +650,10 @@ class JobRunner:
                         if self.sandbox is not None:
                             plan = self.sandbox.plan(granted, str(workdir), dfd)
                         job_grant = grant if grant is not None else JobGrant()
-                        with self._cgroup(hexid, job_grant, granted) as cgroup:
+                        with self._cgroup(hexid, job_grant, granted) as cgroup, self._status_pipe(plan) as status:
                             return self._execute(
                                 hexid, spec, workdir, dfd, user, visible_devices, cancel,
-                                job_grant, cgroup, begin, plan,
+                                job_grant, cgroup, begin, plan, status,
                             )
                     finally:
                         os.close(dfd)
@@ -832,7 +832,8 @@ class JobRunner:
         return env
 
     def _child_setup(
-        self, spec: JobSpec, user: pwd.struct_passwd, cgroup_fds: Sequence[int] = (), plan: Plan | None = None
+        self, spec: JobSpec, user: pwd.struct_passwd, cgroup_fds: Sequence[int] = (), plan: Plan | None = None,
+        status_fd: int = -1,
     ) -> Callable[[], None]:
         """Build the preexec function: it runs in the forked child, before the job's program.
 
@@ -864,7 +865,7 @@ class JobRunner:
                 except OSError:
                     pass  # the parent finds the job outside its cgroup and logs it
             if plan is not None:
-                plan.enter()
+                plan.enter(status_fd=status_fd)
             if switch:
                 os.setgroups([])
                 os.setresgid(gid, gid, gid)
@@ -892,6 +893,22 @@ class JobRunner:
                     log.info("job %s: %d process(es) killed for its memory limit", hexid, oom)
                 cgroup.remove()
 
+    def _pid_namespace(self, plan: Plan | None) -> AbstractContextManager[None]:
+        """Where a sandboxed job's process is forked: PID 1 of a new PID namespace."""
+        return self.sandbox.pid_namespace() if plan is not None and self.sandbox is not None else nullcontext()
+
+    @staticmethod
+    @contextmanager
+    def _status_pipe(plan: Plan | None) -> Iterator[tuple[int, int] | None]:
+        """A sandboxed job's pipe from its PID 1 (its wait status; why its setup failed): its read
+        end is closed after the job, its write end by ``_execute`` once the job has started."""
+        status = os.pipe2(os.O_CLOEXEC) if plan is not None else None
+        try:
+            yield status
+        finally:
+            if status is not None:
+                os.close(status[0])
+
     def _make_cgroup(self, hexid: str, grant: JobGrant, granted: Sequence[int] = ()) -> JobCgroup | None:
         """The job's cgroup; its devices fenced to the GPUs of minors ``granted``: on v1 the
         others denied, on v2 a device program of the job's own nodes only."""
@@ -900,7 +917,9 @@ class JobRunner:
         limits = job_limits(grant.host_mem, grant.cpu_milli, self.limits.memory, self.limits.nproc)
         if isinstance(self.cgroups, JobCgroupsV1):
             return self.cgroups.create(hexid, limits, sorted(set(self.gpu_minors.values()) - set(granted)))
-        return self.cgroups.create(hexid, limits, job_rules(granted) if self.cgroups.device_fence else None)
+        if self.cgroups.device_fence:
+            return self.cgroups.create(hexid, limits, job_rules(granted))
+        return self.cgroups.create(hexid, limits)
 
     def _execute(
         self,
@@ -915,6 +934,7 @@ class JobRunner:
         cgroup: JobCgroup | None,
         begin: Callable[[], None] | None = None,
         plan: Plan | None = None,
+        status: tuple[int, int] | None = None,
     ) -> JobOutcome:
         started = time.monotonic()
         try:
@@ -924,20 +944,22 @@ class JobRunner:
                     started = time.monotonic()  # its time limit counts from its GO
                 for attempt in range(1, START_ATTEMPTS + 1):
                     try:
-                        proc = subprocess.Popen(
-                            list(spec.argv),
-                            stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE,
-                            cwd=workdir,
-                            env=self._environment(hexid, spec, workdir, user, devices, grant),
-                            start_new_session=True,
-                            close_fds=True,
-                            umask=0o077,
-                            preexec_fn=self._child_setup(
-                                spec, user, cgroup.procs_fds if cgroup is not None else (), plan
-                            ),
-                        )
+                        with self._pid_namespace(plan):
+                            proc = subprocess.Popen(
+                                list(spec.argv),
+                                stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE,
+                                cwd=workdir,
+                                env=self._environment(hexid, spec, workdir, user, devices, grant),
+                                start_new_session=True,
+                                close_fds=True,
+                                umask=0o077,
+                                preexec_fn=self._child_setup(
+                                    spec, user, cgroup.procs_fds if cgroup is not None else (), plan,
+                                    status[1] if status is not None else -1,
+                                ),
+                            )
                         break
                     except subprocess.SubprocessError as exc:
                         # The child's setup (user, limits, sandbox) failed before its exec: the
@@ -958,6 +980,8 @@ class JobRunner:
         finally:
             if cgroup is not None:
                 cgroup.close_fd()
+            if status is not None:
+                os.close(status[1])
         if cgroup is not None and not cgroup.holds(proc.pid):
             log.warning("job %s did not enter its cgroup %s: it runs without cgroup limits", hexid, cgroup.path)
 
@@ -986,6 +1010,8 @@ class JobRunner:
             except subprocess.TimeoutExpired:
                 log.error("job %s: leader pid %d survives SIGKILL", hexid, proc.pid)
                 exit_code = -signal.SIGKILL
+            if status is not None:  # the leader is the job's PID 1, which ends by no signal
+                exit_code = job_status(status[0], exit_code)
             if cgroup is not None:  # everything the job started, whatever its session or user
                 cgroup.kill()
             if self._root:  # also what left the group (setsid) and would hold the pipes open

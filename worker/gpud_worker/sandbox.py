@@ -11,12 +11,13 @@ process (``gpud_worker.session_host``).
 Why ``unshare(2)``/``mount(2)`` through ctypes in the new process, and not util-linux ``unshare``
 or bubblewrap: those are programs to execute, each an exec (and a Python job start already forks
 the worker), and they would have to be told the GPU nodes, the hidden paths and the job directory
-on a command line; done in the forked child it costs a few system calls and two more forks, needs
+on a command line; done in the forked child it costs a few system calls and one more fork, needs
 nothing installed, and a session process (which executes no program) gets the same code as a job.
 
 What ``Plan.enter`` does, in order:
 
-1. ``unshare`` mount, PID, IPC, UTS and (unless ``job_network = "host"``) network namespaces.
+1. ``unshare`` mount, PID (a job's process is in its own already, see 7), IPC, UTS and (unless
+   ``job_network = "host"``) network namespaces.
 2. Makes every mount private and read-only, keeping its nosuid, nodev, noexec flags (one
    ``mount_setattr(2)`` of the whole tree; before Linux 5.12 a bind remount of each mount): the job
    can write nothing of the VM's file systems.
@@ -29,15 +30,20 @@ What ``Plan.enter`` does, in order:
 5. The job's own directory bound back at its path (also where the work root lies under ``/tmp``),
    and made the current directory.
 6. Loopback up in the new network namespace (which has nothing else); host name ``gpud-job``.
-7. Two forks. The process itself (``P``) stays in the worker's PID namespace as the one the worker
-   waits for and signals; it ignores SIGTERM/SIGINT/SIGHUP and, once its child is gone, exits as
-   the job did (by its signal or with its code). Its child ``I`` is PID 1 of the new namespace: it
-   reaps orphans and, when the job's process ends, reports its status to ``P`` and exits, which
-   makes the kernel kill whatever else still runs in the namespace. ``I``'s child ``J`` mounts the
-   namespace's own ``/proc`` and returns from ``enter``: it is the one that becomes the pool user
-   and runs the user's code. A group signal of the worker (``killpg``) reaches ``J`` directly, as
-   before; ``P`` and ``I`` die with SIGKILL, and ``I`` and ``J`` die when their parent does
-   (``PR_SET_PDEATHSIG``).
+7. Forks. A job's process is forked by the worker as PID 1 of a new PID namespace already
+   (``Sandbox.pid_namespace``: the worker's thread unshares ``CLONE_NEWPID`` for its next child
+   only, and sets its namespace back after): it is ``I``, the one the worker waits for and
+   signals. ``I`` reaps orphans and, when the job's process ends, writes the job's wait status to
+   the worker (``job_status``: PID 1 cannot end by the job's signal) and exits, which makes the
+   kernel kill whatever else still runs in the namespace; as PID 1 it ignores the signals it has
+   no handler for (SIGTERM, SIGINT, SIGHUP of a group kill), but not the worker's SIGKILL. ``I``'s
+   child ``J`` mounts the namespace's own ``/proc`` and returns from ``enter``: it is the one that
+   becomes the pool user and runs the user's code. A group signal of the worker (``killpg``)
+   reaches ``J`` directly, as before; ``J`` dies when ``I`` does (``PR_SET_PDEATHSIG``). A session
+   process, forked by the session host in the worker's PID namespace, forks once more: it stays
+   as ``P`` in the worker's namespace, waits for ``I`` and then exits as the job did (by its
+   signal or with its code), ignoring SIGTERM/SIGINT/SIGHUP meanwhile; ``P`` and ``I`` die with
+   SIGKILL, and ``I`` and ``J`` die when their parent does.
 
 Nothing of this runs unless the probe succeeded; a failure of ``enter`` in a process (a mount the
 kernel refuses) raises there, so the job fails to start with a clear error: never a job that runs
@@ -56,7 +62,8 @@ import signal
 import socket
 import stat
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -110,6 +117,7 @@ _libc.unshare.argtypes = [ctypes.c_int]
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 
 
 def _check(result: int, what: str) -> None:
@@ -188,16 +196,22 @@ class Plan:
         flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
         return flags | CLONE_NEWNET if self.network == "none" else flags
 
-    def enter(self, outer_pid: bool = False, keep_handlers: bool = False) -> int:
+    def enter(self, outer_pid: bool = False, keep_handlers: bool = False, status_fd: int = -1) -> int:
         """Enter the sandbox (see the module's doc); only the process that is to run the user's
         code returns. Returns its pid in the worker's PID namespace when ``outer_pid`` (a session
         process reports it), else 0. Raises OSError where a step fails (before any fork).
+
+        In a process that is PID 1 already (a job's, forked in ``pid_namespace``), it is ``I``
+        from the start: no ``P``, one fork fewer; it writes the job's wait status to
+        ``status_fd`` (``job_status`` reads it), as PID 1 cannot end by the job's signal.
 
         ``P`` and ``I`` are forks of the worker, with its Python signal handlers (a SIGTERM would
         run the worker's shutdown in them): all signals are blocked across the forks and each of
         them sets its own dispositions first. The process that returns gets the default ones (a
         job's program is executed next), or, with ``keep_handlers`` (a session process, which goes
         on in Python), the ones this process had."""
+        if os.getpid() == 1:  # forked in pid_namespace(): this process is I itself
+            return self._enter_as_init(status_fd)
         _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")  # P: with the worker
         _check(_libc.unshare(self.flags()), "unshare")
         self._mounts()
@@ -218,12 +232,40 @@ class Plan:
         except BaseException:
             os._exit(255)
         if child:
-            _init(child, r, w, mask)
+            os.close(r)
+            _init(child, w, mask)
         os.close(r)
         os.close(w)
         for sig, handler in saved.items():
             if handler is not None:
                 signal.signal(sig, handler)
+        return self._enter_as_job(mask, outer_pid)
+
+    def _enter_as_init(self, status_fd: int) -> int:
+        """``enter`` in a process that is PID 1 of its own PID namespace already: the other
+        namespaces and the mounts, then ``I``'s part (it forks ``J``, which returns)."""
+        _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")  # with the worker
+        _check(_libc.unshare(self.flags() & ~CLONE_NEWPID), "unshare")
+        self._mounts()
+        if self.network == "none":
+            _loopback_up()
+        _libc.sethostname(HOSTNAME, len(HOSTNAME))
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        try:  # the worker's handlers are not I's (a SIGTERM would run the worker's shutdown)
+            _default_handlers()
+            _rename_init()
+            child = os.fork()
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            raise
+        if child:
+            _init(child, status_fd, mask)
+        if status_fd >= 0:
+            os.close(status_fd)
+        return self._enter_as_job(mask, False)
+
+    def _enter_as_job(self, mask: Iterable[int], outer_pid: bool) -> int:
+        """``J``: its own ``/proc``, the other GPUs' driver entries covered."""
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
         pid = _outer_pid() if outer_pid else 0
@@ -428,11 +470,11 @@ def _outer(child: int, r: int, w: int, mask: Iterable[int]) -> None:
         os._exit(255)
 
 
-def _init(child: int, r: int, w: int, mask: Iterable[int]) -> None:
-    """``I``, PID 1 of the sandbox: reap, and report the job's status to ``P`` when it ends."""
+def _init(child: int, w: int, mask: Iterable[int]) -> None:
+    """``I``, PID 1 of the sandbox: reap, and report the job's wait status on ``w`` (to ``P``, or
+    to the worker) when it ends. Never returns."""
     try:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        os.close(r)
         _close_all_but(w)
         while True:
             try:
@@ -440,10 +482,23 @@ def _init(child: int, r: int, w: int, mask: Iterable[int]) -> None:
             except ChildProcessError:
                 os._exit(0)
             if pid == child:
-                os.write(w, str(status).encode())
+                if w >= 0:
+                    os.write(w, str(status).encode())
                 os._exit(0)
     finally:
         os._exit(255)
+
+
+def job_status(r: int, status: int) -> int:
+    """The job's exit code (negative: killed by that signal, as subprocess says) from what its
+    ``I`` wrote on pipe ``r``, which PID 1 of a namespace has to write, not die of; ``status``
+    (the exit code of the worker's child) where it wrote nothing (it was SIGKILLed)."""
+    os.set_blocking(r, False)
+    try:
+        said = os.read(r, 32)
+    except BlockingIOError:
+        return status
+    return os.waitstatus_to_exitcode(int(said)) if said.isdigit() else status
 
 
 def _rename_init() -> None:
@@ -472,6 +527,9 @@ def probe(network: str) -> str:
         code = 0
         try:
             os.close(r)
+            own = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+            _check(_libc.unshare(CLONE_NEWPID), "unshare")  # what pid_namespace() does, and undoes
+            _check(_libc.setns(own, CLONE_NEWPID), "setns")
             plan = Plan(network, 1 << 20, (), ())
             _check(_libc.unshare(plan.flags()), "unshare")
             _mount(None, "/", None, MS_REC | MS_PRIVATE)
@@ -528,11 +586,24 @@ class Sandbox:
         self.dev = dev
         self.reason = probe(network) if enabled else "the worker does not run as root"
         self.level = RLIMITS_ONLY if self.reason else NAMESPACES
+        self._own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC) if self.active else -1
         self._base = tuple(host_nodes(BASE_DEVICES, dev))
 
     @property
     def active(self) -> bool:
         return self.level == NAMESPACES
+
+    @contextmanager
+    def pid_namespace(self) -> Iterator[None]:
+        """What the calling thread forks in this block is PID 1 of a new PID namespace (a job's
+        ``I``: one fork fewer than ``P``, ``I``, ``J``); the thread's later children are in the
+        worker's again. ``unshare(CLONE_NEWPID)`` changes the namespace of the caller's children
+        only, and of this thread only; ``setns`` back to the worker's own namespace undoes it."""
+        _check(_libc.unshare(CLONE_NEWPID), "unshare")
+        try:
+            yield
+        finally:
+            _check(_libc.setns(self._own_pid_ns, CLONE_NEWPID), "setns")
 
     def describe(self) -> str:
         """One line for the worker's start-up log."""

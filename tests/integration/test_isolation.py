@@ -8,6 +8,7 @@ that two local clusters on one host leave each other's jobs alone.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import re
@@ -388,6 +389,35 @@ def test_a_sandboxed_jobs_exit_is_its_own_code_or_signal(tmp_path: Path) -> None
         left = f"1000.{os.getpid()}"  # seconds of a sleep nobody else runs
         code, _, out = run(("sh", "-c", f"sleep {left} & echo $!"))
         assert code == 0 and not any(c[:2] == ["sleep", left] for c in _cmdlines())
+    finally:
+        blocks.close()
+
+
+def test_a_failed_sandbox_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job whose sandbox cannot be made (here its loopback, made to fail in the job's process
+    on purpose) does not start, and the error says why, which Python's subprocess does not pass
+    on ("Exception occurred in preexec_fn"); the next job starts."""
+    from gpud.errors import RemoteError
+    from gpud_worker import sandbox as sb
+
+    blocks = UidBlocks(UID_BASE)
+    uids = blocks.take()
+    try:
+        os.chmod(tmp_path, 0o711)
+        runner = JobRunner(tmp_path / "jobs", UserPool("gpud-dyn-", uids[:2]), sandbox=Sandbox("none"))
+        spec = JobSpec(argv=("true",), env={}, files=(), outputs=())
+        calls = []
+
+        def refused() -> None:
+            calls.append(1)  # counted in this process only: each try's child has its own copy
+            raise OSError(errno.ENETDOWN, "loopback refused by the test")
+
+        with monkeypatch.context() as m:
+            m.setattr(sb, "_loopback_up", refused)
+            with pytest.raises(RemoteError, match="loopback refused by the test"):
+                runner.run(os.urandom(8), spec, [], "0", "alice")
+        assert calls == []  # it failed in the job's process, not here
+        assert runner.run(os.urandom(8), spec, [], "0", "alice").exit_code == 0
     finally:
         blocks.close()
 

@@ -3,11 +3,15 @@ ledger counts, READY's isolation fields, uid blocks under lock files, and the sa
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import itertools
 import json
 import os
 import random
 import stat
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -126,6 +130,81 @@ def test_every_mount_turns_read_only_keeping_its_flags(make_read_only: str, tmp_
             continue  # left as they are: the sandbox mounts its own there
         assert "ro" in changed[path] and was - {"rw"} <= changed[path], path
     assert not any("shared:" in line for line in after.splitlines())  # every mount private
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="namespaces need root")
+@pytest.mark.parametrize("kernel", ["mount_setattr", "before 5.12"])
+def test_sandboxes_start_while_the_workers_mounts_come_and_go(kernel: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in a busy worker: three threads mount, unmount and remove directories (job
+    directories) while 150 sandboxes are entered one after the other, in a mount namespace of
+    this test's own. A sandbox whose list of mounts names one that is gone by the time it gets to
+    it still starts (before, 6 of 300 failed so here: EINVAL, a mount point no more). Both ways of
+    making the mounts read-only: one mount_setattr(2), and the remount of each (kernels before
+    5.12; forced here with a syscall number that does not exist)."""
+    if kernel != "mount_setattr":
+        monkeypatch.setattr(sandbox, "_SYS_MOUNT_SETATTR", 1 << 20)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the churn's mounts stay in this child's namespace
+        try:
+            os.close(r)
+            assert not sandbox.private_mounts()
+            os.write(w, json.dumps(_starts_under_churn(tmp_path, 150)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        failures = json.loads(f.read() or '["no report"]')
+    os.waitpid(pid, 0)
+    assert failures == []
+
+
+def _starts_under_churn(top: Path, starts: int) -> list[str]:
+    stop = threading.Event()
+
+    def churn(k: int) -> None:
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            d = top / f"{k}-{i % 40}"
+            d.mkdir(exist_ok=True)
+            try:
+                sandbox.mount_tmpfs(str(d), "size=1m")
+            except OSError:
+                pass
+            time.sleep(0.0005)
+            sandbox.unmount(str(d))
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+    threads = [threading.Thread(target=churn, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    box = Sandbox("none")
+    failures = []
+    try:
+        for n in range(starts):
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    box.plan([]).enter()  # type: ignore[union-attr]
+                    os._exit(0)
+                except BaseException as exc:
+                    os.write(w, f"start {n}: {exc!r}".encode())
+                    os._exit(3)
+            os.close(w)
+            with os.fdopen(r) as f:
+                said = f.read()
+            os.waitpid(pid, 0)
+            if said:
+                failures.append(said)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    return failures
 
 
 def test_job_status_is_what_pid_1_wrote_else_its_own_exit() -> None:

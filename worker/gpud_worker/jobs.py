@@ -86,7 +86,15 @@ from gpud.errors import ConfigError, InvalidRequest, RemoteError
 from gpud.protocol import JobSpec, check_file_name
 from gpud_worker.cgroups import JobCgroup, JobCgroups, JobCgroupsV1, job_limits
 from gpud_worker.device_program import job_rules
-from gpud_worker.sandbox import Plan, Sandbox, job_status, mount_tmpfs, sweep_uid, unmount
+from gpud_worker.sandbox import (
+    Plan,
+    Sandbox,
+    job_report,
+    job_status,
+    mount_tmpfs,
+    sweep_uid,
+    unmount,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -108,7 +116,6 @@ _READ_CHUNK = 64 * 1024
 # Jobs started at once. A start is a fork() with a preexec_fn, which holds the GIL; a burst of
 # them (a worker handed 128 jobs at once) would otherwise starve the worker's loop and its
 # heartbeats for longer than the broker's liveness allows.
-START_ATTEMPTS = 3  # tries of a job's process setup (a failure before its exec is retried)
 _STARTS = threading.BoundedSemaphore(2)
 _POLL_S = 0.1  # reader poll interval and cancel-check interval
 _READER_EOF_WAIT_S = 2.0  # after the kill, how long readers may take to reach EOF
@@ -859,6 +866,14 @@ class JobRunner:
         uid, gid = user.pw_uid, user.pw_gid
 
         def setup() -> None:
+            try:
+                set_up()
+            except BaseException as exc:  # for the worker to say why (subprocess says only that it failed)
+                if status_fd >= 0:
+                    os.write(status_fd, f"!{exc}\n".encode(errors="replace")[:500])
+                raise
+
+        def set_up() -> None:
             for fd in cgroup_fds:
                 try:
                     os.write(fd, b"0")
@@ -942,32 +957,22 @@ class JobRunner:
                 if begin is not None:  # its turn has come: only now may it have begun
                     begin()
                     started = time.monotonic()  # its time limit counts from its GO
-                for attempt in range(1, START_ATTEMPTS + 1):
-                    try:
-                        with self._pid_namespace(plan):
-                            proc = subprocess.Popen(
-                                list(spec.argv),
-                                stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE,
-                                cwd=workdir,
-                                env=self._environment(hexid, spec, workdir, user, devices, grant),
-                                start_new_session=True,
-                                close_fds=True,
-                                umask=0o077,
-                                preexec_fn=self._child_setup(
-                                    spec, user, cgroup.procs_fds if cgroup is not None else (), plan,
-                                    status[1] if status is not None else -1,
-                                ),
-                            )
-                        break
-                    except subprocess.SubprocessError as exc:
-                        # The child's setup (user, limits, sandbox) failed before its exec: the
-                        # job's program never ran, so another try cannot run it twice.
-                        if attempt == START_ATTEMPTS:
-                            raise RemoteError(f"cannot start job {hexid}: {exc}") from exc
-                        log.warning("job %s: its process setup failed (%s); trying again (%d of %d)",
-                                    hexid, exc, attempt + 1, START_ATTEMPTS)
+                with self._pid_namespace(plan):
+                    proc = subprocess.Popen(
+                        list(spec.argv),
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        cwd=workdir,
+                        env=self._environment(hexid, spec, workdir, user, devices, grant),
+                        start_new_session=True,
+                        close_fds=True,
+                        umask=0o077,
+                        preexec_fn=self._child_setup(
+                            spec, user, cgroup.procs_fds if cgroup is not None else (), plan,
+                            status[1] if status is not None else -1,
+                        ),
+                    )
         except OSError as exc:
             if exc.filename != spec.argv[0]:
                 raise RemoteError(f"cannot start job {hexid}: {exc}") from exc
@@ -975,8 +980,10 @@ class JobRunner:
             log.info("job %s: cannot execute %r: %s", hexid, spec.argv[0], exc.strerror)
             message = f"gpud: cannot execute {spec.argv[0]!r}: {exc.strerror}\n".encode()
             return JobOutcome(code, False, b"", message, False, False, [], user.pw_name)
-        except subprocess.SubprocessError as exc:
-            raise RemoteError(f"cannot start job {hexid}: {exc}") from exc
+        except subprocess.SubprocessError as exc:  # the child's setup failed before its exec
+            why = job_report(status[0])[0] if status is not None else ""  # what subprocess does not say
+            log.error("job %s: its process setup failed: %s", hexid, why or exc)
+            raise RemoteError(f"cannot start job {hexid}: {why or exc}") from exc
         finally:
             if cgroup is not None:
                 cgroup.close_fd()

@@ -260,9 +260,7 @@ class Plan:
             raise
         if child:
             _init(child, status_fd, mask)
-        if status_fd >= 0:
-            os.close(status_fd)
-        return self._enter_as_job(mask, False)
+        return self._enter_as_job(mask, False)  # status_fd stays until the exec (close-on-exec): for a failure
 
     def _enter_as_job(self, mask: Iterable[int], outer_pid: bool) -> int:
         """``J``: its own ``/proc``, the other GPUs' driver entries covered."""
@@ -365,18 +363,30 @@ def _read_only_private_tree() -> bool:
 
 def _read_only_mount_by_mount() -> None:
     """What ``_read_only_private_tree`` does, on older kernels: every mount private, then a bind
-    remount of each that ``/proc/self/mountinfo`` lists, read-only with its own flags."""
+    remount of each that ``/proc/self/mountinfo`` lists, read-only with its own flags.
+
+    The list can be out of date by the time a mount's turn comes: the worker unmounts and removes
+    job directories all the while, and the removal of a directory detaches the copies of its
+    mount in this namespace too. Such a remount fails (EINVAL: no mount point there now; ENOENT:
+    no such path now), which is what, under load, failed the start of jobs ("Exception occurred
+    in preexec_fn"); a mount that is still listed after a failure is an error."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        points = mount_points(f.read())
+    points = _mount_points()
     for path, flags in points:
         if path.startswith(("/proc/", "/dev/")) or path in ("/proc", "/dev"):
             continue  # replaced by the sandbox's own (autofs mounts there refuse a remount)
         try:
             _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
         except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.EACCES):  # shadowed by a later mount
+            if exc.errno in (errno.ENOENT, errno.EACCES):  # shadowed by a later mount, or gone
+                continue
+            if exc.errno != errno.EINVAL or path in dict(_mount_points()):
                 raise
+
+
+def _mount_points() -> list[tuple[str, int]]:
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        return mount_points(f.read())
 
 
 NVIDIA_PROC_GPUS = "/proc/driver/nvidia/gpus"
@@ -489,16 +499,27 @@ def _init(child: int, w: int, mask: Iterable[int]) -> None:
         os._exit(255)
 
 
+def job_report(r: int) -> tuple[str, int | None]:
+    """What a job's processes wrote on the pipe ``r`` (``status_fd`` of ``Plan.enter``): why its
+    setup failed ("" if it did not: a line after ``!``), and the job's wait status, which its PID 1
+    writes at the end (None: nothing, it was SIGKILLed)."""
+    os.set_blocking(r, False)
+    try:
+        said = os.read(r, 1024).decode(errors="replace")
+    except BlockingIOError:
+        said = ""
+    why = ""
+    if said.startswith("!"):
+        why, _, said = said[1:].partition("\n")
+    return why, int(said) if said.isdigit() else None
+
+
 def job_status(r: int, status: int) -> int:
     """The job's exit code (negative: killed by that signal, as subprocess says) from what its
     ``I`` wrote on pipe ``r``, which PID 1 of a namespace has to write, not die of; ``status``
     (the exit code of the worker's child) where it wrote nothing (it was SIGKILLed)."""
-    os.set_blocking(r, False)
-    try:
-        said = os.read(r, 32)
-    except BlockingIOError:
-        return status
-    return os.waitstatus_to_exitcode(int(said)) if said.isdigit() else status
+    written = job_report(r)[1]
+    return status if written is None else os.waitstatus_to_exitcode(written)
 
 
 def _rename_init() -> None:

@@ -171,7 +171,7 @@ class BrokerSection:
     result_ttl: float = _key(60.0, _above(0))
     aging: float = _key(60.0, _above(0))
     reserve_after: float = _key(30.0, _at_least(0))
-    data_path: str = _key("auto", _one_of("auto", "direct", "broker"))  # broker: no session goes direct
+    data_path: str = _key("auto", _one_of("auto", "direct", "broker"))  # broker: no session goes direct; direct: no CALL is relayed
     # Budgets of every tenant (0: sized from max_queue and this machine's memory; see the example).
     tenant_max_queued: int = _key(0, _at_least(0))
     tenant_max_outstanding: int = _key(0, _at_least(0))

@@ -41,25 +41,28 @@ in flight, the worker may look silent for as long as they take at this rate, on 
 
 
 class DataOffer:
-    """What a session's REPLY says about its direct path: endpoint, capability, worker key."""
+    """What a session's REPLY says about its direct path: endpoint, capability, worker key, and
+    whether the broker relays the session's CALLs too (not when its ``data_path`` is direct)."""
 
-    __slots__ = ("endpoint", "cap", "key")
+    __slots__ = ("endpoint", "cap", "key", "relay")
 
-    def __init__(self, endpoint: str, cap: bytes, key: str) -> None:
+    def __init__(self, endpoint: str, cap: bytes, key: str, relay: bool = True) -> None:
         self.endpoint = endpoint
         self.cap = cap
         self.key = key
+        self.relay = relay
 
 
 def parse_offer(data: Any) -> DataOffer | None:
     """The ``data`` field of a session's REPLY (None when absent or malformed: no direct path)."""
     if type(data) is not dict:
         return None
-    endpoint, cap, key = data.get("endpoint"), data.get("cap"), data.get("key", "")
-    if type(endpoint) is not str or not endpoint or type(cap) is not bytes or len(cap) < 16 or type(key) is not str:
+    endpoint, cap, key, relay = data.get("endpoint"), data.get("cap"), data.get("key", ""), data.get("relay", True)
+    if (type(endpoint) is not str or not endpoint or type(cap) is not bytes or len(cap) < 16 or type(key) is not str
+            or type(relay) is not bool):
         log.warning("ignored a malformed direct path offer from the broker")
         return None
-    return DataOffer(endpoint, cap, key)
+    return DataOffer(endpoint, cap, key, relay)
 
 
 class DataLink:

@@ -186,10 +186,14 @@ class Session:
             old.close()
         self._link, self._cap = self._conn, None
         settings = self._settings
+        offer = parse_offer(data)
         if settings.data_path == "broker":
             self._path_why = "the client's data_path is broker"
+            if offer is not None and not offer.relay:
+                self._abandon()
+                raise GpudError(f"session {id_text(self.id)}: the client's data_path is broker, and the "
+                                "broker's is direct: it relays no session CALL")
             return
-        offer = parse_offer(data)
         why = ""
         if offer is None:
             why = "the broker offered no direct path (worker without data_bind, or broker data_path broker)"
@@ -202,9 +206,10 @@ class Session:
             link.close()
             why = f"the worker's data endpoint {offer.endpoint} did not answer"
         self._path_why = why
-        if settings.data_path == "direct":
+        if settings.data_path == "direct" or (offer is not None and not offer.relay):
             self._abandon()
-            raise GpudError(f"session {id_text(self.id)}: no direct path ({why}) and data_path is direct")
+            whose = "the client's" if settings.data_path == "direct" else "the broker's"
+            raise GpudError(f"session {id_text(self.id)}: no direct path ({why}) and {whose} data_path is direct")
         settings.fallbacks += 1
         log.log(logging.WARNING if settings.fallbacks == 1 else logging.DEBUG,
                 "session %s: %s; its calls are relayed through the broker", id_text(self.id), why)

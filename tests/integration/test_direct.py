@@ -6,6 +6,7 @@ data endpoint falls back to the broker relay. SIMULATED GPUs, labelled so.
 
 from __future__ import annotations
 
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ import zmq
 from gpud import protocol as P
 from gpud.protocol import Command, Peer
 from gpud.security import CurveKeys, client_socket_options
-from gpud_cli.cluster import LocalCluster
+from gpud_cli.cluster import LocalCluster, admin_call
 from gpud_client import BUILTIN, Client, Session
 
 N = 4096
@@ -230,3 +231,94 @@ def test_direct_session_through_a_broker_kill_then_a_worker_kill(pair: LocalClus
         assert s.replays == 1 and s.id != sid and s.worker != worker
         vector_add(s, 40)
         assert s.info()["path"] == "direct"
+
+
+def _relayed_call(ctx: zmq.Context[Any], frontend: str, sid: bytes) -> P.Message | None:
+    """A CALL on session ``sid`` sent through the broker, as a client on the relay would."""
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, P.new_routing_id())
+    sock.connect(frontend)
+    try:
+        sock.send_multipart(P.encode(Peer.CLIENT, Command.CALL, {"id": P.new_id(), "session": sid, "op": "sync", "args": {}}))
+        if not sock.poll(5000):
+            return None
+        return P.decode(sock.recv_multipart(), Peer.CLIENT)
+    finally:
+        sock.close(0)
+
+
+def test_broker_data_path_direct_relays_nothing(tmp_path: Path) -> None:
+    port = _closed_port()
+    ctx = zmq.Context()
+    try:
+        with LocalCluster(workers=0, rundir=tmp_path, broker_args=["--data-path", "direct"]) as c:
+            c.add_worker("w0")
+            c.wait_workers(1)
+            with Client(c.frontend, timeout=10) as cl, cl.session() as s:
+                assert s.info()["path"] == "direct"
+                vector_add(s, 50)
+                reply = _relayed_call(ctx, c.frontend, s.id)  # the same session, through the broker
+                assert reply is not None and reply.header.get("code") == "INVALID_REQUEST"
+                assert "data_path is direct" in str(reply.header.get("message"))
+                vector_add(s, 51)  # the direct path is untouched by the refusal
+            with Client(c.frontend, timeout=10, data_path="broker") as relayed:
+                with pytest.raises(Exception, match="broker's is direct"):
+                    relayed.session()
+            # A worker whose data endpoint is out of reach: no fallback, the open fails.
+            c.kill_worker("w0", signal.SIGTERM)
+            c.wait_workers(0)
+            c.add_worker("w1", extra=["--data-advertise", f"tcp://127.0.0.1:{port}"])
+            c.wait_workers(1)
+            with Client(c.frontend, timeout=10) as cl:
+                with pytest.raises(Exception, match="broker's data_path is direct"):
+                    cl.session()
+                deadline = time.monotonic() + 10
+                while admin_call(c.admin, "sessions", {}) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert admin_call(c.admin, "sessions", {}) == []  # the failed open left nothing open
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_session_the_broker_ended_is_ended_on_its_worker_when_it_comes_back(tmp_path: Path) -> None:
+    """The worker is frozen past its liveness while it holds a session: the broker loses it and
+    ends the session. Once the worker runs again and reconnects, the broker has it close the
+    session too: its capability is refused, and ``gpudctl workers`` agrees with ``sessions``."""
+    ctx = zmq.Context()
+    try:
+        with LocalCluster(workers=1, heartbeat_ms=200, rundir=tmp_path) as c:
+            c.wait_workers(1)
+            proc = c.worker_procs["w0"]
+            with Client(c.frontend, timeout=10, session_replays=0) as cl:
+                s = cl.session()
+                endpoint, cap = direct(s)
+                vector_add(s, 60)
+                assert [r["kind"] for w in admin_call(c.admin, "workers", {}) for r in w["running"]] == ["session"]
+                assert len(admin_call(c.admin, "sessions", {})) == 1
+                proc.send_signal(signal.SIGSTOP)
+                try:
+                    c.wait_workers(0, timeout=20)  # silent past 3 x 200 ms: lost, its session ended
+                    assert admin_call(c.admin, "sessions", {}) == []
+                finally:
+                    proc.send_signal(signal.SIGCONT)
+                c.wait_workers(1, timeout=20)
+                deadline = time.monotonic() + 15
+                while True:
+                    running = [r for w in admin_call(c.admin, "workers", {}) for r in w["running"]]
+                    if not running or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.1)
+                assert running == [] and admin_call(c.admin, "sessions", {}) == []
+                raw = Raw(ctx, endpoint)
+                assert refused(raw.call(s.id, cap))  # closed on the worker: its capability is dead
+                raw.sock.close(0)
+                with cl.session() as s2:  # the worker serves on
+                    vector_add(s2, 61)
+                s.close()  # the broker ended it: closing counts as done
+            assert "closing it there" in (tmp_path / "broker.log").read_text()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+            assert "draining 0 running task(s), 0 session(s)" in (tmp_path / "w0.log").read_text()
+    finally:
+        ctx.destroy(linger=0)

@@ -198,9 +198,9 @@ class DataSocket:
 
     # ------------------------------------------------------------------ admission table
 
-    def offer(self, sid: bytes, client_key: str) -> dict[str, Any]:
+    def offer(self, sid: bytes, client_key: str, relay: bool = True) -> dict[str, Any]:
         """Admit direct CALLs on session ``sid`` (with the key ``client_key`` under CURVE); the
-        ``data`` map of its opening RESULT."""
+        ``data`` map of its opening RESULT (``relay``: whether the broker relays its CALLs too)."""
         cap = os.urandom(CAP_BYTES)
         self.sessions[sid] = Admission(cap, client_key)
         if client_key:
@@ -208,6 +208,8 @@ class DataSocket:
         out: dict[str, Any] = {"endpoint": self.endpoint, "cap": cap}
         if self.curve is not None:
             out["key"] = self.curve.public.decode("ascii")
+        if not relay:
+            out["relay"] = False
         return out
 
     def revoke(self, sid: bytes) -> None:

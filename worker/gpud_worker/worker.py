@@ -181,6 +181,7 @@ class SessionRunner:
         self.lost = ""  # why its GPU failed: its calls are answered SESSION_LOST
         self.thread: threading.Thread | None = None
         self.direct = False  # the broker offered the direct path (DISPATCH 'direct')
+        self.relay = True  # the broker relays its CALLs too (DISPATCH 'relay')
         self.client_key = ""  # the client key the broker named for it (CURVE)
 
 
@@ -670,7 +671,7 @@ class Worker:
         elif kind == "session":
             key = h.get("client_key")
             self._open_session(idx, rid, uuids[0], mem, tenant, grant, h.get("direct") is True,
-                               key if type(key) is str else "")
+                               key if type(key) is str else "", h.get("relay") is not False)
         else:
             self.running.pop(rid, None)
             self._send_now(idx, rid, P.error_header(rid, InvalidRequest(f"unknown kind {kind!r}")))
@@ -791,7 +792,7 @@ class Worker:
     # ---------------------------------------------------------------- sessions
 
     def _open_session(self, idx: int, rid: bytes, uuid: str, mem: int, tenant: str, grant: dict[str, Any] | None = None,
-                      direct: bool = False, client_key: str = "") -> None:
+                      direct: bool = False, client_key: str = "", relay: bool = True) -> None:
         """Open a session in its own thread (a device may take a while: a session process, a CUDA
         context), which then runs its calls; the reply goes out when it is open."""
         device = self.devices.get(uuid)
@@ -802,7 +803,7 @@ class Worker:
         mps = self.runner.mps  # where MPS runs, a session gets its grant's MPS limits as a job does
         env = None if mps is None else mps.environment(JobGrant.from_wire(grant).gpu_milli, [mem])
         s = SessionRunner(rid, None, self.gpus[uuid], tenant)
-        s.direct, s.client_key = direct, client_key
+        s.direct, s.client_key, s.relay = direct, client_key, relay
         s.thread = threading.Thread(target=self._session_thread, args=(s, idx, device, mem, env), name=f"session-{rid.hex()[:8]}", daemon=True)
         self.sessions[rid] = s
         self._session_threads = [t for t in self._session_threads if t.is_alive()]
@@ -833,7 +834,7 @@ class Worker:
         data = self.data
         # Under CURVE a direct session needs the key the broker named: without one, none is offered.
         if data is not None and s.direct and (data.curve is None or s.client_key):
-            header["data"] = data.offer(rid, s.client_key)
+            header["data"] = data.offer(rid, s.client_key, s.relay)
         self._result(idx, rid, header)
         return True
 

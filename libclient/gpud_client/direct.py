@@ -25,10 +25,9 @@ import zmq
 from zmq import zmq_poll
 
 from gpud.errors import GpudError, SessionLost, Timeout
-from gpud.protocol import Command, Message, Peer, decode, id_text, unbatch
+from gpud.protocol import Command, Message, Peer, decode, encode, id_text, unbatch
 from gpud.security import CurveKeys, client_socket_options
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
-from gpud_client import _request as rq
 
 __all__ = ["DataLink", "DataOffer", "parse_offer"]
 
@@ -79,7 +78,8 @@ def parse_offer(data: Any) -> DataOffer | None:
 class DataLink:
     """The direct sockets of one session (not thread-safe: used by the session's caller only)."""
 
-    def __init__(self, ctx: zmq.Context[Any], offer: DataOffer, curve: CurveKeys | None, ping_interval: float) -> None:
+    def __init__(self, ctx: zmq.Context[Any], offer: DataOffer, curve: CurveKeys | None, ping_interval: float,
+                 session: bytes) -> None:
         self.offer = offer
         self.endpoint = offer.endpoint
         self._ping_interval = ping_interval
@@ -100,6 +100,9 @@ class DataLink:
         self._quiet_since = monotonic()
         self._ping_at: float | None = None
         self._pongs = [0] * len(self._socks)  # PONGs seen on each socket (the probe counts them)
+        # The PING of the data socket names the session: a worker that no longer holds it says so.
+        self._ping = encode(Peer.CLIENT, Command.PING, {"session": session, "cap": offer.cap})
+        self._ended = False  # the worker said it no longer holds the session
         self.closed = False
 
     @staticmethod
@@ -135,9 +138,8 @@ class DataLink:
         """PING each socket: the endpoints that do not answer within ``limit`` seconds (none: the
         path works, the session's own socket and the data socket its liveness is watched on)."""
         want = [n + 1 for n in self._pongs]
-        frames = rq.ping_frames()
         for sock in self._socks:
-            send_frames(sock, frames, NOBLOCK)
+            send_frames(sock, self._ping, NOBLOCK)
         deadline = monotonic() + limit
         while True:
             silent = [i for i, n in enumerate(want) if self._pongs[i] < n]
@@ -206,6 +208,9 @@ class DataLink:
             if msg is not None:
                 del table[rid]
                 return msg
+            if self._ended:
+                self.close()
+                raise SessionLost(f"{_text(what)}: the worker at {self.endpoint} no longer holds the session")
             now = monotonic()
             if now >= deadline:
                 raise Timeout(f"{_text(what)}: no reply within {timeout:g}s from the worker at {self.endpoint}")
@@ -227,7 +232,7 @@ class DataLink:
                               f"(silent for {now - self._quiet_since:.1f}s on the direct path)")
         if now - self._quiet_since < interval:
             return self._quiet_since + interval
-        send_frames(self._pinger, rq.ping_frames(), NOBLOCK)
+        send_frames(self._pinger, self._ping, NOBLOCK)
         self._ping_at = now
         return now + interval
 
@@ -258,6 +263,8 @@ class DataLink:
         for one in batch:
             if one.command is Command.PONG:
                 self._pongs[src] += 1
+                if one.header.get("ended") is True:
+                    self._ended = True
                 continue
             rid = one.header.get("id")
             if one.command not in (Command.REPLY, Command.ERROR) or type(rid) is not bytes:

@@ -198,7 +198,7 @@ class Session:
         if offer is None:
             why = "the broker offered no direct path (worker without data_bind, or broker data_path broker)"
         else:
-            link = self._conn.data_link(offer)
+            link = self._conn.data_link(offer, self.id)
             silent = link.probe(PROBE_S)
             if not silent:
                 self._link, self._cap, self._path_why = link, offer.cap, ""

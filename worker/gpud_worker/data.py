@@ -4,8 +4,9 @@ This module owns the sockets the worker binds for clients and who may use them:
 
 - ``DataSocket``, the worker's data socket (``[worker] data_bind``): the endpoint clients PING to
   know the worker alive while a call of theirs runs, served by a thread of its own that also
-  answers the handshakes (the ZAP handler of the sockets' context, domain ``gpud-data``, which
-  admits only keys some open direct session was granted for). It holds the admission table: each
+  answers the handshakes (the ZAP handler of the sockets' context: on the data socket, domain
+  ``gpud-data``, only keys some open direct session was granted for; on a session's socket, only
+  that session's key). It holds the admission table: each
   direct session's capability (16 random bytes) and, under CURVE, the client key the broker named
   for it.
 - ``SessionSocket``, one direct session's own socket, bound on the data socket's host (a port of
@@ -53,7 +54,10 @@ HWM = 100_000
 _SIG = Peer.CLIENT.value
 _REPLY = P.CMD_BYTES[Command.REPLY]
 _PONG = [_SIG, P.CMD_BYTES[Command.PONG], P.packb({})]
+_PONG_ENDED = [_SIG, P.CMD_BYTES[Command.PONG], P.packb({"ended": True})]
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+_DATA_DOMAIN = DATA_DOMAIN.encode()
+_SESSION_DOMAIN = f"{DATA_DOMAIN}/".encode()
 _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
 
@@ -75,6 +79,21 @@ def advertised(bind: str, actual: str) -> str:
             port = actual.rsplit(":", 1)[1]
             return f"tcp://{socket.gethostname()}:{port}"
     return actual
+
+
+def session_domain(sid: bytes) -> str:
+    """The ZAP domain of session ``sid``'s own socket: only the key it was granted for passes."""
+    return f"{DATA_DOMAIN}/{sid.hex()}"
+
+
+def _session_of(domain: bytes) -> bytes | None:
+    """The session a ZAP domain names (``session_domain``), or None."""
+    if not domain.startswith(_SESSION_DOMAIN) or len(domain) != len(_SESSION_DOMAIN) + 2 * P.ID_BYTES:
+        return None
+    try:
+        return bytes.fromhex(domain[len(_SESSION_DOMAIN):].decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return None
 
 
 def parse_ports(text: str) -> tuple[int, int] | None:
@@ -146,14 +165,14 @@ class DataSocket:
         log.info("data socket bound at %s, advertised as %s (%s)", actual, self.endpoint,
                  "CURVE" if curve is not None else "capabilities only, no CURVE")
 
-    def _socket(self) -> zmq.Socket[bytes]:
+    def _socket(self, domain: str = DATA_DOMAIN) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, HWM)
         sock.setsockopt(zmq.RCVHWM, HWM)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         if self.curve is not None:
-            server_socket_options(sock, self.curve.secret, self.curve.public, DATA_DOMAIN)
+            server_socket_options(sock, self.curve.secret, self.curve.public, domain)
         return sock
 
     def start(self) -> None:
@@ -197,14 +216,14 @@ class DataSocket:
         capability (with the key ``client_key`` under CURVE), and the ``data`` map of its opening
         RESULT (``relay``: whether the broker relays its CALLs too). GpudError when no port of
         ``data_ports`` is free."""
-        sock = self._socket()
+        sock = self._socket(session_domain(sid))
         try:
             if self.ports is None:
                 sock.bind(f"{self._bind_host}:*")
                 port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
             else:
                 port = sock.bind_to_random_port(self._bind_host, *self.ports, max_tries=200)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, zmq.ZMQBindError) as exc:
             sock.close(0)
             raise GpudError(f"no port free for a session socket on {self._bind_host} (data_ports "
                             f"{self.ports or 'any'}): {exc}") from None
@@ -246,8 +265,10 @@ class DataSocket:
         return True
 
     def serve_zap(self) -> None:
-        """Answer the pending ZAP requests (handshakes on every data socket): a CURVE key that an
-        open direct session was granted for is admitted, as its Z85 text; anything else is refused."""
+        """Answer the pending ZAP requests (handshakes on every data socket), admitting a CURVE
+        key, as its Z85 text, on the data socket when some open direct session was granted for it,
+        on a session's socket (domain ``session_domain``) when that session was; refusing anything
+        else."""
         zap = self.zap
         if zap is None:
             return
@@ -264,7 +285,12 @@ class DataSocket:
         request_id, domain, mechanism = frames[1], frames[2], frames[5]
         creds = frames[6:]
         key = zmq.utils.z85.encode(creds[0]).decode("ascii") if len(creds) == 1 and len(creds[0]) == 32 else ""
-        if domain != DATA_DOMAIN.encode() or mechanism != b"CURVE" or not key or key not in self.keys:
+        if domain == _DATA_DOMAIN:
+            admitted = key in self.keys
+        else:
+            adm = self.sessions.get(_session_of(domain))
+            admitted = adm is not None and hmac.compare_digest(adm.key.encode(), key.encode())
+        if mechanism != b"CURVE" or not key or not admitted:
             self.notes.note(f"refused a data connection (key {key[:8] or '-'}): no open session was granted for it")
             return [b"1.0", request_id, b"400", b"key not admitted", b"", b""]
         return [b"1.0", request_id, b"200", b"OK", key.encode("ascii"), b""]
@@ -272,20 +298,24 @@ class DataSocket:
     # ------------------------------------------------------------------ the data socket's dialog
 
     def drain(self) -> int:
-        """Answer up to BATCH queued messages on the data socket: PING with PONG, a CALL with
-        INVALID_REQUEST (it goes to its session's endpoint), anything else with ERROR."""
+        """Answer up to BATCH queued messages on the data socket: PING with PONG (``ended`` when
+        it names a session, with its capability, that is not open: the client's calls on it will
+        never be answered), a CALL with INVALID_REQUEST (it goes to its session's endpoint),
+        anything else with ERROR."""
         sock = self.sock
         curve = self.curve is not None
         for n in range(BATCH):
             try:
-                frames, _ = recv_from(sock, curve, NOBLOCK, copy_first=4)
+                frames, user = recv_from(sock, curve, NOBLOCK, copy_first=4)
             except zmq.Again:
                 return n
             ident = frames[0]
             try:
                 msg = P.decode(frames[1:], Peer.CLIENT, MAX_MESSAGE_BYTES)
                 if msg.command is Command.PING:
-                    send(sock, ident, _PONG, self.notes)
+                    h = msg.header
+                    named = "session" in h and not self.admits(h.get("session"), h.get("cap"), user)
+                    send(sock, ident, _PONG_ENDED if named else _PONG, self.notes)
                 elif msg.command is Command.CALL:
                     rid = P.get_id(msg.header)
                     send(sock, ident, reply_frames(P.error_header(rid, InvalidRequest(

@@ -928,11 +928,10 @@ class Worker:
     def _next_op(s: SessionRunner, sock: SessionSocket | None, waits: list[tuple[Any, int]]) -> tuple[Route, dict[str, Any], list[Any]] | None:
         """(Session thread) The session's next call: a relayed one from the loop, else a direct
         one from its socket, waiting for either; None when the thread is to end."""
+        ops = s.ops
         while True:
-            try:
-                return s.ops.get_nowait()
-            except queue.Empty:
-                pass
+            if not ops.empty():  # a lone consumer: what is there stays there
+                return ops.get_nowait()
             if sock is not None:
                 call = sock.take()
                 if call is not None:

@@ -3,13 +3,12 @@ sockets of the sessions themselves."""
 
 from __future__ import annotations
 
+import pytest
 import zmq
 import zmq.utils.z85
 
-from gpud.security import CurveKeys
-import pytest
-
 from gpud.errors import GpudError
+from gpud.security import CurveKeys
 from gpud_worker.data import DATA_DOMAIN, DataSocket, advertised, parse_ports, session_domain
 
 

@@ -28,6 +28,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,7 +289,8 @@ class DataSocket:
         if domain == _DATA_DOMAIN:
             admitted = key in self.keys
         else:
-            adm = self.sessions.get(_session_of(domain))
+            sid = _session_of(domain)
+            adm = self.sessions.get(sid) if sid is not None else None
             admitted = adm is not None and hmac.compare_digest(adm.key.encode(), key.encode())
         if mechanism != b"CURVE" or not key or not admitted:
             self.notes.note(f"refused a data connection (key {key[:8] or '-'}): no open session was granted for it")
@@ -302,33 +304,27 @@ class DataSocket:
         it names a session, with its capability, that is not open: the client's calls on it will
         never be answered), a CALL with INVALID_REQUEST (it goes to its session's endpoint),
         anything else with ERROR."""
-        sock = self.sock
-        curve = self.curve is not None
-        for n in range(BATCH):
+        sock, notes = self.sock, self.notes
+        n = 0
+        for ident, msg, user in received(sock, self.curve is not None, notes, "the data socket"):
+            n += 1
             try:
-                frames, user = recv_from(sock, curve, NOBLOCK, copy_first=4)
-            except zmq.Again:
-                return n
-            ident = frames[0]
-            try:
-                msg = P.decode(frames[1:], Peer.CLIENT, MAX_MESSAGE_BYTES)
                 if msg.command is Command.PING:
                     h = msg.header
                     named = "session" in h and not self.admits(h.get("session"), h.get("cap"), user)
-                    send(sock, ident, _PONG_ENDED if named else _PONG, self.notes)
+                    send(sock, ident, _PONG_ENDED if named else _PONG, notes)
                 elif msg.command is Command.CALL:
                     rid = P.get_id(msg.header)
                     send(sock, ident, reply_frames(P.error_header(rid, InvalidRequest(
                         "send a session's CALLs to its own endpoint (the 'endpoint' of its offer, PROTOCOL.md §10.2)"))),
-                        self.notes)
+                        notes)
                 else:
                     raise UnknownCommand(f"{msg.command.name} is not valid on a worker's data socket")
             except GpudError as exc:
-                self.notes.note(f"bad message on the data socket: {exc.code} {exc.message}")
-                send(sock, ident, P.encode(Peer.CLIENT, Command.ERROR, P.error_header(None, exc)), self.notes)
-            except Exception:
-                log.exception("bug while handling a data socket message")
-        return BATCH
+                refuse(sock, ident, exc, notes, "the data socket")
+            if n == BATCH:
+                break
+        return n
 
 
 class SessionSocket:
@@ -349,14 +345,8 @@ class SessionSocket:
         a refused CALL with SESSION_LOST (the same whatever the reason), a malformed message with
         ERROR; a ``close`` with INVALID_REQUEST (it goes through the broker, §10.3)."""
         sock, data = self.sock, self.data
-        while int(sock.getsockopt(_EVENTS)) & _POLLIN:
+        for ident, msg, user in received(sock, self._curve, data.notes, "a session socket"):
             try:
-                frames, user = recv_from(sock, self._curve, NOBLOCK, copy_first=4)
-            except zmq.Again:
-                return None
-            ident = frames[0]
-            try:
-                msg = P.decode(frames[1:], Peer.CLIENT, MAX_MESSAGE_BYTES)
                 if msg.command is Command.PING:
                     send(sock, ident, _PONG, data.notes)
                     continue
@@ -375,10 +365,7 @@ class SessionSocket:
                     continue
                 return ident, h, msg.frames
             except GpudError as exc:
-                data.notes.note(f"bad message on a session socket: {exc.code} {exc.message}")
-                send(sock, ident, P.encode(Peer.CLIENT, Command.ERROR, P.error_header(None, exc)), data.notes)
-            except Exception:
-                log.exception("bug while handling a session socket message")
+                refuse(sock, ident, exc, data.notes, "a session socket")
         return None
 
     def reply(self, ident: bytes, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> None:
@@ -392,6 +379,33 @@ class SessionSocket:
             self.sock.close(0)
             with self.data._lock:
                 self.data.open_sockets -= 1
+
+
+def received(sock: zmq.Socket[bytes], curve: bool, notes: _Notes, where: str) -> Iterator[tuple[bytes, P.Message, str | None]]:
+    """The messages queued on ``sock`` that decode, each with its sender's routing id and ZAP
+    User-Id (None without CURVE); one that does not is answered ERROR and logged (at most once
+    per LOG_INTERVAL_S), as is a bug while decoding (then the message is dropped)."""
+    while int(sock.getsockopt(_EVENTS)) & _POLLIN:
+        try:
+            frames, user = recv_from(sock, curve, NOBLOCK, copy_first=4)
+        except zmq.Again:
+            return
+        ident = frames[0]
+        try:
+            msg = P.decode(frames[1:], Peer.CLIENT, MAX_MESSAGE_BYTES)
+        except GpudError as exc:
+            refuse(sock, ident, exc, notes, where)
+            continue
+        except Exception:
+            log.exception("bug while decoding a message on %s", where)
+            continue
+        yield ident, msg, user
+
+
+def refuse(sock: zmq.Socket[bytes], ident: bytes, exc: GpudError, notes: _Notes, where: str) -> None:
+    """Answer a bad message with ERROR, and log it (rate-limited)."""
+    notes.note(f"bad message on {where}: {exc.code} {exc.message}")
+    send(sock, ident, P.encode(Peer.CLIENT, Command.ERROR, P.error_header(None, exc)), notes)
 
 
 def reply_frames(header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> list[Any]:

@@ -188,6 +188,7 @@ class SessionRunner:
         self.thread: threading.Thread | None = None
         self.direct = False  # the broker offered the direct path (DISPATCH 'direct')
         self.relay = True  # the broker relays its CALLs too (DISPATCH 'relay')
+        self.client_key = ""  # the client key the broker named for it (CURVE)
 
     def put(self, item: tuple[Route, dict[str, Any], list[Any]] | None) -> None:
         """(The loop) Queue a relayed call (None: end the thread) and wake the thread; nothing
@@ -202,7 +203,6 @@ class SessionRunner:
         with self._door_lock:
             os.close(self.door)
             self.door = -1
-        self.client_key = ""  # the client key the broker named for it (CURVE)
 
 
 class Worker:

@@ -38,6 +38,7 @@ import zmq.utils.z85
 from gpud import protocol as P
 from gpud.errors import GpudError, InvalidRequest, SessionLost, UnknownCommand
 from gpud.protocol import Command, Peer
+from gpud.ratelog import RateLimit
 from gpud.security import CurveKeys, server_socket_options
 from gpud.sockets import NOBLOCK, recv_from, send_frames
 
@@ -112,21 +113,16 @@ def parse_ports(text: str) -> tuple[int, int] | None:
 
 
 class _Notes:
-    """Log a line about a bad message at most once per LOG_INTERVAL_S, with how many were held
-    back (shared by every thread that serves a data socket)."""
+    """Log a line about a bad message at most once per LOG_INTERVAL_S (``gpud.ratelog``), with
+    how many were held back; shared by every thread that serves a data socket."""
 
     def __init__(self) -> None:
-        self._at = 0.0
-        self._held = 0
+        self._limit = RateLimit(LOG_INTERVAL_S, time.monotonic)
 
     def note(self, what: str) -> None:
-        now = time.monotonic()
-        if now < self._at:
-            self._held += 1
-            return
-        held, self._held = self._held, 0
-        self._at = now + LOG_INTERVAL_S
-        log.warning("%s%s", what, f" ({held} more since the last report)" if held else "")
+        held = self._limit("data")
+        if held is not None:
+            log.warning("%s%s", what, f" ({held} more since the last report)" if held else "")
 
 
 class DataSocket:

@@ -1,8 +1,8 @@
 """Session calls and copies: relayed through the broker, direct to the worker, and bare pyzmq, in one run.
 
 - relay: a session of a client with ``data_path="broker"`` (every CALL client -> broker -> worker
-  and back); direct: one with ``data_path="auto"`` on a worker with a data socket (client ->
-  worker, PROTOCOL.md §10). One LocalCluster (one broker, one worker, one SIMULATED GPU: device
+  and back); direct: one with ``data_path="auto"`` on a worker with a data socket (client -> the
+  session's own socket on the worker, answered by the session's thread, PROTOCOL.md §10). One LocalCluster (one broker, one worker, one SIMULATED GPU: device
   memory is host memory) serves both.
 - bare: a pyzmq DEALER here and a ROUTER in another process, one hop, ``copy=False``: a small
   message answered at once (the call), and the copy as chunks of the client's ``chunk_bytes``,
@@ -15,7 +15,9 @@ Figures: ``*_call_p50_us``, the median of ``--calls`` ``sync`` calls (``bare``: 
 copies, in 1e9 bytes per second; ``broker_cpu_us_per_call_*``, the broker process's CPU time
 (user + system, /proc, 10 ms ticks) over the calls, per call. The three systems alternate for
 ``--rounds`` rounds; each figure is the median over the rounds (``*_rounds``: every round's).
-The last line of output is one JSON object.
+The last line of output is one JSON object: every figure above, with each round's, and the
+ratios ``direct_over_relay_call``, ``direct_over_bare_call``, ``direct_over_relay_copy`` and
+``direct_over_bare_copy``. About a minute with the defaults on a quiet 2-core VM (at most 4).
 
 Usage::
 

@@ -85,6 +85,16 @@ def _optional_endpoint(v: str) -> str | None:
     return _endpoint(v) if v else None
 
 
+_PORT_RANGE_RE = re.compile(r"(\d{1,5})-(\d{1,5})\Z")
+
+
+def _port_range(v: str) -> str | None:
+    m = _PORT_RANGE_RE.match(v)
+    if not v or (m and 1 <= int(m[1]) <= int(m[2]) <= 65535):
+        return None
+    return f"must be LOW-HIGH, ports within 1..65535 (empty = any free port); got {v!r}"
+
+
 def _endpoints(v: tuple[str, ...]) -> str | None:
     if not v:
         return "must name at least one endpoint"
@@ -171,7 +181,7 @@ class BrokerSection:
     result_ttl: float = _key(60.0, _above(0))
     aging: float = _key(60.0, _above(0))
     reserve_after: float = _key(30.0, _at_least(0))
-    data_path: str = _key("auto", _one_of("auto", "direct", "broker"))  # broker: no session goes direct
+    data_path: str = _key("auto", _one_of("auto", "direct", "broker"))  # broker: no session goes direct; direct: no CALL is relayed
     # Budgets of every tenant (0: sized from max_queue and this machine's memory; see the example).
     tenant_max_queued: int = _key(0, _at_least(0))
     tenant_max_outstanding: int = _key(0, _at_least(0))
@@ -223,6 +233,7 @@ class WorkerSection:
     replica_of: str = _key("")  # the worker whose work this one takes first when it is lost
     data_bind: str = _key("", _optional_endpoint)  # where clients send session CALLs directly; empty: nowhere
     data_advertise: str = _key("", _optional_endpoint)  # the endpoint clients are told (empty: from data_bind)
+    data_ports: str = _key("", _port_range)  # "LOW-HIGH": the ports of direct sessions' own sockets (empty: any free)
     probation_s: float = _key(300.0, _at_least(0))  # a failed GPU's checks pass this long before it serves
     fault_file: str = _key("")  # SIMULATED GPU faults, read on SIGUSR2; empty: none
     instance_id: str = _key("", _instance_id)  # its Nova server id; "auto": the metadata service

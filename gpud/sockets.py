@@ -66,6 +66,13 @@ def recv_frames_user(sock: zmq.Socket[Any], flags: int = 0, copy_first: int = 1 
     return parts, user
 
 
+def recv_from(sock: zmq.Socket[Any], curve: bool, flags: int = 0, copy_first: int = 1 << 30) -> tuple[list[Any], str | None]:
+    """One message and who sent it: ``recv_frames_user`` on a CURVE socket (``curve``), else
+    ``recv_frames`` and None (no User-Id to look up)."""
+    if curve:
+        return recv_frames_user(sock, flags, copy_first)
+    return recv_frames(sock, flags, copy_first), None
+
 
 def recv_frames_user_if(sock: zmq.Socket[Any], commands: frozenset[bytes], flags: int = 0,
                         copy_first: int = 1 << 30) -> tuple[list[Any], str | None]:

@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, help=f"queued requests at most, then BUSY (default {_D.max_queue})")
     p.add_argument("--session-lease", type=float, help=f"seconds a session survives a silent client (default {_D.session_lease:g})")
     p.add_argument("--data-path", choices=("auto", "direct", "broker"),
-                   help=f"broker: every session CALL is relayed here; auto/direct: sessions may call their worker directly (default {_D.data_path})")
+                   help=f"broker: every session CALL is relayed here; direct: none is (sessions call their worker directly); auto: both (default {_D.data_path})")
     p.add_argument("--result-ttl", type=float, help=f"seconds finished replies are kept for retries (default {_D.result_ttl:g})")
     p.add_argument("--max-message-bytes", type=int, help="bytes of one message at most (default: 1 GiB, or memory/8 if less)")
     p.add_argument("--tenant-max-queued", type=int, help="requests of one tenant queued at once (default: max_queue/4)")

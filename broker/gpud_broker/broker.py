@@ -48,8 +48,8 @@ from gpud.sockets import (
     NOBLOCK,
     SNDMORE,
     recv_frames,
-    recv_frames_user,
     recv_frames_user_if,
+    recv_from,
     send_frames,
 )
 from gpud_broker.commands import ADMIN
@@ -381,10 +381,7 @@ class Broker:
         nbytes = 0
         for n in range(BATCH):
             try:
-                if curve:
-                    frames, user = recv_frames_user(sock, NOBLOCK, copy_first=4)
-                else:
-                    frames, user = recv_frames(sock, NOBLOCK, copy_first=4), None
+                frames, user = recv_from(sock, curve, NOBLOCK, copy_first=4)
             except zmq.Again:
                 return n
             if len(frames[0]) != protocol.ROUTING_ID_BYTES:

@@ -57,7 +57,13 @@ from gpud_broker.accounts import (
     default_held_bytes,
     machine_memory,
 )
-from gpud_broker.direct import renew_leases, session_body, silent_worker
+from gpud_broker.direct import (
+    RELAY_REFUSED,
+    refuses_relay,
+    renew_leases,
+    session_body,
+    silent_worker,
+)
 from gpud_broker.gate import ConnectionLimits
 from gpud_broker.leases import SessionLeases
 from gpud_broker.mix import TaskMix
@@ -436,6 +442,8 @@ class BrokerCore:
             worker = self.registry.by_name.get(session.worker)
             if worker is None:
                 raise SessionLost(f"the worker of session {protocol.id_text(call.session)} is gone")
+            if refuses_relay(self.config.data_path, call.op):
+                raise InvalidRequest(RELAY_REFUSED)
         except GpudError as exc:
             self._refuse(identity, rid, exc)
             return
@@ -816,6 +824,9 @@ class BrokerCore:
             worker.running_at = self.now if len(running) < MAX_RUNNING_KEPT else 0.0  # a full list: maybe cut short
             if self.leases.sessions:
                 renew_leases(self.leases.sessions, worker.name, worker.running, self.now)
+            if self.active and not self.hold:
+                for sid, tenant in self.leases.strays(worker.name, worker.running, self.tasks.tasks):
+                    self._close_stray(worker, sid, tenant)
         if header.get("draining") is True and not worker.draining:
             log.info("worker %s is draining: no new work goes to it", worker.name)
             self.set_draining(worker, True)
@@ -982,10 +993,26 @@ class BrokerCore:
             self.leases.sessions.pop(s.id, None)
             return
         s.closing = True
+        self._send_close(worker, s.id, s.tenant, s.id)
+
+    def _close_stray(self, worker: WorkerRecord, sid: bytes, tenant: str) -> None:
+        """``worker``'s heartbeat lists session ``sid``, which this broker does not hold open there
+        (it ended it, or never knew it): the worker closes it, freeing what it holds (PROTOCOL.md
+        §9.4). One close at a time: none while the last one sent is unanswered."""
+        for task in worker.assigned.values():
+            if task.kind == "call" and task.session is None and task.body.get("session") == sid:
+                return
+        log.info("worker %s still holds session %s, which this broker does not hold; closing it there",
+                 worker.name, protocol.id_text(sid))
+        self._send_close(worker, sid, tenant, None)
+
+    def _send_close(self, worker: WorkerRecord, sid: bytes, tenant: str, ends: bytes | None) -> None:
+        """Send ``worker`` a close of session ``sid``, made by the broker (no client waits for it);
+        ``ends``: the session its RESULT ends in the tables (None: one the tables do not hold)."""
         task = Task(
             id=protocol.new_id(), kind="call", need=None,
-            body={"session": s.id, "op": "close", "args": {}}, frames=[], route=None,
-            created=self.now, deadline=self.now, tenant=s.tenant, session=s.id,
+            body={"session": sid, "op": "close", "args": {}}, frames=[], route=None,
+            created=self.now, deadline=self.now, tenant=tenant, session=ends,
         )
         self.tasks.add(task)
         self._send_dispatch(worker, task)

@@ -1,5 +1,5 @@
 """The broker's part in the direct data path (docs/PROTOCOL.md §10): what a session's DISPATCH
-tells its worker about the direct path, and the session leases that the worker's heartbeats
+tells its worker about the direct path, which relayed CALLs ``data_path`` refuses, and the session leases that the worker's heartbeats
 renew while its client calls the worker directly. Pure: no sockets, the caller passes the time.
 """
 
@@ -14,14 +14,27 @@ DATA_PATHS = ("auto", "direct", "broker")
 
 def session_body(data_path: str, client_key: str) -> dict[str, Any]:
     """The kind-specific fields of a session's DISPATCH: whether the worker may offer the direct
-    path and, under CURVE, the only client key it may admit there (the authenticated key of the
-    REQUEST's connection, never a field the client wrote)."""
+    path, whether the broker relays its CALLs too (not under ``direct``) and, under CURVE, the
+    only client key the worker may admit there (the authenticated key of the REQUEST's
+    connection, never a field the client wrote)."""
     if data_path == "broker":
         return {"direct": False}
     body: dict[str, Any] = {"direct": True}
+    if data_path == "direct":
+        body["relay"] = False
     if client_key:
         body["client_key"] = client_key
     return body
+
+
+RELAY_REFUSED = ("this broker's data_path is direct: a session's CALLs go straight to its worker's data "
+                 "socket (PROTOCOL.md §10); only close comes through the broker")
+
+
+def refuses_relay(data_path: str, op: str) -> bool:
+    """Whether a relayed CALL of ``op`` is refused (INVALID_REQUEST ``RELAY_REFUSED``): under
+    ``direct``, every one but ``close``, which ends the session here."""
+    return data_path == "direct" and op != "close"
 
 
 def renew_leases(sessions: dict[bytes, Session], worker: str, running: list[dict[str, Any]], now: float) -> None:

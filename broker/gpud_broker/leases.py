@@ -1,17 +1,20 @@
 """Session leases: the device sessions open on workers, by id, and what keeps each one open.
 
 A session is held while its client is heard (any CALL, or a PING naming it) within the lease and
-while its worker's heartbeats still list it. The sessions lost recently are remembered with the
+while its worker's heartbeats still list it; a session a worker's heartbeat lists that is not held
+here (``strays``) is the worker's to close. The sessions lost recently are remembered with the
 worker they were lost with, so that the session opened to replace one goes to that worker's
 replica first. Pure: the caller passes the time and ends what is found here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from gpud.protocol import ID_BYTES
 from gpud_broker.registry import WorkerRegistry
-from gpud_broker.tasks import Session
+from gpud_broker.tasks import Session, State, Task
 
 SWEEP_S = 1.0  # how often sessions are checked against their workers' heartbeats
 MAX_LOST = 10_000  # lost sessions remembered at most (then forgotten all at once)
@@ -70,6 +73,27 @@ class SessionLeases:
             if s.id not in ids:
                 out.append(s)
         return out
+
+    def strays(self, worker: str, running: list[dict[str, Any]], tasks: Mapping[bytes, Task]) -> list[tuple[bytes, str]]:
+        """The sessions that ``worker``'s heartbeat lists (``running``, unchecked wire input) and
+        that are not held open here on that worker, each with the tenant the worker names for it
+        ("default" when none): ended by this broker (the worker was lost and came back) or never
+        known to it. A session whose opening REQUEST still runs there is not one (PROTOCOL.md §9.4)."""
+        out: dict[bytes, str] = {}
+        sessions = self.sessions
+        for r in running:
+            sid = r.get("id")
+            if r.get("kind") != "session" or type(sid) is not bytes or len(sid) != ID_BYTES or sid in out:
+                continue
+            s = sessions.get(sid)
+            if s is not None and s.worker == worker:
+                continue
+            t = tasks.get(sid)
+            if t is not None and t.kind == "session" and t.state is State.RUNNING and t.worker == worker:
+                continue
+            tenant = r.get("tenant")
+            out[sid] = tenant if type(tenant) is str and 0 < len(tenant) <= 64 else "default"
+        return list(out.items())
 
     def forget_lost(self) -> None:
         if len(self.lost) > MAX_LOST:

@@ -125,7 +125,8 @@ class Client:
         How sessions' CALLs travel (PROTOCOL.md §10): ``auto`` (default) straight to the session's
         worker when the broker offers it and the worker answers, else relayed through the broker
         (logged once, said in :meth:`Session.info`); ``direct``: straight or the session fails;
-        ``broker``: always relayed.
+        ``broker``: always relayed. A broker whose own ``data_path`` is ``direct`` relays no
+        session CALL: a session that cannot go straight then fails to open whatever this says.
 
     Notes
     -----

@@ -667,10 +667,10 @@ class Connection:
         with self._lock:
             return list(self._sessions.keys())
 
-    def data_link(self, offer: DataOffer) -> DataLink:
-        """A direct socket to a session's worker (PROTOCOL.md §10), on this connection's context
-        and keys; the caller probes and closes it."""
-        link = DataLink(self._ctx, offer, self._curve, self._ping_interval)
+    def data_link(self, offer: DataOffer, session: bytes) -> DataLink:
+        """The direct sockets to session ``session``'s worker (PROTOCOL.md §10), on this
+        connection's context and keys; the caller probes and closes them."""
+        link = DataLink(self._ctx, offer, self._curve, self._ping_interval, session)
         self._links.add(link)
         return link
 

@@ -1,29 +1,33 @@
-"""A session's direct path to its worker (docs/PROTOCOL.md §10): one DEALER socket on the worker's
-data socket, the CALLs outstanding on it, and the worker's liveness while one waits.
+"""A session's direct path to its worker (docs/PROTOCOL.md §10): a DEALER on the session's own
+socket there, one on the worker's data socket for PINGs, the CALLs outstanding, and the worker's
+liveness while one waits.
 
-This module owns that conversation: the probe that decides whether the path is usable (a PING
-answered by a PONG), sending CALLs with the session's capability, matching their REPLYs by id, and
-the lazy-pirate watch of the worker (PING after ``ping_interval`` of silence, then the worker is
-taken as lost when that PING goes unanswered for ``WORKER_GRACE_S``, which the session handles as
-SESSION_LOST: it replays through the broker). A DataLink offers the methods of a :class:`~gpud_client.connection.Connection` that a
-:class:`~gpud_client.connection.Pending` uses, so a session's calls are the same code on either path.
+This module owns that conversation: the probe that decides whether the path is usable (a PING on
+each socket answered by a PONG), sending CALLs with the session's capability, matching their
+REPLYs by id, and the lazy-pirate watch of the worker (PING its data socket after
+``ping_interval`` of silence: the session's own socket answers nothing while a call runs, however
+long; the worker is taken as lost when that PING goes unanswered for ``WORKER_GRACE_S``, which the
+session handles as SESSION_LOST: it replays through the broker). A DataLink offers the methods of
+a :class:`~gpud_client.connection.Connection` that a :class:`~gpud_client.connection.Pending`
+uses, so a session's chunked copies are the same code on either path; :meth:`DataLink.call` is
+the short way of one call alone.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from time import monotonic
 from typing import Any
 
 import zmq
+from zmq import zmq_poll
 
 from gpud.errors import GpudError, SessionLost, Timeout
-from gpud.protocol import Command, Message, Peer, decode, id_text, unbatch
+from gpud.protocol import Command, Message, Peer, decode, encode, id_text, unbatch
 from gpud.security import CurveKeys, client_socket_options
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
-from gpud_client import _request as rq
 
 __all__ = ["DataLink", "DataOffer", "parse_offer"]
 
@@ -39,88 +43,122 @@ TRANSFER_RATE_FLOOR = 10 << 20
 in flight, the worker may look silent for as long as they take at this rate, on top of
 ``ping_interval``."""
 
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
+
 
 class DataOffer:
-    """What a session's REPLY says about its direct path: endpoint, capability, worker key."""
+    """What a session's REPLY says about its direct path: the session's endpoint, the worker's
+    data socket (PINGs), capability, worker key, and whether the broker relays the session's
+    CALLs too (not when its ``data_path`` is direct)."""
 
-    __slots__ = ("endpoint", "cap", "key")
+    __slots__ = ("endpoint", "ping", "cap", "key", "relay")
 
-    def __init__(self, endpoint: str, cap: bytes, key: str) -> None:
+    def __init__(self, endpoint: str, cap: bytes, key: str, relay: bool = True, ping: str = "") -> None:
         self.endpoint = endpoint
+        self.ping = ping or endpoint
         self.cap = cap
         self.key = key
+        self.relay = relay
 
 
 def parse_offer(data: Any) -> DataOffer | None:
     """The ``data`` field of a session's REPLY (None when absent or malformed: no direct path)."""
     if type(data) is not dict:
         return None
-    endpoint, cap, key = data.get("endpoint"), data.get("cap"), data.get("key", "")
-    if type(endpoint) is not str or not endpoint or type(cap) is not bytes or len(cap) < 16 or type(key) is not str:
+    endpoint, cap, key, relay = data.get("endpoint"), data.get("cap"), data.get("key", ""), data.get("relay", True)
+    ping = data.get("ping", "")
+    if (type(endpoint) is not str or not endpoint or type(cap) is not bytes or len(cap) < 16 or type(key) is not str
+            or type(relay) is not bool or type(ping) is not str):
         log.warning("ignored a malformed direct path offer from the broker")
         return None
-    return DataOffer(endpoint, cap, key)
+    return DataOffer(endpoint, cap, key, relay, ping)
 
 
 class DataLink:
-    """The direct socket of one session (not thread-safe: used by the session's caller only)."""
+    """The direct sockets of one session (not thread-safe: used by the session's caller only)."""
 
-    def __init__(self, ctx: zmq.Context[Any], offer: DataOffer, curve: CurveKeys | None, ping_interval: float) -> None:
+    def __init__(self, ctx: zmq.Context[Any], offer: DataOffer, curve: CurveKeys | None, ping_interval: float,
+                 session: bytes) -> None:
         self.offer = offer
         self.endpoint = offer.endpoint
         self._ping_interval = ping_interval
-        sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        if curve is not None:
-            if not offer.key:
-                sock.close(0)
-                raise GpudError("the worker offered a direct path without its CURVE key")
-            client_socket_options(sock, curve.secret, curve.public, offer.key.encode("ascii"))
+        if curve is not None and not offer.key:
+            raise GpudError("the worker offered a direct path without its CURVE key")
+        self._sock = self._connect(ctx, offer.endpoint, curve, offer.key)
         try:
-            sock.connect(offer.endpoint)
-        except zmq.ZMQError as exc:
-            sock.close(0)
-            raise GpudError(f"cannot connect to the worker's data endpoint {offer.endpoint!r}: {exc}") from None
-        self._sock = sock
-        self._poller = zmq.Poller()
-        self._poller.register(sock, zmq.POLLIN)
+            self._pinger = self._connect(ctx, offer.ping, curve, offer.key) if offer.ping != offer.endpoint else self._sock
+        except GpudError:
+            self._sock.close(0)
+            raise
+        self._socks = [self._sock] if self._pinger is self._sock else [self._sock, self._pinger]
+        self._items = [(sock, _POLLIN) for sock in self._socks]  # for zmq_poll, without a Poller's upkeep
         self._table: dict[bytes, Message | None] = {}
         self._sizes: dict[bytes, int] = {}
         self._awaiting = 0  # entries of _table still without a reply
         self._inflight = 0
         self._quiet_since = monotonic()
         self._ping_at: float | None = None
-        self._ponged = False
+        self._pongs = [0] * len(self._socks)  # PONGs seen on each socket (the probe counts them)
+        # The PING of the data socket names the session: a worker that no longer holds it says so.
+        self._ping = encode(Peer.CLIENT, Command.PING, {"session": session, "cap": offer.cap})
+        self._ended = False  # the worker said it no longer holds the session
         self.closed = False
 
+    @staticmethod
+    def _connect(ctx: zmq.Context[Any], endpoint: str, curve: CurveKeys | None, key: str) -> zmq.Socket[Any]:
+        sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if curve is not None:
+            client_socket_options(sock, curve.secret, curve.public, key.encode("ascii"))
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise GpudError(f"cannot connect to the worker's data endpoint {endpoint!r}: {exc}") from None
+        return sock
+
     def __del__(self) -> None:
-        # A session dropped without close: its socket goes with it, quietly.
+        # A session dropped without close: its sockets go with it, quietly.
         if not getattr(self, "closed", True):
             self.close()
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._sock.close(0)
+            for sock in self._socks:
+                sock.close(0)
             self._table.clear()
             self._sizes.clear()
             self._awaiting = self._inflight = 0
 
-    def probe(self, limit: float) -> bool:
-        """Whether the worker answers a PING within ``limit`` seconds (the path works)."""
-        self._ponged = False
-        self.send(rq.ping_frames())
+    def probe(self, limit: float) -> list[str]:
+        """PING each socket: the endpoints that do not answer within ``limit`` seconds (none: the
+        path works, the session's own socket and the data socket its liveness is watched on)."""
+        want = [n + 1 for n in self._pongs]
+        for sock in self._socks:
+            send_frames(sock, self._ping, NOBLOCK)
         deadline = monotonic() + limit
-        while not self._ponged:
+        while True:
+            silent = [i for i, n in enumerate(want) if self._pongs[i] < n]
             left = deadline - monotonic()
-            if left <= 0:
-                return False
+            if not silent or left <= 0:
+                return [self.endpoint if i == 0 else self.offer.ping for i in silent]
             self._pump(left, None)
-        return True
 
-    # ------------------------------------------------------------------ what Pending uses
+    # ------------------------------------------------------------------ calls
+
+    def call(self, rid: bytes, frames: list[Any], timeout: float, what: Callable[[], str], expect: int = 0) -> Message:
+        """Send one CALL and wait for its REPLY (``submit`` then ``wait``): the way of a call
+        alone, with nothing made that it does not need."""
+        self.submit(rid, frames, "", expect)
+        try:
+            return self.wait(rid, timeout, what)
+        except Timeout:
+            self.forget(rid)
+            raise
 
     def submit(self, rid: bytes, frames: list[Any], what: str, expect: int = 0, nbytes: int | None = None) -> None:
         if self.closed:
@@ -128,12 +166,15 @@ class DataLink:
         if not self._awaiting:  # nothing was expected until now: the worker's silence counts from here
             self._quiet_since = monotonic()
             self._ping_at = None
-        self.send(frames)
-        size = sum([f.nbytes if type(f) is memoryview else len(f) for f in frames[3:]]) + expect if nbytes is None else nbytes
+        send_frames(self._sock, frames, NOBLOCK)
+        if nbytes is None:
+            nbytes = expect
+            for f in frames[3:]:
+                nbytes += f.nbytes if type(f) is memoryview else len(f)
         self._table[rid] = None
-        self._sizes[rid] = size
+        self._sizes[rid] = nbytes
         self._awaiting += 1
-        self._inflight += size
+        self._inflight += nbytes
 
     def send(self, frames: Sequence[Any]) -> None:
         send_frames(self._sock, frames, NOBLOCK)
@@ -154,27 +195,31 @@ class DataLink:
     def cancel(self, rid: bytes) -> None:
         """A session CALL cannot be cancelled."""
 
-    def wait(self, rid: bytes, timeout: float, what: str) -> Message:
+    def wait(self, rid: bytes, timeout: float, what: str | Callable[[], str]) -> Message:
         """The REPLY to ``rid`` within ``timeout`` seconds; SessionLost when the worker stops
         answering (no REPLY and no PONG for ``WORKER_GRACE_S`` after a PING): the session then
         replays."""
-        if rid not in self._table:
-            raise GpudError(f"{what}: not outstanding (already collected or forgotten)")
+        table = self._table
+        if rid not in table:
+            raise GpudError(f"{_text(what)}: not outstanding (already collected or forgotten)")
         deadline = monotonic() + max(0.0, timeout)
         while True:
-            msg = self._table.get(rid)
+            msg = table.get(rid)
             if msg is not None:
-                del self._table[rid]
+                del table[rid]
                 return msg
+            if self._ended:
+                self.close()
+                raise SessionLost(f"{_text(what)}: the worker at {self.endpoint} no longer holds the session")
             now = monotonic()
             if now >= deadline:
-                raise Timeout(f"{what}: no reply within {timeout:g}s from the worker at {self.endpoint}")
+                raise Timeout(f"{_text(what)}: no reply within {timeout:g}s from the worker at {self.endpoint}")
             wake = self._watch(now, what)
             self._pump(min(deadline, wake) - now, rid)
 
     # ------------------------------------------------------------------ internals
 
-    def _watch(self, now: float, what: str) -> float:
+    def _watch(self, now: float, what: str | Callable[[], str]) -> float:
         """PING a silent worker; SessionLost once it stays silent. Returns when to look again."""
         transfer = self._inflight / TRANSFER_RATE_FLOOR
         interval = self._ping_interval + transfer
@@ -183,33 +228,30 @@ class DataLink:
             if now - self._ping_at < grace:
                 return self._ping_at + grace
             self.close()
-            raise SessionLost(f"{what}: the worker at {self.endpoint} stopped answering "
+            raise SessionLost(f"{_text(what)}: the worker at {self.endpoint} stopped answering "
                               f"(silent for {now - self._quiet_since:.1f}s on the direct path)")
         if now - self._quiet_since < interval:
             return self._quiet_since + interval
-        self.send(rq.ping_frames())
+        send_frames(self._pinger, self._ping, NOBLOCK)
         self._ping_at = now
         return now + interval
 
     def _pump(self, timeout: float, rid: bytes | None) -> None:
-        sock = self._sock
-        handled = False
-        while True:
-            try:
-                frames = recv_frames(sock, NOBLOCK, copy_first=3)
-            except zmq.Again:
-                if handled or timeout <= 0:
+        """Wait up to ``timeout`` seconds for a message, then handle every one queued on either
+        socket (``rid``: stop once its reply is here). Polls first: a reply is never there the
+        moment its call went out, and a read that finds nothing costs an exception."""
+        ready = zmq_poll(self._items, max(0, math.ceil(timeout * 1000)))
+        if not ready:
+            return
+        table, socks = self._table, self._socks
+        for sock, _ in ready:
+            src = socks.index(sock)
+            while int(sock.getsockopt(_EVENTS)) & _POLLIN:
+                self._handle(recv_frames(sock, NOBLOCK, copy_first=3), src)
+                if rid is not None and table.get(rid) is not None:
                     return
-                if not self._poller.poll(max(0, math.ceil(timeout * 1000))):
-                    return
-                handled = True
-                continue
-            self._handle(frames)
-            handled = True
-            if rid is not None and self._table.get(rid) is not None:
-                return
 
-    def _handle(self, frames: list[Any]) -> None:
+    def _handle(self, frames: list[Any], src: int) -> None:
         self._quiet_since = monotonic()
         self._ping_at = None
         try:
@@ -220,7 +262,9 @@ class DataLink:
             return
         for one in batch:
             if one.command is Command.PONG:
-                self._ponged = True
+                self._pongs[src] += 1
+                if one.header.get("ended") is True:
+                    self._ended = True
                 continue
             rid = one.header.get("id")
             if one.command not in (Command.REPLY, Command.ERROR) or type(rid) is not bytes:
@@ -232,3 +276,7 @@ class DataLink:
                 self._inflight -= self._sizes.pop(rid, 0)
             else:
                 log.debug("dropped a stale reply for %s", id_text(rid))
+
+
+def _text(what: str | Callable[[], str]) -> str:
+    return what if isinstance(what, str) else what()

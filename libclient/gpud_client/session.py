@@ -186,25 +186,31 @@ class Session:
             old.close()
         self._link, self._cap = self._conn, None
         settings = self._settings
+        offer = parse_offer(data)
         if settings.data_path == "broker":
             self._path_why = "the client's data_path is broker"
+            if offer is not None and not offer.relay:
+                self._abandon()
+                raise GpudError(f"session {id_text(self.id)}: the client's data_path is broker, and the "
+                                "broker's is direct: it relays no session CALL")
             return
-        offer = parse_offer(data)
         why = ""
         if offer is None:
             why = "the broker offered no direct path (worker without data_bind, or broker data_path broker)"
         else:
-            link = self._conn.data_link(offer)
-            if link.probe(PROBE_S):
+            link = self._conn.data_link(offer, self.id)
+            silent = link.probe(PROBE_S)
+            if not silent:
                 self._link, self._cap, self._path_why = link, offer.cap, ""
                 log.debug("session %s calls worker %s directly at %s", id_text(self.id), self.worker, offer.endpoint)
                 return
             link.close()
-            why = f"the worker's data endpoint {offer.endpoint} did not answer"
+            why = f"the worker's data endpoint {' and '.join(silent)} did not answer"
         self._path_why = why
-        if settings.data_path == "direct":
+        if settings.data_path == "direct" or (offer is not None and not offer.relay):
             self._abandon()
-            raise GpudError(f"session {id_text(self.id)}: no direct path ({why}) and data_path is direct")
+            whose = "the client's" if settings.data_path == "direct" else "the broker's"
+            raise GpudError(f"session {id_text(self.id)}: no direct path ({why}) and {whose} data_path is direct")
         settings.fallbacks += 1
         log.log(logging.WARNING if settings.fallbacks == 1 else logging.DEBUG,
                 "session %s: %s; its calls are relayed through the broker", id_text(self.id), why)
@@ -280,6 +286,9 @@ class Session:
         conn = self._conn if op == "close" else self._link
         rid = new_id()
         frames = rq.call_frames(rid, self.id, op, args, payload, None if op == "close" else self._cap)
+        if isinstance(conn, DataLink):  # straight to the worker: one call alone, the short way
+            sid = self.id
+            return convert(conn.call(rid, frames, limit, lambda: f"session {id_text(sid)} {op} {id_text(rid)}", expect))
         what = f"session {id_text(self.id)} {op} {id_text(rid)}"
         conn.submit(rid, frames, what, expect)
         pending = Pending(conn, rid, convert, limit, what, cancellable=False)

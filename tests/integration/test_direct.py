@@ -6,6 +6,7 @@ data endpoint falls back to the broker relay. SIMULATED GPUs, labelled so.
 
 from __future__ import annotations
 
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ import zmq
 from gpud import protocol as P
 from gpud.protocol import Command, Peer
 from gpud.security import CurveKeys, client_socket_options
-from gpud_cli.cluster import LocalCluster
+from gpud_cli.cluster import LocalCluster, admin_call
 from gpud_client import BUILTIN, Client, Session
 
 N = 4096
@@ -107,10 +108,14 @@ def test_capability_is_required_and_dies_with_its_session(cluster: LocalCluster)
             vector_add(s, 1)
             assert s.info()["path"] == "direct" and s.replays == 0
             s.close()
-            deadline = time.monotonic() + 5
-            assert refused(raw.call(s.id, cap))  # replayed after the close: refused
-            assert time.monotonic() < deadline
+            # Replayed after the close: its socket went with it (nothing answers there), and
+            # another session's socket, where the port may be bound again, refuses it.
+            assert raw.call(s.id, cap, timeout=1.5) is None
             with c.session() as s2:  # the worker still serves
+                other = Raw(ctx, direct(s2)[0])
+                assert refused(other.call(s.id, cap))
+                assert refused(other.call(s2.id, cap))  # nor does it open another session
+                other.sock.close(0)
                 vector_add(s2, 2)
                 assert s2.info()["path"] == "direct"
             raw.sock.close(0)
@@ -140,17 +145,21 @@ def test_curve_admits_only_the_key_the_broker_named(curve_cluster: LocalCluster)
                 raw = Raw(ctx, endpoint, keys, server)
                 assert raw.call(s.id, cap, timeout=1.5) is None
                 raw.sock.close(0)
-            # Once they hold a session of their own there, the handshake passes, and a CALL on
-            # alice1's session, with its capability, is still refused: it is not their key's.
+            # Once they hold a session of their own there, alice1's session socket still refuses
+            # their handshake, and a CALL on alice1's session, with its capability, sent to their
+            # own session's socket is refused: it is not their key's.
             with Client(c.frontend, curve=alice2, timeout=10) as a2, Client(c.frontend, curve=bob, timeout=10) as b:
                 for cl in (a2, b):
                     own = cl.session()
                     assert own.info()["path"] == "direct"
                     raw = Raw(ctx, endpoint, cl._conn._curve, server)
-                    assert refused(raw.call(s.id, cap))
-                    ok = raw.call(own.id, own._cap)  # its own session, with its own key: fine
-                    assert ok is not None and ok.header.get("ok") is True
+                    assert raw.call(s.id, cap, timeout=1.5) is None
                     raw.sock.close(0)
+                    mine = Raw(ctx, direct(own)[0], cl._conn._curve, server)
+                    assert refused(mine.call(s.id, cap))  # alice1's session on their own socket
+                    ok = mine.call(own.id, own._cap)  # its own session, with its own key: fine
+                    assert ok is not None and ok.header.get("ok") is True
+                    mine.sock.close(0)
                     vector_add(own, 3)
                     own.close()
             # A key without CURVE at all gets nowhere either.
@@ -230,3 +239,107 @@ def test_direct_session_through_a_broker_kill_then_a_worker_kill(pair: LocalClus
         assert s.replays == 1 and s.id != sid and s.worker != worker
         vector_add(s, 40)
         assert s.info()["path"] == "direct"
+
+
+def _relayed_call(ctx: zmq.Context[Any], frontend: str, sid: bytes) -> P.Message | None:
+    """A CALL on session ``sid`` sent through the broker, as a client on the relay would."""
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, P.new_routing_id())
+    sock.connect(frontend)
+    try:
+        sock.send_multipart(P.encode(Peer.CLIENT, Command.CALL, {"id": P.new_id(), "session": sid, "op": "sync", "args": {}}))
+        if not sock.poll(5000):
+            return None
+        return P.decode(sock.recv_multipart(), Peer.CLIENT)
+    finally:
+        sock.close(0)
+
+
+def test_broker_data_path_direct_relays_nothing(tmp_path: Path) -> None:
+    port = _closed_port()
+    ctx = zmq.Context()
+    try:
+        with LocalCluster(workers=0, rundir=tmp_path, broker_args=["--data-path", "direct"]) as c:
+            c.add_worker("w0")
+            c.wait_workers(1)
+            with Client(c.frontend, timeout=10) as cl, cl.session() as s:
+                assert s.info()["path"] == "direct"
+                vector_add(s, 50)
+                reply = _relayed_call(ctx, c.frontend, s.id)  # the same session, through the broker
+                assert reply is not None and reply.header.get("code") == "INVALID_REQUEST"
+                assert "data_path is direct" in str(reply.header.get("message"))
+                vector_add(s, 51)  # the direct path is untouched by the refusal
+            with Client(c.frontend, timeout=10, data_path="broker") as relayed:
+                with pytest.raises(Exception, match="broker's is direct"):
+                    relayed.session()
+            # A worker whose data endpoint is out of reach: no fallback, the open fails.
+            c.kill_worker("w0", signal.SIGTERM)
+            del c.worker_procs["w0"]
+            c.wait_workers(0)
+            c.add_worker("w1", extra=["--data-advertise", f"tcp://127.0.0.1:{port}"])
+            c.wait_workers(1)
+            with Client(c.frontend, timeout=10) as cl:
+                with pytest.raises(Exception, match="broker's data_path is direct"):
+                    cl.session()
+                deadline = time.monotonic() + 10
+                while admin_call(c.admin, "sessions", {}) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert admin_call(c.admin, "sessions", {}) == []  # the failed open left nothing open
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _worker_runs(c: LocalCluster) -> list[str]:
+    """What ``gpudctl workers`` counts as running (RUN), by kind, as the workers' heartbeats list it."""
+    return [r["kind"] for w in admin_call(c.admin, "workers", {}) for r in w["running"]]
+
+
+def _eventually(check: Any, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_session_the_broker_ended_is_ended_on_its_worker_when_it_comes_back(tmp_path: Path) -> None:
+    """The worker is frozen past its liveness while it holds a session: the broker loses it and
+    ends the session. Once the worker runs again and reconnects, the broker has it close the
+    session too: its capability is refused, and ``gpudctl workers`` agrees with ``sessions``."""
+    ctx = zmq.Context()
+    try:
+        with LocalCluster(workers=1, heartbeat_ms=200, rundir=tmp_path) as c:
+            c.wait_workers(1)
+            proc = c.worker_procs["w0"]
+            with Client(c.frontend, timeout=10, session_replays=0) as cl:
+                s = cl.session()
+                endpoint, cap = direct(s)
+                vector_add(s, 60)
+                assert _eventually(lambda: _worker_runs(c) == ["session"])  # listed by its next heartbeat
+                assert len(admin_call(c.admin, "sessions", {})) == 1
+                proc.send_signal(signal.SIGSTOP)
+                try:
+                    c.wait_workers(0, timeout=20)  # silent past 3 x 200 ms: lost, its session ended
+                    assert admin_call(c.admin, "sessions", {}) == []
+                finally:
+                    proc.send_signal(signal.SIGCONT)
+                c.wait_workers(1, timeout=20)
+                assert _eventually(lambda: _worker_runs(c) == [], 15), _worker_runs(c)
+                assert admin_call(c.admin, "sessions", {}) == []
+                raw = Raw(ctx, endpoint)
+                assert raw.call(s.id, cap, timeout=1.5) is None  # closed on the worker: its socket is gone
+                raw.sock.close(0)
+                with cl.session() as s2:  # the worker serves on, and the old capability opens nothing
+                    other = Raw(ctx, direct(s2)[0])
+                    assert refused(other.call(s.id, cap))
+                    other.sock.close(0)
+                    vector_add(s2, 61)
+                s.close()  # the broker ended it: closing counts as done
+            assert "closing it there" in (tmp_path / "broker.log").read_text()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+            assert "draining 0 running task(s), 0 session(s)" in (tmp_path / "w0.log").read_text()
+    finally:
+        ctx.destroy(linger=0)

@@ -712,6 +712,66 @@ def test_sessions_of_a_lost_worker_are_gone(h: Harness) -> None:
     h.assert_idle()
 
 
+def test_a_session_the_broker_ended_is_closed_on_its_worker_once_it_is_back(h: Harness) -> None:
+    """The worker was lost (silent) with a session open, and came back holding it: its
+    heartbeat lists a session the broker ended, which the broker has it close, once."""
+    h.ready(W1, "w1")
+    h.take_worker()
+    sid = rid(100)
+    open_session(h, sid)
+    h.worker(W1, Command.DISCONNECT, {"reason": "link dropped"})
+    assert sid not in h.core.sessions
+    h.ready(W1, "w1")
+    h.take_worker()
+    listed = [{"id": sid, "kind": "session", "since": 9.0, "idle": 1.0, "tenant": "alice"}]
+    h.heartbeat(W1, 1, running=listed + [{"id": sid, "kind": "session", "since": 9.0}])
+    d = h.one_dispatch(W1)
+    assert (d.header["kind"], d.header["op"], d.header["session"]) == ("call", "close", sid)
+    assert d.header["id"] != sid and d.header["tenant"] == "alice"
+    h.heartbeat(W1, 2, running=listed)
+    assert h.take_worker() == []  # its close is unanswered: not asked twice
+    h.result(W1, d.header["id"])
+    assert h.take_client() == []  # no client waits for it
+    h.heartbeat(W1, 3, running=listed)  # a close answered, yet still listed: asked again
+    again = h.one_dispatch(W1)
+    assert again.header["session"] == sid
+    h.result(W1, again.header["id"], ok=False, code="SESSION_LOST", message="the session is not open")
+    h.heartbeat(W1, 4, running=[])
+    assert h.take_worker() == []
+    h.assert_idle()
+
+
+def test_only_sessions_not_held_on_that_worker_are_closed(h: Harness) -> None:
+    h.ready(W1, "w1")
+    h.take_worker()
+    sid = rid(100)
+    open_session(h, sid)  # on w1
+    h.request(C1, rid(101), kind="session")  # opening on w1, not answered yet
+    assert h.one_dispatch(W1).header["kind"] == "session"
+    h.heartbeat(W1, 1, running=[{"id": sid, "kind": "session", "since": 1.0, "idle": 0.0},
+                                {"id": rid(101), "kind": "session", "since": 0.1}])
+    assert h.take_worker() == []  # held there, or still opening there: nothing to close
+    # Junk is skipped; w1's session named by another worker is closed there only, and that
+    # close's answer ends nothing in the tables.
+    h.ready(W2, "w2")
+    h.take_worker()
+    h.heartbeat(W2, 1, running=[{"id": "x", "kind": "session"}, {"id": rid(5)[:8], "kind": "session"},
+                                {"id": rid(6), "kind": "job"}, {"id": sid, "kind": "session"}, "junk"])
+    d = h.one_dispatch(W2)
+    assert d.header["session"] == sid and d.header["tenant"] == "default"
+    h.result(W2, d.header["id"], ok=False, code="SESSION_LOST", message="unknown")
+    assert sid in h.core.sessions and not h.core.sessions[sid].closing
+
+
+def test_a_passive_broker_closes_nothing() -> None:
+    h = Harness()
+    h.core.become_passive()
+    h.ready(W1, "w1")
+    h.take_worker()
+    h.heartbeat(W1, 1, running=[{"id": rid(100), "kind": "session", "since": 1.0, "idle": 0.0}])
+    assert [m for _, m, _ in h.take_worker() if m.command is Command.DISPATCH] == []
+
+
 # --------------------------------------------------------------------------- ledger after a mixed load
 
 

@@ -43,6 +43,7 @@ ALT: dict[tuple[str, str], object] = {
     ("worker", "mps_log_dir"): "/tmp/l", ("worker", "job_network"): "host",
     ("broker", "tenant_pool_share"): 0.25,
     ("worker", "data_bind"): "tcp://127.0.0.1:6559", ("worker", "data_advertise"): "tcp://10.0.0.9:6559",
+    ("worker", "data_ports"): "6560-6569",
     ("broker", "data_path"): "broker",
     ("security", "mode"): "none", ("security", "keys_dir"): "/srv/k", ("security", "secret_key_file"): "/srv/s.key_secret",
     ("security", "public_key_file"): "/srv/p.key", ("security", "broker_public_key_file"): "/srv/b.key",

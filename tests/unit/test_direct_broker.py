@@ -84,3 +84,24 @@ def test_a_replacement_for_a_session_still_open_goes_to_the_replica_first() -> N
     # The client found w1 silent on the direct path; the broker has not lost w1 yet.
     h.request(C1, rid(101), kind="session", replaces=sid)
     assert h.one_dispatch(b"W3").header["kind"] == "session"
+
+
+def test_broker_data_path_direct_relays_no_call_but_close() -> None:
+    d = _dispatch_of_session(Harness(data_path="direct"), None)
+    assert d["direct"] is True and d["relay"] is False
+    assert "relay" not in _dispatch_of_session(Harness(), None)  # auto: relayed too
+    h = Harness(data_path="direct")
+    h.ready(W1, "w1")
+    h.take_worker()
+    sid = rid(100)
+    open_session(h, sid)
+    for n, op in enumerate(("sync", "htod", "alloc")):
+        h.client(C1, Command.CALL, {"id": rid(2 + n), "session": sid, "op": op, "args": {}})
+        reply = h.one_reply(C1)
+        assert reply.header["code"] == "INVALID_REQUEST" and "data_path is direct" in reply.header["message"]
+    assert h.take_worker() == []
+    h.client(C1, Command.CALL, {"id": rid(9), "session": sid, "op": "close"})
+    assert h.one_dispatch(W1).header["op"] == "close"
+    # An unknown session is SESSION_LOST whatever the path, as before.
+    h.client(C1, Command.CALL, {"id": rid(10), "session": rid(99), "op": "sync"})
+    assert h.one_reply(C1).header["code"] == "SESSION_LOST"

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 _D = WorkerSection()  # the defaults, for the help texts
 FLAGS = {"brokers": "broker", **{key: key for key in (
     "name", "simulate", "gpu_model", "gpu_mem", "slots", "heartbeat_ms", "liveness", "workdir",
-    "job_user_prefix", "job_uids", "session_idle", "session_processes", "session_staging", "compile_user", "drain_timeout", "fault_file", "instance_id", "replica_of", "data_bind", "data_advertise",
+    "job_user_prefix", "job_uids", "session_idle", "session_processes", "session_staging", "compile_user", "drain_timeout", "fault_file", "instance_id", "replica_of", "data_bind", "data_advertise", "data_ports",
     "cgroups", "cgroup_parent", "job_memory", "mps", "mps_pipe_dir", "mps_log_dir", "job_network", "job_tmp_size",
     "job_dir_size")}, "probation_s": "probation"}
 """[worker] key -> its flag's argparse dest (--broker, repeated, gives brokers)."""
@@ -74,6 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bind a socket here for clients' session calls, straight to this worker (e.g. tcp://*:5557; default none)")
     p.add_argument("--data-advertise", default=None, metavar="ENDPOINT",
                    help="the data endpoint clients are told to connect to (default: --data-bind, the host name for a wildcard)")
+    p.add_argument("--data-ports", default=None, metavar="LOW-HIGH",
+                   help="the ports direct sessions' own sockets bind, on --data-bind's host (e.g. 5560-5659; default any free one)")
     p.add_argument("--probation", type=float, metavar="SECONDS", help=f"seconds a GPU that failed a health check must pass its checks again before it serves (default {_D.probation_s:g})")
     p.add_argument("--fault-file", default=None, metavar="PATH", help="SIMULATED GPUs only: JSON file of GPU faults to inject, read on SIGUSR2 (e.g. [{\"gpu\": 0, \"fault\": \"xid\", \"xid\": 79}]; [] clears them)")
     p.add_argument("--instance-id", default=None, metavar="ID",
@@ -248,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
         replica_of=w.replica_of,
         data_bind=w.data_bind,
         data_advertise=w.data_advertise,
+        data_ports=w.data_ports,
     )
     worker = Worker(config, probe, devices, runner)
     gc.freeze()  # as in the broker: few cycles, many small short-lived objects per message

@@ -1,9 +1,10 @@
 """The worker daemon's connection to its broker(s) and its dispatch of work to executors.
 
-One thread owns the sockets: it sends READY and heartbeats, receives DISPATCH, runs echo inline and
-hands jobs and session operations to executor threads. Executors never touch a socket: they put
-their RESULT frames on a queue and wake the loop through a pipe, so no GPU call or job wait can ever
-delay a heartbeat.
+One thread owns the broker links: it sends READY and heartbeats, receives DISPATCH, runs echo
+inline and hands jobs and session operations to executor threads. Executors never touch its
+sockets: they put their RESULT frames on a queue and wake the loop through a pipe, so no GPU call or
+job wait can ever delay a heartbeat. A direct session's thread has a socket of its own
+(``gpud_worker.data.SessionSocket``): its client's CALLs are received, run and answered there.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from gpud.protocol import Command, Peer
 from gpud.resources import GpuInfo
 from gpud.security import HANDSHAKE_FAILURES, CurveKeys, HandshakeLog, apply_client_keys
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
-from gpud_worker.data import DataSocket
+from gpud_worker.data import DataSocket, SessionSocket
 from gpud_worker.device import Device, DeviceSession
 from gpud_worker.gpu import GpuProbe
 from gpud_worker.jobs import JobGrant, JobRunner
@@ -52,13 +53,12 @@ log = logging.getLogger(__name__)
 HOUSEKEEPING_S = 0.02  # how often liveness, heartbeats and idle sessions are looked at
 UNACKED_TTL_S = 600.0  # seconds a RESULT is kept for a broker that never ACKs it
 _SIG = Peer.WORKER.value
+POLLIN = int(zmq.POLLIN)
 _RESULT = P.CMD_BYTES[Command.RESULT]
 _START = P.CMD_BYTES[Command.START]
-_CLIENT_SIG = Peer.CLIENT.value
-_REPLY = P.CMD_BYTES[Command.REPLY]
 
 # Where a session call's answer goes: an int is the index of the broker link it came on; bytes are
-# the routing id of the client that sent it on the data socket.
+# the routing id of the client that sent it on the session's own socket.
 Route = int | bytes
 
 
@@ -95,6 +95,7 @@ class WorkerConfig:
     instance_id: str = ""  # this GPU VM's Nova server id, for the broker's OpenStack view ("": unknown)
     data_bind: str = ""  # where clients send session CALLs directly (PROTOCOL.md §10); "": nowhere
     data_advertise: str = ""  # the endpoint clients are told to use ("": from data_bind)
+    data_ports: str = ""  # "LOW-HIGH": the ports direct sessions' own sockets bind ("": any free one)
 
 
 class BrokerLink:
@@ -174,14 +175,34 @@ class SessionRunner:
         self.dev = dev_session
         self.gpu = gpu
         self.tenant = tenant
+        # Relayed calls (from the loop), then a ring of the doorbell: the thread waits on it and
+        # on its own socket at once.
         self.ops: queue.SimpleQueue[tuple[Route, dict[str, Any], list[Any]] | None] = queue.SimpleQueue()
+        self.door = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._door_lock = threading.Lock()  # closed by the thread as it ends, rung by the loop
+        self.sock: SessionSocket | None = None  # its direct path, once open (its thread's alone)
         self.opened = self.last_used = time.monotonic()
         self.closed = False
         self.busy = False  # a call is running (a long kernel is not idleness)
         self.lost = ""  # why its GPU failed: its calls are answered SESSION_LOST
         self.thread: threading.Thread | None = None
         self.direct = False  # the broker offered the direct path (DISPATCH 'direct')
+        self.relay = True  # the broker relays its CALLs too (DISPATCH 'relay')
         self.client_key = ""  # the client key the broker named for it (CURVE)
+
+    def put(self, item: tuple[Route, dict[str, Any], list[Any]] | None) -> None:
+        """(The loop) Queue a relayed call (None: end the thread) and wake the thread; nothing
+        once the thread has ended."""
+        with self._door_lock:
+            if self.door >= 0:
+                self.ops.put(item)
+                os.eventfd_write(self.door, 1)
+
+    def close_door(self) -> None:
+        """(Its thread, ending) Nothing more can be queued."""
+        with self._door_lock:
+            os.close(self.door)
+            self.door = -1
 
 
 class Worker:
@@ -227,7 +248,8 @@ class Worker:
         # add and remove entries, the loop asks START for them and answers them.
         self.start_waits: dict[bytes, StartWait] = {}
         self._start_asks: queue.SimpleQueue[bytes] = queue.SimpleQueue()
-        self.data = DataSocket(config.data_bind, config.data_advertise, config.curve) if config.data_bind else None
+        self.data = (DataSocket(config.data_bind, config.data_advertise, config.curve, config.data_ports)
+                     if config.data_bind else None)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -289,7 +311,7 @@ class Worker:
     def run(self) -> None:
         """Serve until stop(); then drain for at most ``drain_timeout`` and disconnect."""
         if self.data is not None:
-            self.data.start(self._on_direct_call)
+            self.data.start()
         try:
             self._loop()
         finally:
@@ -599,19 +621,14 @@ class Worker:
 
     # ---------------------------------------------------------------- work
 
-    def _result(self, idx: Route, rid: bytes, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> None:
-        """Queue a RESULT (a REPLY for a direct call) from any thread; the loop sends it."""
+    def _result(self, idx: int, rid: bytes, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> None:
+        """Queue a RESULT from any thread; the loop sends it."""
         header["id"] = rid
-        if isinstance(idx, bytes):  # a direct call: back to its client on the data socket, at once
-            header["worker"] = self.config.name
-            if self.data is not None:
-                self.data.send_from_thread(idx, [_CLIENT_SIG, _REPLY, P.packb(header), *frames])
-            return
         self._stamp(rid, header)
         self.results.put((idx, rid, [_SIG, _RESULT, P.packb(header), *frames]))
         self._wake()
 
-    def _error(self, idx: Route, rid: bytes, exc: GpudError) -> None:
+    def _error(self, idx: int, rid: bytes, exc: GpudError) -> None:
         self._result(idx, rid, P.error_header(rid, exc))
 
     def _on_dispatch(self, idx: int, link: BrokerLink, h: dict[str, Any], frames: list[Any], now: float) -> None:
@@ -670,7 +687,7 @@ class Worker:
         elif kind == "session":
             key = h.get("client_key")
             self._open_session(idx, rid, uuids[0], mem, tenant, grant, h.get("direct") is True,
-                               key if type(key) is str else "")
+                               key if type(key) is str else "", h.get("relay") is not False)
         else:
             self.running.pop(rid, None)
             self._send_now(idx, rid, P.error_header(rid, InvalidRequest(f"unknown kind {kind!r}")))
@@ -791,7 +808,7 @@ class Worker:
     # ---------------------------------------------------------------- sessions
 
     def _open_session(self, idx: int, rid: bytes, uuid: str, mem: int, tenant: str, grant: dict[str, Any] | None = None,
-                      direct: bool = False, client_key: str = "") -> None:
+                      direct: bool = False, client_key: str = "", relay: bool = True) -> None:
         """Open a session in its own thread (a device may take a while: a session process, a CUDA
         context), which then runs its calls; the reply goes out when it is open."""
         device = self.devices.get(uuid)
@@ -802,7 +819,7 @@ class Worker:
         mps = self.runner.mps  # where MPS runs, a session gets its grant's MPS limits as a job does
         env = None if mps is None else mps.environment(JobGrant.from_wire(grant).gpu_milli, [mem])
         s = SessionRunner(rid, None, self.gpus[uuid], tenant)
-        s.direct, s.client_key = direct, client_key
+        s.direct, s.client_key, s.relay = direct, client_key, relay
         s.thread = threading.Thread(target=self._session_thread, args=(s, idx, device, mem, env), name=f"session-{rid.hex()[:8]}", daemon=True)
         self.sessions[rid] = s
         self._session_threads = [t for t in self._session_threads if t.is_alive()]
@@ -833,20 +850,12 @@ class Worker:
         data = self.data
         # Under CURVE a direct session needs the key the broker named: without one, none is offered.
         if data is not None and s.direct and (data.curve is None or s.client_key):
-            header["data"] = data.offer(rid, s.client_key)
+            try:
+                s.sock, header["data"] = data.open_session(rid, s.client_key, s.relay)
+            except GpudError as exc:
+                log.error("session %s: no direct path offered: %s", P.id_text(rid), exc.message)
         self._result(idx, rid, header)
         return True
-
-    def _on_direct_call(self, ident: bytes, h: dict[str, Any], frames: list[Any]) -> None:
-        """A CALL that the data socket admitted (its session's capability and key): queued for
-        the session's thread like a relayed one, answered on the data socket."""
-        s = self.sessions.get(h["session"])
-        if s is None or s.closed:  # the session thread is ending it (idle, GPU fault)
-            assert self.data is not None
-            self.data.reply(ident, P.error_header(h["id"], SessionLost("the session is not open on this worker")))
-            return
-        s.last_used = time.monotonic()
-        s.ops.put((ident, h, frames))
 
     def _on_call(self, idx: int, rid: bytes, h: dict[str, Any], frames: list[Any]) -> None:
         sid = h.get("session")
@@ -864,20 +873,26 @@ class Worker:
                 # Closed (by its client, or by the broker for a client gone) while a call runs:
                 # nobody waits for that call, and a kernel that never ends would hold it for good.
                 s.dev.kill("the session was closed while a call ran")
-        s.ops.put((idx, h, frames))
+        s.put((idx, h, frames))
 
     def _session_thread(self, s: SessionRunner, idx: int, device: Device, mem: int, env: dict[str, str] | None) -> None:
         try:
             self._serve_session(s, idx, device, mem, env)
         finally:
-            if self.data is not None:
-                self.data.thread_done()
+            if s.sock is not None:
+                s.sock.close()
+            s.close_door()
 
     def _serve_session(self, s: SessionRunner, idx: int, device: Device, mem: int, env: dict[str, str] | None) -> None:
         if not self._start_session(s, idx, device, mem, env):
             return
+        sock = s.sock
+        waits: list[tuple[Any, int]] = [(s.door, POLLIN)]  # for zmq_poll, without a Poller's upkeep
+        if sock is not None:
+            waits.append((sock.sock, POLLIN))
+        name = self.config.name
         while True:
-            item = s.ops.get()
+            item = self._next_op(s, sock, waits)
             if item is None:
                 break
             route, h, frames = item
@@ -885,23 +900,48 @@ class Worker:
             op = h.get("op")
             s.busy = True
             try:
+                if s.closed and type(route) is bytes:  # ended meanwhile (by the broker, its GPU, the idle timeout)
+                    raise SessionLost("the session is not open on this worker")
                 if s.lost:
                     raise SessionLost(f"the session's GPU failed ({s.lost})")
                 header, out = self._session_op(s, op, h.get("args") or {}, frames)
                 header["ok"] = True
-                self._result(route, rid, header, out)
             except GpudError as exc:
-                self._error(route, rid, exc)
+                header, out = P.error_header(rid, exc), []
             except Exception as exc:
                 log.exception("session op %s failed", op)
-                self._error(route, rid, InternalError(f"session op {op!r} failed in the worker: {exc.__class__.__name__}"))
+                header, out = P.error_header(rid, InternalError(f"session op {op!r} failed in the worker: {exc.__class__.__name__}")), []
             finally:
                 s.last_used = time.monotonic()
                 s.busy = False
+            if isinstance(route, int):
+                self._result(route, rid, header, out)
+            elif sock is not None:  # a direct call: back to its client at once, from here
+                header["id"], header["worker"] = rid, name
+                sock.reply(route, header, out)
             if op == "close":
                 break
         assert s.dev is not None
         s.dev.close()
+
+    @staticmethod
+    def _next_op(s: SessionRunner, sock: SessionSocket | None, waits: list[tuple[Any, int]]) -> tuple[Route, dict[str, Any], list[Any]] | None:
+        """(Session thread) The session's next call: a relayed one from the loop, else a direct
+        one from its socket, waiting for either; None when the thread is to end."""
+        ops = s.ops
+        while True:
+            if not ops.empty():  # a lone consumer: what is there stays there
+                return ops.get_nowait()
+            if sock is not None:
+                call = sock.take()
+                if call is not None:
+                    s.last_used = time.monotonic()
+                    return call
+            zmq.zmq_poll(waits, -1)
+            try:
+                os.eventfd_read(s.door)
+            except BlockingIOError:
+                pass
 
     def _session_op(self, s: SessionRunner, op: Any, args: Any, frames: list[Any]) -> tuple[dict[str, Any], list[Any]]:
         if type(args) is not dict:
@@ -955,7 +995,7 @@ class Worker:
         self.sessions.pop(s.id, None)
         if self.data is not None:
             self.data.revoke(s.id)
-        s.ops.put(None)
+        s.put(None)
         if kill and s.dev is not None and hasattr(s.dev, "kill"):
             s.dev.kill(kill)
 

@@ -35,7 +35,7 @@ check: lint typecheck test
 bench: $(STAMP)
 	$(BIN)/python bench/dispatch.py
 
-# Real Nova, placement and Keystone for tests/integration/test_openstack.py (tests/realnova), from a
+# Real Nova, placement and Keystone for tests/integration/test_openstack*.py (tests/realnova), from a
 # venv of their own: gpud depends on none of them. About a minute and 450 MB the first time.
 # The stamp is a copy of the requirements: a checkout that only touched the file reinstalls nothing.
 $(NOVA)/.installed: tests/realnova/requirements.txt

@@ -255,8 +255,11 @@ def test_top_in_an_80_column_terminal(tmp_path: Path, job_user_prefix: str | Non
             _tmux(sock, "send-keys", "-t", "top", "q")
             wait_for(rc_file.exists, what="top to exit on q")
             assert rc_file.read_text().strip() == "0"
-            # Ctrl-C quits cleanly too.
+            # Ctrl-C quits cleanly too, on a tmux server of its own: the first one exits with its
+            # last session, and a client that reaches it while it does gets "server exited
+            # unexpectedly".
             rc_file.unlink()
+            sock = tmp_path / "tmux-ctrl-c.sock"
             r = _tmux(sock, "new-session", "-d", "-s", "top", "-x", "80", "-y", "24", "sh", "-c", cmd)
             assert r.returncode == 0, r.stderr
             wait_for(lambda: "w0/1" in screen(), what="GPU rows in top")
@@ -264,7 +267,8 @@ def test_top_in_an_80_column_terminal(tmp_path: Path, job_user_prefix: str | Non
             wait_for(rc_file.exists, what="top to exit on Ctrl-C")
             assert rc_file.read_text().strip() == "0"
         finally:
-            _tmux(sock, "kill-server")
+            for each in (tmp_path / "tmux.sock", tmp_path / "tmux-ctrl-c.sock"):
+                _tmux(each, "kill-server")
 
 
 def test_output_into_a_closed_pipe_ends_quietly(cluster: LocalCluster) -> None:

@@ -35,11 +35,12 @@ class ChunkWindow:
     def done(self) -> bool:
         return self.got == self.total
 
-    def asks(self, now: float) -> list[Ask]:
-        """New chunks to ask for, so that ``window`` are outstanding."""
+    def asks(self, now: float, busy: int = 0) -> list[Ask]:
+        """New chunks to ask for, so that ``window`` are outstanding (``busy`` of them taken but
+        not done with yet: the broker's chunks not yet durable at its peer)."""
         out: list[Ask] = []
         index, offset = self._cursor
-        while len(self.asked) < self.window and index < len(self.sizes):
+        while len(self.asked) + busy < self.window and index < len(self.sizes):
             size = self.sizes[index]
             if offset >= size:
                 index, offset = index + 1, 0

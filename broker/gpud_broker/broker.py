@@ -525,6 +525,8 @@ class Broker:
             if staging.waiting:  # PUTs whose chunks are durable now
                 for route, reply in staging.take_replies(core.journal.durable):
                     send_frames(front, [route, *reply])
+            if staging.pulls:  # outputs: the next chunks once the last ones are durable
+                staging.settle_pulls(core, core.journal.durable)
             if to_workers or to_clients:
                 self._flush()
             if core.unacked:

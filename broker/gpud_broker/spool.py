@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -24,6 +26,42 @@ log = logging.getLogger(__name__)
 DEFAULT_RAM_BYTES = 64 << 20  # bytes of small files held in memory at most
 DEFAULT_RAM_FILE_BYTES = 1 << 20  # files up to this size go to memory (while there is room)
 DEFAULT_STAGE_TTL_S = 60.0  # seconds an unclaimed upload is kept after its last PUT
+
+
+class _Reaper:
+    """Closes and removes spooled files on a thread of its own: freeing a large file's blocks can
+    take the file system a second, which the broker's loop must never wait for."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[int, str] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def reap(self, fd: int, path: str) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="spool-reaper", daemon=True)
+            self._thread.start()
+        self._queue.put((fd, path))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fd, path = item
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("spool: cannot remove %s: %s", path, exc)
+            os.close(fd)
+
+    def stop(self) -> None:
+        """Wait until every file handed over is gone."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
 
 
 class _RamStore:
@@ -45,8 +83,9 @@ class _RamStore:
 class _FileStore:
     """One staged file held in a file of the spool directory."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, reaper: _Reaper) -> None:
         self.path = path
+        self.reaper = reaper
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
 
     def write(self, offset: int, data: memoryview) -> None:
@@ -66,13 +105,7 @@ class _FileStore:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def close(self) -> None:
-        try:
-            os.close(self.fd)
-        finally:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        self.reaper.reap(self.fd, self.path)
 
 
 @dataclass(slots=True)
@@ -125,6 +158,7 @@ class Spool:
                     log.warning("spool: cannot remove %s left by an earlier run: %s", name, exc)
         self.ram_bytes = ram_bytes
         self.ram_file_bytes = ram_file_bytes
+        self._reaper = _Reaper()
         self.uploads: dict[bytes, Upload] = {}
         self.ram_used = 0  # bytes of memory stores
         self.reserved = 0  # sizes of every upload, held or still to come
@@ -145,7 +179,7 @@ class Spool:
                 else:
                     if not self.directory:
                         self.directory = tempfile.mkdtemp(prefix="gpud-spool-")
-                    up.stores.append(_FileStore(os.path.join(self.directory, f"{job.hex()}-{i}")))
+                    up.stores.append(_FileStore(os.path.join(self.directory, f"{job.hex()}-{i}"), self._reaper))
         except OSError:
             self._close(up)
             raise
@@ -214,12 +248,17 @@ class Spool:
         limit = now - ttl
         return [up for up in self.uploads.values() if not up.claimed and up.touched < limit]
 
+    def wait_removed(self) -> None:
+        """Wait until the files of every upload dropped so far are gone (they go on a thread)."""
+        self._reaper.stop()
+
     def clear(self) -> None:
         for job in list(self.uploads):
             self.drop(job)
 
     def close(self) -> None:
         self.clear()
+        self.wait_removed()
         if self._own_dir and self.directory:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = ""

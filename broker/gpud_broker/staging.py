@@ -35,7 +35,7 @@ PULL_AGAIN_S = 2.0  # a FETCH of outputs unanswered this long is sent again
 class Pull:
     """A job's staged outputs being fetched from its worker, and the REPLY that waits for them."""
 
-    __slots__ = ("task", "worker", "identity", "raw_header", "frames", "window", "upload")
+    __slots__ = ("task", "worker", "identity", "raw_header", "frames", "window", "upload", "unsettled")
 
     def __init__(self, task: Task, worker: WorkerRecord, raw_header: bytes, frames: list[Any], window: ChunkWindow,
                  upload: Upload) -> None:
@@ -46,6 +46,7 @@ class Pull:
         self.frames = frames
         self.window = window
         self.upload = upload
+        self.unsettled: deque[int] = deque()  # journal seqs of chunks taken, not yet durable at the peer
 
 
 class Staging:
@@ -238,13 +239,13 @@ class Staging:
         return True
 
     def _pull_more(self, core: BrokerCore, pull: Pull) -> None:
-        if pull.window.done():
+        if pull.window.done() and not pull.unsettled:
             del self.pulls[pull.task.id]
             pull.upload.claimed = False  # from now on it expires stage_ttl after its last read
             pull.upload.touched = core.now
             core.outputs_here(pull.task, protocol.reply(pull.raw_header, pull.frames), pull.identity)
             return
-        for ask in pull.window.asks(core.now):
+        for ask in pull.window.asks(core.now, len(pull.unsettled)):
             self._ask(core, pull, ask)
 
     def _ask(self, core: BrokerCore, pull: Pull, ask: tuple[int, int, int]) -> None:
@@ -271,8 +272,19 @@ class Staging:
             return
         if wrote:
             core.journal.chunk(pull.upload.job, index, offset, data)
+            if core.acking:  # the next chunk is asked for once this one is durable (settle_pulls)
+                pull.unsettled.append(core.journal.seq)
         pull.window.took(index, offset)
         self._pull_more(core, pull)
+
+    def settle_pulls(self, core: BrokerCore, durable: int) -> None:
+        """Once per loop turn: chunks durable at the peer free their place in their pull's window,
+        so that the broker never takes in outputs faster than its peer does."""
+        for pull in list(self.pulls.values()):
+            if pull.unsettled and pull.unsettled[0] <= durable:
+                while pull.unsettled and pull.unsettled[0] <= durable:
+                    pull.unsettled.popleft()
+                self._pull_more(core, pull)
 
     def pull_again(self, core: BrokerCore) -> None:
         """Ask again for outputs unanswered for PULL_AGAIN_S (once per tick)."""

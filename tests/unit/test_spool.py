@@ -30,6 +30,7 @@ def test_small_files_stay_in_memory_and_large_ones_go_to_disk(tmp_path: Path) ->
     assert spool.read(up, 0, 0, 3) == b"\x00" * 3
     dropped = spool.drop(JOB)
     assert dropped is up
+    spool.wait_removed()  # large files are removed on a thread of their own, never in the loop
     assert os.listdir(tmp_path / "spool") == []
     assert (spool.ram_used, spool.reserved, spool.stored, len(spool)) == (0, 0, 0, 0)
 

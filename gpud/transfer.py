@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-CHUNK_BYTES = 8 << 20  # bytes of one chunk of a staged file (a PUT's, a FETCH's)
+CHUNK_BYTES = 1 << 20  # bytes of one chunk of a staged file (a PUT's, a FETCH's)
 WINDOW = 4  # chunks of one transfer unanswered at once
 
 Ask = tuple[int, int, int]  # (file, offset, nbytes)

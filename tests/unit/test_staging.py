@@ -14,6 +14,7 @@ from gpud import protocol as P
 from gpud.clock import FakeClock
 from gpud.heartbeat import HeartbeatPolicy
 from gpud.protocol import Command, Message
+from gpud.transfer import CHUNK_BYTES, WINDOW
 from gpud_broker.accounts import Budgets
 from tests.unit.test_broker_core import C1, C2, W1, W2, Harness, MiB, rid
 from tests.unit.test_pair_clock import Side, settle
@@ -206,7 +207,7 @@ def test_a_passive_that_resyncs_gets_the_spool_back_chunk_by_chunk(sides: tuple[
         put(a.h, n + 1, file=0, offset=start, frames=(big[start : start + 4 * MiB],))
     settle(a, b)
     b.pair._sync(a.clock.monotonic())  # the passive re-syncs: a snapshot, the uploads without bytes
-    settle(a, b)
+    settle(a, b, rounds=100)
     up = b.h.core.staging.spool.uploads[JOB]
     assert up.sizes == (len(big),) and up.have == [0]
     turns = 0
@@ -248,17 +249,17 @@ def test_staged_outputs_are_pulled_into_the_spool_then_read_by_their_client() ->
     job = rid(60)
     h.request(C1, job, kind="job", argv=["x"], outputs=["o1", "o2"], need={"gpu_milli": 100, "tenant": "acme"})
     h.one_dispatch(W1)
-    files = [b"o" * (40 * MiB + 3), b"p" * 5]
+    files = [b"o" * (6 * CHUNK_BYTES + 3), b"p" * 5]
     h.result(W1, job, exit_code=0, files=["o1", "o2"], staged=[len(f) for f in files], frames=[b"out", b"err"])
     assert h.take_client() == []  # no REPLY before the outputs are here
     rounds, others = pull_all(h, job, files)
-    assert rounds == 2  # 7 chunks, at most 4 asked at once
+    assert rounds == 2  # 8 chunks, at most 4 asked at once
     out = h.take_client()
     (_, reply, _), = [o for o in out if o[1].command is Command.REPLY]
     assert reply.header["staged"] == [len(f) for f in files] and [P.as_bytes(f) for f in reply.frames] == [b"out", b"err"]
     acks = [m for m in others if m.command is Command.ACK]
     assert acks and acks[0].header["ids"] == [job]  # a standalone broker ACKs a staged result too
-    h.client(C1, Command.FETCH, {"id": rid(61), "job": job, "file": 0, "offset": 40 * MiB, "nbytes": 8 * MiB,
+    h.client(C1, Command.FETCH, {"id": rid(61), "job": job, "file": 0, "offset": 6 * CHUNK_BYTES, "nbytes": 8 * MiB,
                                  "tenant": "acme"})
     got = h.one_reply(C1)
     assert P.as_bytes(got.frames[0]) == b"ooo"
@@ -278,7 +279,7 @@ def test_a_worker_lost_while_its_outputs_are_fetched_fails_the_job() -> None:
     h.request(C1, job, kind="job", argv=["x"], outputs=["o"], need={"gpu_milli": 100})
     h.one_dispatch(W1)
     h.result(W1, job, exit_code=0, files=["o"], staged=[10 * MiB], frames=[b"", b""])
-    assert [m.command for _, m, _ in h.take_worker()] == [Command.FETCH, Command.FETCH]
+    assert [m.command for _, m, _ in h.take_worker()] == [Command.FETCH] * WINDOW
     h.worker(W1, Command.DISCONNECT, {})
     m = h.one_reply(C1)
     assert m.header["code"] == "WORKER_LOST" and "outputs" in m.header["message"]

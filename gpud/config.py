@@ -195,6 +195,13 @@ class BrokerSection:
     max_connections: int = _key(0, _at_least(0))  # frontend connections at once (0: sized from the descriptor limit)
     max_connections_per_source: int = _key(0, _at_least(0))  # of those from one address (0: sized likewise)
     io_threads: int = _key(0, _at_least(0))  # libzmq I/O threads (0: half the CPUs, 2 to 4)
+    max_job_input_bytes: int = _key(4 << 30, _at_least(0))  # a job's input files together (staged, PROTOCOL.md §11)
+    max_echo_bytes: int = _key(16 << 20, _at_least(0))  # an echo's payload
+    spool_dir: str = _key("", _absolute_or_empty)  # staged inputs over spool_ram_bytes (empty: a temporary directory)
+    spool_ram_bytes: int = _key(64 << 20, _at_least(0))  # staged bytes of small files kept in memory
+    spool_quota_bytes: int = _key(16 << 30, _at_least(0))  # staged bytes in the spool, all tenants together
+    tenant_max_spool_bytes: int = _key(8 << 30, _at_least(0))  # staged bytes of one tenant
+    stage_ttl: float = _key(60.0, _above(0))  # seconds an upload no job claims is kept after its last PUT
     tenants: Mapping[str, TenantLimits] = _key({})
     tenant_pool_share: float = _key(0.5, _share)  # most of a worker's pool users one tenant may hold
 
@@ -234,6 +241,7 @@ class WorkerSection:
     data_bind: str = _key("", _optional_endpoint)  # where clients send session CALLs directly; empty: nowhere
     data_advertise: str = _key("", _optional_endpoint)  # the endpoint clients are told (empty: from data_bind)
     data_ports: str = _key("", _port_range)  # "LOW-HIGH": the ports of direct sessions' own sockets (empty: any free)
+    max_job_output_bytes: int = _key(1 << 30, _at_least(0))  # a job's output files together (PROTOCOL.md §11.5)
     probation_s: float = _key(300.0, _at_least(0))  # a failed GPU's checks pass this long before it serves
     fault_file: str = _key("")  # SIMULATED GPU faults, read on SIGUSR2; empty: none
     instance_id: str = _key("", _instance_id)  # its Nova server id; "auto": the metadata service

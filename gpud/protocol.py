@@ -59,6 +59,7 @@ class Command(enum.IntEnum):
     CALL = 0x04
     PING = 0x05
     PONG = 0x06
+    PUT = 0x07
     READY = 0x10
     WELCOME = 0x11
     HEARTBEAT = 0x12
@@ -68,6 +69,8 @@ class Command(enum.IntEnum):
     ACK = 0x16
     START = 0x17
     GO = 0x18
+    FETCH = 0x19
+    CHUNK = 0x1A
     ADMIN = 0x20
     STATE = 0x30
     SYNC = 0x31
@@ -79,9 +82,10 @@ class Command(enum.IntEnum):
 
 # What each peer kind may send to the broker. Anything else is UNKNOWN_COMMAND.
 SENDABLE: dict[Peer, frozenset[Command]] = {
-    Peer.CLIENT: frozenset({Command.REQUEST, Command.CANCEL, Command.CALL, Command.PING}),
+    Peer.CLIENT: frozenset({Command.REQUEST, Command.CANCEL, Command.CALL, Command.PING, Command.PUT, Command.FETCH}),
     Peer.WORKER: frozenset(
-        {Command.READY, Command.HEARTBEAT, Command.RESULT, Command.START, Command.DISCONNECT, Command.BATCH}
+        {Command.READY, Command.HEARTBEAT, Command.RESULT, Command.START, Command.DISCONNECT, Command.BATCH,
+         Command.FETCH, Command.CHUNK}
     ),
     Peer.ADMIN: frozenset({Command.ADMIN}),
     Peer.BROKER: frozenset({Command.STATE, Command.SYNC, Command.SNAPSHOT, Command.UPDATES}),
@@ -492,6 +496,7 @@ class JobSpec:
     time_limit: float = 60.0
     output_cap: int = 1 << 20
     idempotent: bool = False
+    staged: tuple[int, ...] | None = None  # the sizes of staged inputs (PROTOCOL.md §11); None: inline
 
 
 MAX_TIME_LIMIT = 7 * 24 * 3600.0
@@ -511,7 +516,12 @@ def parse_job(header: dict[str, Any], nframes: int) -> JobSpec:
     files = tuple(check_file_name(f) for f in opt(header, "files", list, []))
     if len(set(files)) != len(files):
         raise InvalidRequest("field 'files' names a file twice")
-    if len(files) != nframes:
+    staged = header.get("staged")
+    if staged is not None:
+        staged = check_sizes(staged, "staged")
+        if len(staged) != len(files) or nframes:
+            raise InvalidRequest(f"'staged' must give the size of each of the {len(files)} files, and no payload may come")
+    elif len(files) != nframes:
         raise InvalidRequest(f"'files' names {len(files)} files but {nframes} payload frames came")
     outputs = tuple(check_file_name(f) for f in opt(header, "outputs", list, []))
     limit = float(opt(header, "time_limit", (int, float), 60.0))
@@ -526,11 +536,55 @@ def parse_job(header: dict[str, Any], nframes: int) -> JobSpec:
         time_limit=limit,
         output_cap=cap,
         idempotent=opt(header, "idempotent", bool, False),
+        staged=staged,
     )
 
 
+MAX_STAGED_FILES = MAX_PAYLOAD_FRAMES
+MAX_STAGED_FILE_BYTES = 1 << 50
+
+
+def check_sizes(raw: Any, key: str) -> tuple[int, ...]:
+    """A list of staged file sizes (PROTOCOL.md §11) checked; InvalidRequest otherwise."""
+    if (type(raw) is not list or len(raw) > MAX_STAGED_FILES
+            or not all(type(n) is int and 0 <= n <= MAX_STAGED_FILE_BYTES for n in raw)):
+        raise InvalidRequest(f"field {key!r} must be a list of at most {MAX_STAGED_FILES} sizes (ints >= 0)")
+    return tuple(raw)
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """A checked PUT (PROTOCOL.md §11.1): an opening one (``sizes``) or a chunk (``file``, ``offset``)."""
+
+    id: bytes
+    job: bytes
+    sizes: tuple[int, ...] | None
+    file: int
+    offset: int
+
+
+def parse_put(header: dict[str, Any], nframes: int) -> Put:
+    """The PUT ``header`` (with ``nframes`` payload frames) checked; its ``id`` is valid already."""
+    rid = get_id(header)
+    try:
+        job = get_id(header, "job")
+    except ProtocolError as exc:
+        raise InvalidRequest(exc.message) from None
+    if "sizes" in header:
+        if nframes:
+            raise InvalidRequest("an opening PUT carries no payload")
+        return Put(rid, job, check_sizes(header["sizes"], "sizes"), -1, 0)
+    if nframes != 1:
+        raise InvalidRequest(f"a chunk PUT carries exactly one payload frame, not {nframes}")
+    index = _int_in(req(header, "file", int), "file", 0, MAX_STAGED_FILES - 1)
+    offset = _int_in(req(header, "offset", int), "offset", 0, MAX_STAGED_FILE_BYTES)
+    return Put(rid, job, None, index, offset)
+
+
 def job_to_wire(spec: JobSpec) -> dict[str, Any]:
+    staged = {"staged": list(spec.staged)} if spec.staged is not None else {}
     return {
+        **staged,
         "argv": list(spec.argv),
         "env": dict(spec.env),
         "files": list(spec.files),

@@ -28,6 +28,7 @@ DEFAULT_FRONTEND = _D.frontend
 DEFAULT_BACKEND = _D.backend
 FLAGS = ("name", "frontend", "backend", "admin", "policy", "heartbeat_ms", "liveness", "max_queue",
          "session_lease", "result_ttl", "aging", "reserve_after", "data_path", "max_message_bytes",
+         "max_job_input_bytes", "max_echo_bytes", "spool_dir",
          "tenant_max_queued", "tenant_max_bytes", "max_held_bytes", "max_connections", "max_connections_per_source",
          "io_threads")
 """The [broker] keys that have a flag of the same name (--heartbeat-ms for heartbeat_ms)."""
@@ -57,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"broker: every session CALL is relayed here; direct: none is (sessions call their worker directly); auto: both (default {_D.data_path})")
     p.add_argument("--result-ttl", type=float, help=f"seconds finished replies are kept for retries (default {_D.result_ttl:g})")
     p.add_argument("--max-message-bytes", type=int, help="bytes of one message at most (default: 1 GiB, or memory/8 if less)")
+    p.add_argument("--max-job-input-bytes", type=int, help="bytes of one job's input files together (default 4 GiB)")
+    p.add_argument("--max-echo-bytes", type=int, help="bytes of one echo's payload (default 16 MiB)")
+    p.add_argument("--spool-dir", help="where staged job inputs are spooled (default: a temporary directory)")
     p.add_argument("--tenant-max-queued", type=int, help="requests of one tenant queued at once (default: max_queue/4)")
     p.add_argument("--tenant-max-bytes", type=int, help="payload bytes held for one tenant (default: memory/16, at most 4 GiB)")
     p.add_argument("--max-held-bytes", type=int, help="payload bytes held for all tenants (default: memory/4)")
@@ -150,6 +154,11 @@ def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | Non
         data_path=b.data_path,
         connection_limits=connection_limits(b),
         io_threads=b.io_threads,
+        max_job_input_bytes=b.max_job_input_bytes,
+        max_echo_bytes=b.max_echo_bytes,
+        spool_dir=b.spool_dir,
+        spool_ram_bytes=b.spool_ram_bytes,
+        stage_ttl=b.stage_ttl,
     )
 
 
@@ -181,13 +190,13 @@ def budgets(b: config.BrokerSection) -> Budgets:
     base = with_overrides(base, {
         "max_queued": b.tenant_max_queued, "max_outstanding": b.tenant_max_outstanding, "max_bytes": b.tenant_max_bytes,
         "max_sessions": b.tenant_max_sessions, "max_deadline_ms": b.tenant_max_deadline_ms,
-        "reply_bytes": b.tenant_reply_bytes})
+        "reply_bytes": b.tenant_reply_bytes, "max_spool_bytes": b.tenant_max_spool_bytes})
     own = {name: with_overrides(base, {
         "max_queued": t.max_queued, "max_outstanding": t.max_outstanding, "max_bytes": t.max_bytes,
         "max_sessions": t.max_sessions, "max_deadline_ms": t.max_deadline_ms, "reply_bytes": t.reply_bytes})
         for name, t in b.tenants.items()}
     return Budgets(default=base, tenants={n: t for n, t in own.items() if t != base},
-                   max_held_bytes=b.max_held_bytes or default_held_bytes())
+                   max_held_bytes=b.max_held_bytes or default_held_bytes(), max_spool_bytes=b.spool_quota_bytes)
 
 
 def pair_config(cfg: config.GpudConfig) -> PairConfig | None:

@@ -51,6 +51,7 @@ class TenantBudget:
     max_sessions: int = 256  # open device sessions, those being opened included
     max_deadline_ms: int = 86_400_000  # the longest deadline_ms a request may ask for (a day)
     reply_bytes: int = 64 << 20  # its share of the reply store (finished replies kept for retries)
+    max_spool_bytes: int = 8 << 30  # bytes of staged job inputs in the spool (PROTOCOL.md §11.2)
 
 
 def default_budget(max_queue: int, memory: int | None = None, result_bytes: int = 256 << 20) -> TenantBudget:
@@ -76,6 +77,7 @@ class Budgets:
     default: TenantBudget = field(default_factory=TenantBudget)
     tenants: dict[str, TenantBudget] = field(default_factory=dict)
     max_held_bytes: int = 4 << 30  # payload bytes the broker holds for all tenants together
+    max_spool_bytes: int = 16 << 30  # staged bytes in the spool for all tenants together (its quota)
 
     def of(self, tenant: str) -> TenantBudget:
         return self.tenants.get(tenant, self.default)
@@ -83,7 +85,7 @@ class Budgets:
     def shown(self) -> dict[str, object]:
         """For admin ``status``: the defaults, the tenants' own, the total."""
         return {"default": _fields(self.default), "tenants": {t: _fields(b) for t, b in sorted(self.tenants.items())},
-                "max_held_bytes": self.max_held_bytes}
+                "max_held_bytes": self.max_held_bytes, "max_spool_bytes": self.max_spool_bytes}
 
 
 def _fields(b: TenantBudget) -> dict[str, int]:
@@ -118,6 +120,8 @@ class Accounts:
         self.budgets = budgets if budgets is not None else Budgets()
         self.load: dict[str, TenantLoad] = {}
         self.held_bytes = 0  # payload bytes held for all tenants
+        self.spooled: dict[str, int] = {}  # bytes of staged uploads reserved, by tenant
+        self.spooled_bytes = 0  # and for all tenants
 
     # ------------------------------------------------------------------ budgets: one hold, one let-go
 
@@ -164,6 +168,33 @@ class Accounts:
         self.held_bytes -= nbytes
         if not load.outstanding:
             del self.load[tenant]
+
+    # ------------------------------------------------------------------ the spool: one reserve, one release
+
+    def over_spool(self, tenant: str, nbytes: int) -> str | None:
+        """Why reserving ``nbytes`` of spool for an upload of ``tenant`` is over a budget (its
+        BUSY), or None."""
+        mine = self.spooled.get(tenant, 0)
+        most = self.budgets.of(tenant).max_spool_bytes
+        if mine + nbytes > most:
+            return (f"tenant {tenant} would stage {mine + nbytes} bytes, over its budget max_spool_bytes ({most}); "
+                    f"try later")
+        if self.spooled_bytes + nbytes > self.budgets.max_spool_bytes:
+            return (f"the spool holds {self.spooled_bytes} staged bytes; {nbytes} more are over its quota "
+                    f"spool_quota_bytes ({self.budgets.max_spool_bytes}); try later")
+        return None
+
+    def reserve_spool(self, tenant: str, nbytes: int) -> None:
+        self.spooled[tenant] = self.spooled.get(tenant, 0) + nbytes
+        self.spooled_bytes += nbytes
+
+    def release_spool(self, tenant: str, nbytes: int) -> None:
+        left = self.spooled.get(tenant, 0) - nbytes
+        if left > 0:
+            self.spooled[tenant] = left
+        else:
+            self.spooled.pop(tenant, None)
+        self.spooled_bytes -= nbytes
 
     # ------------------------------------------------------------------ one charge, one refund
 

@@ -70,7 +70,7 @@ GATE_CHECK_S = 5.0  # at most this often, a refusal by the gate first checks the
 CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED  # what the frontend's monitor reports besides failed handshakes
 PASS_MESSAGES = 32  # messages of one sender read from the frontend in one pass at most (then the others' turn)
 PASS_BYTES = 1 << 20  # payload bytes read from the frontend in one pass at most (then the workers' turn)
-_NEW_WORK = (protocol.CMD_BYTES[Command.REQUEST], protocol.CMD_BYTES[Command.CALL])
+_NEW_WORK = (protocol.CMD_BYTES[Command.REQUEST], protocol.CMD_BYTES[Command.CALL], protocol.CMD_BYTES[Command.PUT])
 _WHO_WORKER = frozenset((protocol.CMD_BYTES[Command.READY], protocol.CMD_BYTES[Command.BATCH]))  # worker messages read with their key's name
 
 
@@ -462,6 +462,7 @@ class Broker:
         self._monitors.clear()
         if self.pair is not None:
             self.pair.close()
+        self.core.staging.spool.close()
         for s in (self.frontend, self.backend, self.admin, self.zap):
             if s is not None:
                 s.close(0)
@@ -516,8 +517,16 @@ class Broker:
                 self._drain(admin, self._on_admin)
                 ready.discard(admin)
             busy = bool(got)
+            staging = core.staging
             if pair is not None:
+                if staging.backfilling:
+                    staging.backfill(core)
                 pair.flush()
+            if staging.waiting:  # PUTs whose chunks are durable now
+                for route, reply in staging.take_replies(core.journal.durable):
+                    send_frames(front, [route, *reply])
+            if staging.pulls:  # outputs: the next chunks once the last ones are durable
+                staging.settle_pulls(core, core.journal.durable)
             if to_workers or to_clients:
                 self._flush()
             if core.unacked:

@@ -79,6 +79,8 @@ from gpud_broker.policies import (
 from gpud_broker.queue import DEFAULT_AGING_S, DEFAULT_RESERVE_AFTER_S, PendingQueue
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
 from gpud_broker.replication import NULL_JOURNAL, Journal
+from gpud_broker.spool import DEFAULT_RAM_BYTES, DEFAULT_STAGE_TTL_S, Spool
+from gpud_broker.staging import Staging
 from gpud_broker.starts import Loss, StartGate, on_loss
 from gpud_broker.stats import PlacementTimes, RequestStats
 from gpud_broker.takeover import Takeover
@@ -91,6 +93,10 @@ Send = Callable[[bytes, list[Any]], object]
 MAX_RUNNING_KEPT = 1000  # entries of a heartbeat's running list kept (more: it may be cut short)
 DEFAULT_RESULT_BYTES = 256 << 20  # the reply store's default size
 MAX_OWNERS = 1 << 18  # routing ids whose authenticated sender is remembered (oldest forgotten first)
+
+
+DEFAULT_MAX_JOB_INPUT_BYTES = 4 << 30
+DEFAULT_MAX_ECHO_BYTES = 16 << 20
 
 
 def default_max_message_bytes() -> int:
@@ -122,6 +128,11 @@ class BrokerConfig:
     # limit, gate.default_limits), and libzmq's I/O threads (0: sized from the CPUs).
     connection_limits: ConnectionLimits | None = None
     io_threads: int = 0
+    max_job_input_bytes: int = DEFAULT_MAX_JOB_INPUT_BYTES  # a job's input files together (PROTOCOL.md §11)
+    max_echo_bytes: int = DEFAULT_MAX_ECHO_BYTES  # an echo's payload
+    spool_dir: str = ""  # where staged inputs are spooled ("": a temporary directory of its own)
+    spool_ram_bytes: int = DEFAULT_RAM_BYTES  # staged bytes held in memory at most (small files)
+    stage_ttl: float = DEFAULT_STAGE_TTL_S  # seconds an upload no job claims is kept after its last PUT
 
     def __post_init__(self) -> None:
         if self.policy not in FACTORIES:
@@ -190,6 +201,9 @@ class BrokerCore:
         self.owners: dict[bytes, str] = {}
         self._users: dict[str, tuple[str, str]] = {}  # User-Id -> (tenant, owner), memoized
         self.worker_names_bound = False  # CURVE: a worker's name must be its key's name
+        # Staged job inputs (PROTOCOL.md §11): the spool and the PUT and FETCH dialogs.
+        self.staging = Staging(Spool(config.spool_dir, config.spool_ram_bytes), config.max_job_input_bytes,
+                               config.stage_ttl)
 
     def _task_table(self) -> TaskTable:
         """An empty task table whose replies dropped early are journalled (a pair's passive broker
@@ -294,6 +308,10 @@ class BrokerCore:
             self.send_client(identity, protocol.pong())
         elif cmd is Command.CANCEL:
             self._on_cancel(msg.header, tenant)
+        elif cmd is Command.PUT:
+            self.staging.on_put(self, identity, msg, tenant, owner)
+        elif cmd is Command.FETCH:
+            self.staging.on_client_fetch(self, identity, msg, tenant, owner)
         else:
             raise UnknownCommand(f"command {cmd.name} is not valid from a client")
 
@@ -318,6 +336,20 @@ class BrokerCore:
                                                  f"budget max_deadline_ms ({budget.max_deadline_ms})"), need.tenant)
             return
         nbytes = sum([len(f) for f in msg.frames]) if msg.frames else 0
+        if nbytes and (kind == "echo" or kind == "job"):
+            most = self.config.max_echo_bytes if kind == "echo" else self.config.max_job_input_bytes
+            if nbytes > most:
+                self._refuse(identity, rid, TooLarge(f"the {kind}'s payload is {nbytes} bytes, over the broker's "
+                                                     f"max_{kind}_{'bytes' if kind == 'echo' else 'input_bytes'} ({most})"),
+                             need.tenant)
+                return
+        staged = request.body.get("staged") if kind == "job" else None
+        if staged is not None:
+            try:
+                self.staging.check(rid, need.tenant, owner, tuple(staged))
+            except GpudError as exc:
+                self._refuse(identity, rid, exc, need.tenant)
+                return
         why = accounts.over_budget(need.tenant, nbytes, self._sessions_of(need.tenant) if kind == "session" else -1)
         if why is not None:
             self._refuse(identity, rid, Busy(why), need.tenant)
@@ -333,6 +365,8 @@ class BrokerCore:
                     deadline=now + request.deadline_ms / 1000.0, priority=need.priority, tenant=need.tenant,
                     retryable=request.retryable, owner=owner, held=nbytes)
         self.tasks.add(task)
+        if staged is not None:
+            self.staging.claim(rid)
         accounts.hold(task.tenant, nbytes, kind == "session")
         self.journal.task(task, now)
         lost = None
@@ -371,8 +405,14 @@ class BrokerCore:
     def _forget(self, task: Task) -> None:
         """Drop a task refused after it was made (it never ran; its budgets are let go)."""
         self._let_go(task)
+        self._unstage(task)
         self.tasks.forget(task)
         self.journal.forget(task.id)
+
+    def _unstage(self, task: Task) -> None:
+        """Release the staged inputs of a job that ended (PROTOCOL.md §11.1)."""
+        if task.kind == "job" and "staged" in task.body:
+            self.staging.release(self, task.id)
 
     def _let_go(self, task: Task) -> None:
         if task.held >= 0:
@@ -677,6 +717,7 @@ class BrokerCore:
     def _finish(self, task: Task, reply: list[Any]) -> None:
         if task.held >= 0:
             self._let_go(task)
+        self._unstage(task)
         self.tasks.finish(task, reply, self.now)
         self.journal.done(task.id, reply)
         self.stats.finish(task.kind, self.now - task.created)
@@ -723,6 +764,12 @@ class BrokerCore:
                 self.unacked.append((self.journal.seq, identity, protocol.get_id(msg.header)))
         elif cmd is Command.HEARTBEAT:
             self._on_heartbeat(worker, msg.header)
+        elif cmd is Command.FETCH:
+            if self.active:
+                self.staging.on_fetch(self, worker, msg.header)
+        elif cmd is Command.CHUNK:
+            if self.active:
+                self.staging.on_output_chunk(self, worker, msg)
         elif cmd is Command.START:
             if self.active:  # a passive broker leaves STARTs to the active one (the worker asks it again)
                 self._on_start(worker, msg.header)
@@ -950,9 +997,22 @@ class BrokerCore:
                 self._end_session(sid)
         else:
             self._release(worker, task)
+            if ok and kind == "job" and "staged" in header:  # its outputs first (PROTOCOL.md §11.5)
+                pulling = self.staging.pull(self, worker, task, raw_header, list(msg.frames), header["staged"])
+                self.place_queued()
+                return not pulling  # ACKed once its outputs are here (outputs_here)
         self._finish(task, reply)
         self.place_queued()
         return True
+
+    def outputs_here(self, task: Task, reply: list[Any], identity: bytes) -> None:
+        """A job's staged outputs are in the spool: answer its client, and ACK its RESULT once
+        that is durable (a standalone broker ACKs it too: the worker holds the outputs until then)."""
+        self._finish(task, reply)
+        if self.acking:
+            self.unacked.append((self.journal.seq, identity, task.id))
+        else:
+            self.send_worker(identity, protocol.encode(Peer.WORKER, Command.ACK, {"ids": [task.id]}))
 
     def _release(self, worker: WorkerRecord, task: Task) -> None:
         grant = task.grant
@@ -1029,6 +1089,8 @@ class BrokerCore:
         self.registry.remove(worker)
         self._fits.clear()
         self.takeover.worker_gone(worker.name)
+        if self.staging.pulls:
+            self.staging.worker_lost(self, worker.name)
         if not self.active:  # the passive broker keeps the tables as replicated; the active one decides
             return
         self.queue.drop_reservations_on(worker.name)
@@ -1088,6 +1150,7 @@ class BrokerCore:
         self.accounts.clear()
         self.queue = PendingQueue(self.config.max_queue, self.accounts.fair, self.config.aging_s, self.config.reserve_after)
         self.leases.clear()
+        self.staging.clear(self)
         self.unacked.clear()
         self.starts.clear()
         for w in self.registry.by_identity.values():
@@ -1130,6 +1193,10 @@ class BrokerCore:
             self.fail(task, Timeout("no GPU could take the request before its deadline"))
         for s in self.leases.lapsed(now):
             self._expire_session(s)
+        if self.staging.spool.uploads:
+            self.staging.expire(self, now)
+        if self.staging.pulls:
+            self.staging.pull_again(self)
         self.tasks.evict(now)
 
     def fail_queued(self, exc: GpudError) -> int:

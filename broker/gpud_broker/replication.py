@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 # Update tags (the first item of each update).
 TASK, RUN, QUEUE, DONE, FORGET, SESSION, END, MARKS, START, EXPIRED = (
     "task", "run", "queue", "done", "forget", "session", "end", "marks", "start", "expired")
+STAGE, CHUNK, UNSTAGE = ("stage", "chunk", "unstage")  # staged job inputs (PROTOCOL.md §11.4)
 
 
 class Journal:
@@ -77,6 +78,15 @@ class Journal:
     def expired(self, rid: bytes, left: float, tenant: str) -> None:
         self._add([EXPIRED, rid, left, tenant])
 
+    def stage(self, job: bytes, tenant: str, owner: str | None, sizes: tuple[int, ...]) -> None:
+        self._add([STAGE, job, tenant, owner, list(sizes)])
+
+    def chunk(self, job: bytes, index: int, offset: int, data: memoryview) -> None:
+        self._add([CHUNK, job, index, offset, data])
+
+    def unstage(self, job: bytes) -> None:
+        self._add([UNSTAGE, job])
+
     def take(self) -> list[list[Any]]:
         """The updates journalled since the last ``take`` (the pair sends them as one UPDATES)."""
         updates, self.updates = self.updates, []
@@ -117,6 +127,15 @@ class _NullJournal(Journal):
         pass
 
     def expired(self, rid: bytes, left: float, tenant: str) -> None:
+        pass
+
+    def stage(self, job: bytes, tenant: str, owner: str | None, sizes: tuple[int, ...]) -> None:
+        pass
+
+    def chunk(self, job: bytes, index: int, offset: int, data: memoryview) -> None:
+        pass
+
+    def unstage(self, job: bytes) -> None:
         pass
 
 
@@ -205,6 +224,7 @@ def snapshot(core: BrokerCore) -> dict[str, Any]:
         "sessions": [session_to_wire(s) for s in core.sessions.values()],
         "marks": [sorted(core.registry.drained), sorted(core.registry.cordoned)],
         "expired": [[rid, until - now, tenant] for rid, (until, tenant) in core.tasks.expired.items()],
+        "uploads": core.staging.to_wire(),
     }
 
 
@@ -224,6 +244,7 @@ def load(core: BrokerCore, snap: Any) -> None:
         core.sessions[s.id] = s
     drained, cordoned = _fields(snap.get("marks", [[], []]), 2, "set of marks")
     core.set_marks(drained, cordoned)
+    core.staging.load(core, snap.get("uploads", []))
     expired = snap.get("expired", [])
     if type(expired) is not list:
         raise ProtocolError("a snapshot's 'expired' must be a list")
@@ -247,7 +268,21 @@ def apply(core: BrokerCore, update: Any) -> None:
     now = core.now
     tasks = core.tasks
     if tag == TASK:
-        tasks.add(task_from_wire(_fields(update, 2, "task update")[1], now))
+        learnt = task_from_wire(_fields(update, 2, "task update")[1], now)
+        tasks.add(learnt)
+        if type(learnt.body) is dict and "staged" in learnt.body:
+            core.staging.claim(learnt.id)
+        return
+    if tag == STAGE:
+        _, job, tenant, owner, sizes = _fields(update, 5, "stage update")
+        core.staging.apply_stage(core, job, tenant, owner, sizes)
+        return
+    if tag == CHUNK:
+        _, job, index, offset, data = _fields(update, 5, "chunk update")
+        core.staging.apply_chunk(core, job, index, offset, data)
+        return
+    if tag == UNSTAGE:
+        core.staging.release(core, _fields(update, 2, "unstage update")[1])
         return
     if tag == SESSION:
         s = session_from_wire(_fields(update, 2, "session update")[1], now)
@@ -272,6 +307,7 @@ def apply(core: BrokerCore, update: Any) -> None:
             t = Task(id=rid, kind="echo", need=None, body={}, frames=[], route=None, created=now, deadline=now)
             tasks.add(t)
         tasks.finish(t, reply, now)
+        core.staging.release(core, rid)
         return
     if t is None:
         log.debug("update %s for unknown task %s ignored", tag, protocol.id_text(update[1]))
@@ -286,5 +322,6 @@ def apply(core: BrokerCore, update: Any) -> None:
         t.state, t.worker, t.grant, t.avoid, t.started = State.QUEUED, None, None, set(avoid), False
     elif tag == FORGET:
         tasks.forget(t)
+        core.staging.release(core, t.id)
     else:
         raise ProtocolError(f"unknown update {tag!r}")

@@ -46,6 +46,7 @@ class Takeover:
         core.active = True
         core.epoch = epoch
         core.journal = Journal()  # a new stream: the peer syncs from a snapshot
+        core.staging.new_stream()
         core.max_epoch_seen = max(core.max_epoch_seen, epoch)
         core.fenced = False
         self.at = now

@@ -40,6 +40,7 @@ from gpud_client.session import (
     SessionSettings,
     open_session,
 )
+from gpud_client.staging import job_result, stage
 
 if TYPE_CHECKING:
     from gpud_client._request import BytesLike
@@ -307,7 +308,10 @@ class Client:
             Program and arguments, run in the job's private working directory.
         files:
             Input files to place in that directory, name -> bytes-like content. The buffers are
-            sent without copying: do not change them until the job is done.
+            sent without copying: do not change them until the job is done. Files larger
+            together than the client's ``chunk_bytes`` are staged first (PROTOCOL.md §11): sent
+            in chunks, a few at a time, before this call returns; past the broker's
+            ``max_job_input_bytes`` (default 4 GiB) TooLarge is raised before any byte is sent.
         outputs:
             Names of files to bring back after the program exits.
         env:
@@ -341,10 +345,16 @@ class Client:
         else:
             overall = queue_wait = timeout
         rid = new_id()
+        settings = self._settings
+        if sum([v.nbytes for v in payload]) > settings.chunk_bytes:
+            # Large inputs go ahead of the REQUEST, in chunks (PROTOCOL.md §11).
+            body["staged"] = stage(self._conn, rid, payload, self.tenant, settings.timeout)
+            payload = []
         frames = rq.request_frames(rid, "job", wire_need, rq.timeout_ms(queue_wait), body, payload)
         what = f"job {id_text(rid)}"
         self._conn.submit(rid, frames, what)
-        return Job(self._conn, rid, rq.parse_job_result, overall, what, cancellable=True)
+        convert = job_result(self._conn, self.tenant, settings.timeout)
+        return Job(self._conn, rid, convert, overall, what, cancellable=True)
 
     @_parameters_of(submit)
     def run(self, *args: Any, **kwargs: Any) -> JobResult:

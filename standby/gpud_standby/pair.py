@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 DEFAULT_HEARTBEAT_S = 0.25
 DEFAULT_EXPIRY_S = 0.75
 HANDOVER_BEATS = 8  # STATEs that carry ``handover`` after the operator's failover
-_REQ, _CALL, _PING = (protocol.CMD_BYTES[c] for c in (Command.REQUEST, Command.CALL, Command.PING))
+_REQ, _CALL, _PING, _PUT, _FETCH = (protocol.CMD_BYTES[c] for c in (Command.REQUEST, Command.CALL, Command.PING, Command.PUT,
+                                                                  Command.FETCH))
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +167,7 @@ class Pair:
 
     def _vote(self, frames: list[Any], tenant: str | None) -> None:
         cmd = frames[2] if len(frames) > 2 else b""
-        if cmd not in (_REQ, _CALL, _PING):
+        if cmd not in (_REQ, _CALL, _PING, _PUT, _FETCH):
             return  # CANCEL and the like: nothing of theirs is here
         now = self.clock.monotonic()
         action = self.event(Event.CLIENT, now)

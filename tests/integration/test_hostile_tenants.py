@@ -229,13 +229,19 @@ def test_an_oversize_result_fails_its_job_and_costs_the_worker_nothing() -> None
 
     limit = 8 << 20
     with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, security="curve", log_level="INFO",
-                      broker_args=["--max-message-bytes", str(limit)], dynamic_uid_base=UIDS + 64) as c:
+                      broker_args=["--max-message-bytes", str(limit)], dynamic_uid_base=UIDS + 64,
+                      worker_args=["--max-job-output-bytes", str(20 << 20)]) as c:
         with Client(c.frontend, timeout=30, curve=c.client_keys("alice")) as a:
             other = a.submit(["sleep", "2"], gpu_milli=10)
-            big = a.submit(["sh", "-c", "head -c 12000000 /dev/zero > out"], outputs=["out"], gpu_milli=10)
+            # Output files travel staged, in chunks (PROTOCOL.md §11.5); stdout stays in the RESULT.
+            big = a.submit(["sh", "-c", "head -c 12000000 /dev/zero"], output_cap=12_000_000, gpu_milli=10)
             with pytest.raises(TooLarge) as info:
                 big.wait()
             assert "over the" in info.value.message and "maximum message size" in info.value.message
+            files = a.submit(["sh", "-c", "head -c 25000000 /dev/zero > out"], outputs=["out"], gpu_milli=10)
+            with pytest.raises(TooLarge) as info:
+                files.wait()
+            assert "max_job_output_bytes (20971520)" in info.value.message
             assert other.wait().exit_code == 0  # the worker kept its connection and its other job
             assert a.run(["true"], gpu_milli=10).exit_code == 0
         st = c.status()

@@ -44,7 +44,7 @@ ALT: dict[tuple[str, str], object] = {
     ("broker", "tenant_pool_share"): 0.25,
     ("worker", "data_bind"): "tcp://127.0.0.1:6559", ("worker", "data_advertise"): "tcp://10.0.0.9:6559",
     ("worker", "data_ports"): "6560-6569",
-    ("broker", "data_path"): "broker",
+    ("broker", "data_path"): "broker", ("broker", "spool_dir"): "/tmp/gpud-test-spool",
     ("security", "mode"): "none", ("security", "keys_dir"): "/srv/k", ("security", "secret_key_file"): "/srv/s.key_secret",
     ("security", "public_key_file"): "/srv/p.key", ("security", "broker_public_key_file"): "/srv/b.key",
     ("security", "worker_keys_dir"): "/srv/w", ("security", "client_keys_dir"): "/srv/c",

@@ -151,7 +151,7 @@ def test_known_prefix_other_version(sig: bytes) -> None:
     assert_raises_exactly(VersionError, [sig, b"\x01", raw_header({"id": RID})])
 
 
-@pytest.mark.parametrize("cmd", [b"\x00", b"\x07", b"\x7e", b"\xff", b"", b"\x01\x01"])
+@pytest.mark.parametrize("cmd", [b"\x00", b"\x0f", b"\x7e", b"\xff", b"", b"\x01\x01"])
 def test_unknown_command_byte(cmd: bytes) -> None:
     assert_raises_exactly(UnknownCommand, [Peer.CLIENT.value, cmd, raw_header({"id": RID})])
 

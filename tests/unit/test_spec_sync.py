@@ -294,7 +294,7 @@ def updates_of_every_kind() -> list[list[Any]]:
     from tests.unit.test_pair_clock import Side, settle
 
     ctx: zmq.Context[Any] = zmq.Context()
-    a = Side(ctx, FakeClock(), "primary", "inproc://updates-a", "inproc://updates-b", max_queue=1)
+    a = Side(ctx, FakeClock(), "primary", "inproc://updates-a", "inproc://updates-b", max_queue=1, stage_ttl=0.005)
     b = Side(ctx, a.clock, "backup", "inproc://updates-b", "inproc://updates-a")
     try:
         settle(a, b)
@@ -314,6 +314,9 @@ def updates_of_every_kind() -> list[list[Any]]:
         h.request(C1, rid(4), kind="job", argv=["x"])  # task, then forget: no room in the queue
         h.ready(W2, "w2")
         h.core.marks_changed()  # marks
+        h.client(C1, Command.PUT, {"id": rid(20), "job": rid(21), "sizes": [3]})  # stage
+        h.client(C1, Command.PUT, {"id": rid(22), "job": rid(21), "file": 0, "offset": 0}, [b"abc"])  # chunk
+        h.tick(0.01)  # unstage: no job claimed it
         settle(a, b)
     finally:
         a.pair.close()
@@ -327,7 +330,7 @@ def test_every_replicated_update_has_the_documented_items(lines: list[str]) -> N
     documented = {row[0].strip("`"): [i.strip() for i in row[1].split(",")] for row in rows}
     assert set(documented) == {replication.TASK, replication.RUN, replication.QUEUE, replication.DONE, replication.FORGET,
                                replication.SESSION, replication.END, replication.MARKS, replication.START,
-                               replication.EXPIRED}
+                               replication.EXPIRED, replication.STAGE, replication.CHUNK, replication.UNSTAGE}
     seen: dict[str, set[int]] = {}
     for update in updates_of_every_kind():
         seen.setdefault(update[0], set()).add(len(update) - 1)

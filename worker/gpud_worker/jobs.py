@@ -165,6 +165,7 @@ class JobOutcome:
     stderr_truncated: bool
     files: list[tuple[str, bytes]]  # (name, content) in spec.outputs order; missing ones omitted
     user: str  # Unix user name it ran as
+    oversize: tuple[str, ...] = ()  # outputs omitted for being over max_output_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -1028,7 +1029,8 @@ class JobRunner:
             log.info("job %s filled its directory (%d bytes)", hexid, self.dir_size)
             note = f"gpud: the job directory is full: it is limited to {self.dir_size} bytes (job_dir_size)\n".encode()
             stderr = stderr[: max(0, spec.output_cap - len(note))] + note
-        files = self._collect_outputs(hexid, spec, dfd, user)
+        oversize: list[str] = []
+        files = self._collect_outputs(hexid, spec, dfd, user, oversize)
         log.info(
             "job %s finished: exit %d%s after %.2f s",
             hexid,
@@ -1045,10 +1047,11 @@ class JobRunner:
             stderr_truncated=err.truncated,
             files=files,
             user=user.pw_name,
+            oversize=tuple(oversize),
         )
 
     def _collect_outputs(
-        self, hexid: str, spec: JobSpec, dfd: int, user: pwd.struct_passwd
+        self, hexid: str, spec: JobSpec, dfd: int, user: pwd.struct_passwd, oversize: list[str]
     ) -> list[tuple[str, bytes]]:
         files: list[tuple[str, bytes]] = []
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -1074,10 +1077,12 @@ class JobRunner:
                         name,
                         st.st_size,
                     )
+                    oversize.append(name)
                     continue
                 data = self._read_capped(fd)
                 if data is None:
                     log.warning("job %s: output %s grew over the cap: skipped", hexid, name)
+                    oversize.append(name)
                     continue
                 files.append((name, data))
             except OSError as exc:

@@ -14,8 +14,10 @@ import logging
 import os
 import queue
 import random
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +47,7 @@ from gpud.security import HANDSHAKE_FAILURES, CurveKeys, HandshakeLog, apply_cli
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
 from gpud_worker.data import DataSocket, SessionSocket
 from gpud_worker.device import Device, DeviceSession
+from gpud_worker.fetch import Fetch
 from gpud_worker.gpu import GpuProbe
 from gpud_worker.jobs import JobGrant, JobRunner
 
@@ -52,6 +55,7 @@ log = logging.getLogger(__name__)
 
 HOUSEKEEPING_S = 0.02  # how often liveness, heartbeats and idle sessions are looked at
 UNACKED_TTL_S = 600.0  # seconds a RESULT is kept for a broker that never ACKs it
+STAGE_OUTPUTS_ABOVE = 8 << 20  # output files larger together are staged: fetched by the broker (PROTOCOL.md §11.5)
 _SIG = Peer.WORKER.value
 POLLIN = int(zmq.POLLIN)
 _RESULT = P.CMD_BYTES[Command.RESULT]
@@ -96,6 +100,7 @@ class WorkerConfig:
     data_bind: str = ""  # where clients send session CALLs directly (PROTOCOL.md §10); "": nowhere
     data_advertise: str = ""  # the endpoint clients are told to use ("": from data_bind)
     data_ports: str = ""  # "LOW-HIGH": the ports direct sessions' own sockets bind ("": any free one)
+    max_job_output_bytes: int = 1 << 30  # a job's output files together (PROTOCOL.md §11.5)
 
 
 class BrokerLink:
@@ -250,6 +255,12 @@ class Worker:
         self._start_asks: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self.data = (DataSocket(config.data_bind, config.data_advertise, config.curve, config.data_ports)
                      if config.data_bind else None)
+        # Staged jobs whose inputs are being fetched from the broker (PROTOCOL.md §11.3), by id,
+        # with what their job thread needs once complete: (fetch, link index, DISPATCH header, gpus, tenant).
+        self.fetches: dict[bytes, tuple[Fetch, int, dict[str, Any], list[str], str]] = {}
+        self._fetch_dir = ""  # made on the first staged job; removed at the end
+        # Staged outputs of finished jobs, held until their RESULT is ACKed: id -> (files, when made).
+        self.staged_out: dict[bytes, tuple[list[bytes], float]] = {}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -388,10 +399,12 @@ class Worker:
                 elif link.liveness.beat_due(now):
                     self._beat(link, now)
             self._reclaim_idle_sessions()
-            if self.unacked:
+            if self.unacked or self.staged_out:
                 self._drop_old_unacked(now)
             if self.start_waits:
                 self._ask_starts(now)
+            if self.fetches:
+                self._ask_fetches(now, stale=True)
             self._fail_work_on_failed_gpus()
 
     def _reconnect(self, link: BrokerLink, poller: zmq.Poller, now: float) -> None:
@@ -414,6 +427,10 @@ class Worker:
                 self._send(link, Command.DISCONNECT, {"reason": "worker stopping"})
             link.close()
         self.jobs.shutdown(wait=False, cancel_futures=True)
+        for rid in list(self.fetches):
+            self._end_fetch(rid)
+        if self._fetch_dir:
+            shutil.rmtree(self._fetch_dir, ignore_errors=True)
         self.close_wake_pipe()
         if self.data is not None:
             self.data.close()
@@ -527,6 +544,7 @@ class Worker:
                 for rid in ids:
                     if type(rid) is bytes:
                         self.unacked.pop(rid, None)
+                        self.staged_out.pop(rid, None)
         elif cmd is Command.GO:
             self._on_go(idx, link, h)
         elif cmd is Command.WELCOME:
@@ -548,7 +566,15 @@ class Worker:
             (log.error if type(reason) is str and reason.startswith("refused") else log.warning)(
                 "broker %s disconnected us (%s); reconnecting", link.endpoint, reason)
             self._reconnect(link, poller, now)
+        elif cmd is Command.CHUNK:
+            self._on_chunk(idx, h, msg.frames, now)
+        elif cmd is Command.FETCH:
+            self._on_output_fetch(link, h)
         elif cmd is Command.ERROR:
+            rid = h.get("id")
+            if type(rid) is bytes and rid in self.fetches and idx == self.active_idx:
+                self._fetch_failed(rid, RemoteError(f"the broker could not give the job's staged inputs: {h.get('message')}"))
+                return
             log.warning("broker %s reports an error: %s %s", link.endpoint, h.get("code"), h.get("message"))
         else:
             log.warning("unexpected %s from broker %s", cmd.name, link.endpoint)
@@ -585,6 +611,8 @@ class Worker:
             self._beat(link, now)
             if self.start_waits:
                 self._ask_starts(now, again=True)
+            if self.fetches:
+                self._ask_fetches(now, again=True)
 
     def _deliver(self, idx: int, rid: bytes, frames: list[Any]) -> None:
         """Send a RESULT to the active broker (or the one that dispatched it, while none is
@@ -606,6 +634,11 @@ class Worker:
             del self.unacked[rid]
         if old:
             log.warning("%d result(s) never acknowledged in %.0fs; dropped", len(old), UNACKED_TTL_S)
+        outputs = [rid for rid, (_, made) in self.staged_out.items() if made < limit]
+        for rid in outputs:
+            del self.staged_out[rid]
+        if outputs:
+            log.warning("staged outputs of %d job(s) never fetched in %.0fs; dropped", len(outputs), UNACKED_TTL_S)
 
     def _flush_results(self) -> None:
         while True:
@@ -682,7 +715,9 @@ class Worker:
             self._send_now(idx, rid, {"id": rid, "ok": True, "worker": self.config.name, "gpus": uuids}, frames)
             return
         self.running[rid] = (str(kind), now, uuids)
-        if kind == "job":
+        if kind == "job" and "staged" in h:
+            self._start_fetch(idx, rid, h, uuids, tenant, now)
+        elif kind == "job":
             self.jobs.submit(self._run_job, idx, rid, h, frames, uuids, tenant)
         elif kind == "session":
             key = h.get("client_key")
@@ -725,8 +760,19 @@ class Worker:
                 "gpus": uuids,
                 "user": out.user,
             }
-            result = [out.stdout, out.stderr, *(data for _, data in out.files)]
+            files = [data for _, data in out.files]
+            total = sum([len(d) for d in files])
+            if total > self.config.max_job_output_bytes or out.oversize:
+                what = f"output {out.oversize[0]} alone is" if out.oversize else f"output files are {total} bytes,"
+                raise TooLarge(f"the job's {what} over the worker's max_job_output_bytes "
+                               f"({self.config.max_job_output_bytes})")
+            staged = total > STAGE_OUTPUTS_ABOVE  # the broker fetches them in chunks (PROTOCOL.md §11.5)
+            if staged:
+                header["staged"] = [len(d) for d in files]
+            result = [out.stdout, out.stderr] if staged else [out.stdout, out.stderr, *files]
             check_result_size(header, result, self.links[idx].max_message_bytes)
+            if staged:
+                self.staged_out[rid] = (files, time.monotonic())
             self._result(idx, rid, header, result)
         except JobNotStarted:
             log.info("job %s: not started (%s)", P.id_text(rid), "the worker is stopping" if self._stop.is_set() else "START refused")
@@ -739,6 +785,103 @@ class Worker:
             self._error(idx, rid, InternalError(f"the worker failed to run the job: {exc.__class__.__name__}"))
         finally:
             self._job_cancels.pop(rid, None)
+
+    # ---------------------------------------------------------------- staged inputs (PROTOCOL.md §11.3)
+
+    def _start_fetch(self, idx: int, rid: bytes, h: dict[str, Any], uuids: list[str], tenant: str, now: float) -> None:
+        """Begin fetching a staged job's inputs; its job thread starts once they are all here."""
+        try:
+            spec = P.parse_job(h, 0)
+            sizes = list(spec.staged or ())
+            if not self._fetch_dir:
+                self._fetch_dir = tempfile.mkdtemp(prefix="gpud-fetch-")
+            fetch = Fetch(rid, sizes, self._fetch_dir)
+        except GpudError as exc:
+            self.running.pop(rid, None)
+            self._send_now(idx, rid, P.error_header(rid, exc))
+            return
+        except OSError as exc:
+            self.running.pop(rid, None)
+            self._send_now(idx, rid, P.error_header(rid, RemoteError(f"cannot stage the job's inputs: {exc}")))
+            return
+        inline = {k: v for k, v in h.items() if k != "staged"}  # what the job thread sees: inline inputs
+        self.fetches[rid] = (fetch, idx, inline, uuids, tenant)
+        log.debug("job %s: fetching %d staged bytes", P.id_text(rid), fetch.total)
+        self._fetch_more(rid, now)
+
+    def _fetch_more(self, rid: bytes, now: float) -> None:
+        entry = self.fetches.get(rid)
+        if entry is None:
+            return
+        fetch, idx, h, uuids, tenant = entry
+        if fetch.done():
+            del self.fetches[rid]
+            self.jobs.submit(self._run_fetched, idx, rid, h, fetch, uuids, tenant)
+            return
+        self._send_fetches(rid, fetch.asks(now))
+
+    def _send_fetches(self, rid: bytes, asks: list[tuple[int, int, int]]) -> None:
+        link = self.links[self.active_idx] if self.active_idx is not None else None
+        if link is None or link.sock is None or not asks:
+            return  # asked again once a broker is active (``_choose_active``)
+        for index, offset, nbytes in asks:
+            self._send(link, Command.FETCH, {"id": rid, "file": index, "offset": offset, "nbytes": nbytes})
+
+    def _ask_fetches(self, now: float, again: bool = False, stale: bool = False) -> None:
+        """Ask again for outstanding chunks: all of them (``again``: the active broker changed) or
+        those unanswered for two heartbeat intervals (``stale``)."""
+        idx = self.active_idx
+        if idx is None:
+            return
+        older = None if again else now - 2 * self.links[idx].liveness.policy.interval
+        for rid, (fetch, *_rest) in list(self.fetches.items()):
+            self._send_fetches(rid, fetch.again(now, older))
+
+    def _on_chunk(self, idx: int, h: dict[str, Any], frames: list[Any], now: float) -> None:
+        rid = h.get("id")
+        entry = self.fetches.get(rid) if type(rid) is bytes else None
+        if entry is None or type(rid) is not bytes or len(frames) != 1:
+            return  # a late or repeated chunk of a job that has all its inputs, or is gone
+        try:
+            wrote = entry[0].on_chunk(h.get("file"), h.get("offset"), frames[0])
+        except OSError as exc:
+            self._fetch_failed(rid, RemoteError(f"cannot write the job's staged inputs: {exc}"))
+            return
+        if wrote:
+            self._fetch_more(rid, now)
+
+    def _on_output_fetch(self, link: BrokerLink, h: dict[str, Any]) -> None:
+        """The broker asks for a chunk of a finished job's staged outputs: CHUNK with the bytes."""
+        rid, index, offset, nbytes = h.get("id"), h.get("file"), h.get("offset"), h.get("nbytes")
+        held = self.staged_out.get(rid) if type(rid) is bytes else None
+        if (held is None or type(index) is not int or type(offset) is not int or type(nbytes) is not int
+                or not 0 <= index < len(held[0]) or offset < 0 or nbytes <= 0):
+            log.info("broker %s asked for outputs this worker does not hold; ignored", link.endpoint)
+            return
+        data = memoryview(held[0][index])[offset : offset + nbytes]
+        self._send(link, Command.CHUNK, {"id": rid, "file": index, "offset": offset}, [data])
+
+    def _fetch_failed(self, rid: bytes, exc: GpudError) -> None:
+        entry = self.fetches.get(rid)
+        if entry is None:
+            return
+        log.warning("job %s: fetching its inputs failed: %s", P.id_text(rid), exc.message)
+        self._end_fetch(rid)
+        self._send_now(entry[1], rid, P.error_header(rid, exc))
+
+    def _end_fetch(self, rid: bytes) -> None:
+        entry = self.fetches.pop(rid, None)
+        if entry is not None:
+            entry[0].close()
+
+    def _run_fetched(self, idx: int, rid: bytes, h: dict[str, Any], fetch: Fetch, uuids: list[str], tenant: str) -> None:
+        """(Job thread) Run a job whose staged inputs are all here, then remove them."""
+        try:
+            self._run_job(idx, rid, h, fetch.buffers(), uuids, tenant)
+        except OSError as exc:
+            self._error(idx, rid, RemoteError(f"cannot read the job's staged inputs: {exc}"))
+        finally:
+            fetch.close()
 
     def _await_go(self, rid: bytes, cancel: threading.Event) -> None:
         """(Job thread) Ask the active broker whether job ``rid`` may start and wait for its

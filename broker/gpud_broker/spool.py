@@ -1,0 +1,274 @@
+"""The broker's spool: the bytes of staged job inputs (PROTOCOL.md §11), held from their first PUT
+until their job ends, in memory for small files and in files under the spool directory for the
+rest, so that the broker's resident memory does not grow with what is staged.
+
+The spool owns the bytes and their bookkeeping (which upload holds how much of each file); who may
+stage how much is the accounts' (``Accounts.over_spool``), checked before ``open``. No sockets, no
+clock of its own: the caller passes the time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from gpud.errors import InvalidRequest
+from gpud.protocol import id_text
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RAM_BYTES = 64 << 20  # bytes of small files held in memory at most
+DEFAULT_RAM_FILE_BYTES = 1 << 20  # files up to this size go to memory (while there is room)
+DEFAULT_STAGE_TTL_S = 60.0  # seconds an unclaimed upload is kept after its last PUT
+
+
+class _Reaper:
+    """Closes and removes spooled files on a thread of its own: freeing a large file's blocks can
+    take the file system a second, which the broker's loop must never wait for."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[int, str] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def reap(self, fd: int, path: str) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="spool-reaper", daemon=True)
+            self._thread.start()
+        self._queue.put((fd, path))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fd, path = item
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("spool: cannot remove %s: %s", path, exc)
+            os.close(fd)
+
+    def stop(self) -> None:
+        """Wait until every file handed over is gone."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+
+class _RamStore:
+    """One staged file held in memory."""
+
+    def __init__(self, size: int) -> None:
+        self.buf = bytearray(size)
+
+    def write(self, offset: int, data: memoryview) -> None:
+        self.buf[offset : offset + len(data)] = data
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return bytes(self.buf[offset : offset + nbytes])
+
+    def close(self) -> None:
+        self.buf = bytearray()
+
+
+class _FileStore:
+    """One staged file held in a file of the spool directory."""
+
+    def __init__(self, path: str, reaper: _Reaper) -> None:
+        self.path = path
+        self.reaper = reaper
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+
+    def write(self, offset: int, data: memoryview) -> None:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], offset + done)
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        parts = []
+        while nbytes > 0:
+            got = os.pread(self.fd, nbytes, offset)
+            if not got:
+                break
+            parts.append(got)
+            offset += len(got)
+            nbytes -= len(got)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def close(self) -> None:
+        self.reaper.reap(self.fd, self.path)
+
+
+@dataclass(slots=True)
+class Upload:
+    """The staged inputs of one job: their sizes, how much of each is held (from the start), and
+    whether a task holds them (``claimed``: its REQUEST came; they are released with the task)."""
+
+    job: bytes
+    tenant: str
+    owner: str | None
+    sizes: tuple[int, ...]
+    touched: float
+    have: list[int] = field(default_factory=list)
+    stores: list[_RamStore | _FileStore] = field(default_factory=list)
+    ram: int = 0  # bytes of it held in memory
+    claimed: bool = False
+    ahead: dict[tuple[int, int], int] = field(default_factory=dict)  # (file, offset) -> end, past ``have`` (replicas)
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    def complete(self) -> bool:
+        return all(h == s for h, s in zip(self.have, self.sizes, strict=True))
+
+    def missing(self) -> str | None:
+        """What is not here yet, said for an error; None when complete."""
+        for i, (h, s) in enumerate(zip(self.have, self.sizes, strict=True)):
+            if h != s:
+                return f"staged file {i} has {h} of its {s} bytes"
+        return None
+
+
+class Spool:
+    """Staged uploads by job id; ``directory`` holds the spooled files (made 0700; what an earlier
+    run left in it is removed). ``directory`` "": a fresh temporary directory, made when the first
+    file is spooled and removed on ``close``."""
+
+    def __init__(self, directory: str = "", ram_bytes: int = DEFAULT_RAM_BYTES,
+                 ram_file_bytes: int = DEFAULT_RAM_FILE_BYTES) -> None:
+        self._own_dir = not directory
+        self.directory = directory  # "": made on the first spooled file
+        if directory:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            os.chmod(directory, 0o700)
+            for name in os.listdir(directory):
+                try:
+                    os.unlink(os.path.join(directory, name))
+                except OSError as exc:
+                    log.warning("spool: cannot remove %s left by an earlier run: %s", name, exc)
+        self.ram_bytes = ram_bytes
+        self.ram_file_bytes = ram_file_bytes
+        self._reaper = _Reaper()
+        self.uploads: dict[bytes, Upload] = {}
+        self.ram_used = 0  # bytes of memory stores
+        self.reserved = 0  # sizes of every upload, held or still to come
+        self.stored = 0  # bytes written so far
+
+    def __len__(self) -> int:
+        return len(self.uploads)
+
+    def open(self, job: bytes, tenant: str, owner: str | None, sizes: tuple[int, ...], now: float) -> Upload:
+        """A new upload of ``sizes`` (the caller checked it is new and within budgets)."""
+        up = Upload(job=job, tenant=tenant, owner=owner, sizes=sizes, touched=now, have=[0] * len(sizes))
+        try:
+            for i, size in enumerate(sizes):
+                if size <= self.ram_file_bytes and self.ram_used + size <= self.ram_bytes:
+                    up.stores.append(_RamStore(size))
+                    up.ram += size
+                    self.ram_used += size
+                else:
+                    if not self.directory:
+                        self.directory = tempfile.mkdtemp(prefix="gpud-spool-")
+                    up.stores.append(_FileStore(os.path.join(self.directory, f"{job.hex()}-{i}"), self._reaper))
+        except OSError:
+            self._close(up)
+            raise
+        self.uploads[job] = up
+        self.reserved += up.total
+        return up
+
+    def write(self, up: Upload, index: int, offset: int, data: memoryview, now: float, ordered: bool = True) -> bool:
+        """Store one chunk; False when its range is held already (a re-send), True when written.
+        InvalidRequest for a chunk past its file's end or, when ``ordered``, one that would leave a
+        gap. Not ``ordered`` (a passive broker, whose older chunks come after a snapshot): a chunk
+        past ``have`` is kept aside, and ``have`` grows over it once the gap is filled."""
+        if index >= len(up.sizes):
+            raise InvalidRequest(f"staged file {index} is not one of the upload's {len(up.sizes)}")
+        end = offset + len(data)
+        if end > up.sizes[index]:
+            raise InvalidRequest(f"the chunk runs to byte {end} of staged file {index}, which has {up.sizes[index]}")
+        have = up.have[index]
+        if offset > have and not ordered:
+            up.stores[index].write(offset, data)
+            up.ahead[index, offset] = max(end, up.ahead.get((index, offset), 0))
+            up.touched = now
+            return True
+        if offset > have:
+            raise InvalidRequest(f"the chunk at offset {offset} of staged file {index} leaves a gap: "
+                                 f"the broker holds its first {have} bytes")
+        up.touched = now
+        if end <= have:
+            return False
+        fresh = data[have - offset :]
+        up.stores[index].write(have, fresh)
+        merged = bool(up.ahead)
+        while merged:  # pieces written ahead that the gap just closed on
+            merged = False
+            for (i, start), stop in list(up.ahead.items()):
+                if i == index and start <= end:
+                    del up.ahead[i, start]
+                    end, merged = max(end, stop), True
+        up.have[index] = end
+        self.stored += end - have
+        return True
+
+    def read(self, up: Upload, index: int, offset: int, nbytes: int) -> bytes:
+        """Bytes of a staged file that the spool holds (InvalidRequest for a range it does not)."""
+        if not 0 <= index < len(up.sizes) or offset < 0 or nbytes < 0 or offset + nbytes > up.have[index]:
+            raise InvalidRequest(f"bytes {offset}..{offset + nbytes} of staged file {index} are not held")
+        return up.stores[index].read(offset, nbytes)
+
+    def ranges(self, up: Upload, chunk: int) -> Iterator[tuple[int, int, int]]:
+        """(file, offset, nbytes) of every held byte of ``up``, in chunks of at most ``chunk``."""
+        for i, have in enumerate(up.have):
+            for offset in range(0, have, chunk):
+                yield i, offset, min(chunk, have - offset)
+
+    def drop(self, job: bytes) -> Upload | None:
+        """Release an upload and its bytes; the upload, or None when there was none."""
+        up = self.uploads.pop(job, None)
+        if up is not None:
+            self.reserved -= up.total
+            self.stored -= sum(up.have)
+            self._close(up)
+        return up
+
+    def expired(self, now: float, ttl: float) -> list[Upload]:
+        """Unclaimed uploads untouched for ``ttl`` seconds (the caller drops them)."""
+        limit = now - ttl
+        return [up for up in self.uploads.values() if not up.claimed and up.touched < limit]
+
+    def wait_removed(self) -> None:
+        """Wait until the files of every upload dropped so far are gone (they go on a thread)."""
+        self._reaper.stop()
+
+    def clear(self) -> None:
+        for job in list(self.uploads):
+            self.drop(job)
+
+    def close(self) -> None:
+        self.clear()
+        self.wait_removed()
+        if self._own_dir and self.directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = ""
+
+    def _close(self, up: Upload) -> None:
+        self.ram_used -= up.ram
+        up.ram = 0
+        for store in up.stores:
+            try:
+                store.close()
+            except OSError as exc:
+                log.warning("spool: cannot remove a staged file of %s: %s", id_text(up.job), exc)
+        up.stores = []

@@ -1,0 +1,382 @@
+"""Staged job inputs on the broker (PROTOCOL.md §11): the PUT dialog with clients, the FETCH
+dialog with workers, and the life of each upload in the spool from its opening PUT to the end of
+its job. Pure: no sockets; the core's send functions and journal carry everything out.
+
+A PUT's REPLY goes out only once what it stored is durable (held by the passive peer, as ACKs
+wait, §9.4): the client's window of unanswered PUTs then bounds how far the active broker's intake
+runs ahead of its peer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from gpud import protocol
+from gpud.errors import Busy, GpudError, InvalidRequest, ProtocolError, TooLarge, WorkerLost
+from gpud.protocol import Command, Message, Peer
+from gpud.transfer import ChunkWindow
+from gpud_broker.spool import Spool, Upload
+
+if TYPE_CHECKING:
+    from gpud_broker.core import BrokerCore
+    from gpud_broker.registry import WorkerRecord
+    from gpud_broker.tasks import Task
+
+log = logging.getLogger(__name__)
+
+MAX_CHUNK_BYTES = 16 << 20  # the largest chunk a PUT may carry, and a FETCH ask for
+BACKFILL_PER_TURN = 4  # chunks journalled per loop turn to a peer that re-synced
+OUTPUTS = b"\x01"  # a job's id and this: the spool key of its staged outputs (§11.5)
+PULL_AGAIN_S = 2.0  # a FETCH of outputs unanswered this long is sent again
+
+
+class Pull:
+    """A job's staged outputs being fetched from its worker, and the REPLY that waits for them."""
+
+    __slots__ = ("task", "worker", "identity", "raw_header", "frames", "window", "upload", "unsettled")
+
+    def __init__(self, task: Task, worker: WorkerRecord, raw_header: bytes, frames: list[Any], window: ChunkWindow,
+                 upload: Upload) -> None:
+        self.task = task
+        self.worker = worker.name
+        self.identity = worker.identity
+        self.raw_header = raw_header
+        self.frames = frames
+        self.window = window
+        self.upload = upload
+        self.unsettled: deque[int] = deque()  # journal seqs of chunks taken, not yet durable at the peer
+
+
+class Staging:
+    """The uploads of one broker and the PUT REPLYs waiting for durability."""
+
+    def __init__(self, spool: Spool, max_input_bytes: int, stage_ttl: float) -> None:
+        self.pulls: dict[bytes, Pull] = {}  # by job id
+        self.spool = spool
+        self.max_input_bytes = max_input_bytes
+        self.stage_ttl = stage_ttl
+        self.waiting: deque[tuple[int, bytes, list[Any]]] = deque()  # (seq, route, REPLY) until durable
+        self._backfill: deque[tuple[bytes, int, int, int]] = deque()  # (job, file, offset, nbytes) to journal again
+        self._backfill_seq = 0  # the update that ended the last backfill: no PUT is answered before it is durable
+
+    # ------------------------------------------------------------------ clients: PUT
+
+    def on_put(self, core: BrokerCore, identity: bytes, msg: Message, tenant: str | None, owner: str | None) -> None:
+        rid = protocol.get_id(msg.header)
+        try:
+            put = protocol.parse_put(msg.header, len(msg.frames))
+            who = tenant if tenant is not None else protocol.opt(msg.header, "tenant", str, "default")
+            if put.sizes is not None:
+                extra = self._open(core, put.job, put.sizes, who, owner)
+            else:
+                self._chunk(core, put.job, put.file, put.offset, msg.frames[0], who, owner)
+                extra = {}
+        except GpudError as exc:
+            core.counters["errors"] += 1
+            log.info("refused PUT %s of %s: %s %s", protocol.id_text(rid), protocol.id_text(msg.header.get("job", b"")),
+                     exc.code, exc.message)
+            core.send_client(identity, protocol.error_reply(rid, exc))
+            return
+        reply = protocol.encode(Peer.CLIENT, Command.REPLY, {"id": rid, "ok": True, **extra})
+        if core.acking:
+            self.waiting.append((core.journal.seq, identity, reply))
+        else:
+            core.send_client(identity, reply)
+
+    def _open(self, core: BrokerCore, job: bytes, sizes: tuple[int, ...], tenant: str, owner: str | None) -> dict[str, Any]:
+        total = sum(sizes)
+        if total > self.max_input_bytes:
+            raise TooLarge(f"the job's input files are {total} bytes, over the broker's max_job_input_bytes "
+                           f"({self.max_input_bytes})")
+        up = self.spool.uploads.get(job)
+        task = core.tasks.tasks.get(job)
+        if (up is not None and (up.tenant != tenant or up.owner != owner)) or (
+                task is not None and (task.tenant != tenant or task.owner != owner)):
+            raise InvalidRequest("this job id is already in use; stage under a fresh random id")
+        if up is not None:
+            if up.sizes != sizes:
+                raise InvalidRequest("this job id is staged already with other file sizes")
+            return {"have": list(up.have)}
+        if task is not None:  # its REQUEST came already (a retry after a failover): nothing more is needed
+            return {"have": list(sizes)}
+        why = core.accounts.over_spool(tenant, total)
+        if why is not None:
+            raise Busy(why)
+        try:
+            self._new(core, job, tenant, owner, sizes)
+        except OSError as exc:
+            log.error("spool: cannot stage an upload: %s", exc)
+            raise Busy(f"the broker cannot spool the upload now ({exc.strerror}); try later") from None
+        return {"have": [0] * len(sizes)}
+
+    def _new(self, core: BrokerCore, job: bytes, tenant: str, owner: str | None, sizes: tuple[int, ...]) -> Upload:
+        up = self.spool.open(job, tenant, owner, sizes, core.now)
+        core.accounts.reserve_spool(tenant, up.total)
+        core.journal.stage(job, tenant, owner, sizes)
+        return up
+
+    def _chunk(self, core: BrokerCore, job: bytes, index: int, offset: int, frame: Any, tenant: str,
+               owner: str | None) -> None:
+        up = self.spool.uploads.get(job)
+        if up is None or up.tenant != tenant or up.owner != owner:
+            task = core.tasks.tasks.get(job)
+            if task is not None and task.tenant == tenant and task.owner == owner:
+                return  # its REQUEST came already: a late re-send
+            raise InvalidRequest("no upload of this job id is open here (send the opening PUT again)")
+        data = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+        if len(data) > MAX_CHUNK_BYTES:
+            raise TooLarge(f"a chunk carries at most {MAX_CHUNK_BYTES} bytes")
+        if self.spool.write(up, index, offset, data, core.now):
+            core.journal.chunk(job, index, offset, data)
+
+    def take_replies(self, durable: int) -> list[tuple[bytes, list[Any]]]:
+        """The PUT REPLYs whose chunks are durable now (route, frames), in order."""
+        waiting = self.waiting
+        out: list[tuple[bytes, list[Any]]] = []
+        if self._backfill or durable < self._backfill_seq:
+            return out  # earlier chunks of the same uploads are not at the peer yet
+        while waiting and waiting[0][0] <= durable:
+            _, route, reply = waiting.popleft()
+            out.append((route, reply))
+        return out
+
+    # ------------------------------------------------------------------ jobs: claim and release
+
+    def check(self, job: bytes, tenant: str, owner: str | None, sizes: tuple[int, ...]) -> None:
+        """A job REQUEST names staged inputs of ``sizes``: they must all be here, staged by the
+        same tenant and key. InvalidRequest otherwise."""
+        up = self.spool.uploads.get(job)
+        if up is None or up.tenant != tenant or up.owner != owner:
+            raise InvalidRequest("the job's staged inputs are not here: stage them first (PUT)")
+        if up.sizes != sizes:
+            raise InvalidRequest("'staged' does not match the sizes of the upload")
+        missing = up.missing()
+        if missing is not None:
+            raise InvalidRequest(f"the job's inputs are not all staged: {missing}")
+
+    def claim(self, job: bytes) -> None:
+        """The job's task holds its upload now: released with it, never expired."""
+        up = self.spool.uploads.get(job)
+        if up is not None:
+            up.claimed = True
+
+    def release(self, core: BrokerCore, job: bytes) -> None:
+        """Drop an upload (its job ended, or it expired) and free its budget."""
+        up = self.spool.drop(job)
+        if up is not None:
+            core.accounts.release_spool(up.tenant, up.total)
+
+    def expire(self, core: BrokerCore, now: float) -> None:
+        for up in self.spool.expired(now, self.stage_ttl):
+            log.info("staged upload of %s unclaimed for %.0fs: dropped", protocol.id_text(up.job), self.stage_ttl)
+            self.release(core, up.job)
+            core.journal.unstage(up.job)
+
+    def clear(self, core: BrokerCore) -> None:
+        self.pulls.clear()
+        for job in list(self.spool.uploads):
+            self.release(core, job)
+        self.waiting.clear()
+        self._backfill.clear()
+        self._backfill_seq = 0
+
+    # ------------------------------------------------------------------ workers: FETCH
+
+    def on_fetch(self, core: BrokerCore, worker: WorkerRecord, header: dict[str, Any]) -> None:
+        rid = protocol.get_id(header)
+        try:
+            index = protocol.req(header, "file", int)
+            offset = protocol.req(header, "offset", int)
+            nbytes = protocol.req(header, "nbytes", int)
+            if not 0 < nbytes <= MAX_CHUNK_BYTES:
+                raise InvalidRequest(f"a FETCH asks for 1..{MAX_CHUNK_BYTES} bytes")
+            task = core.tasks.tasks.get(rid)
+            up = self.spool.uploads.get(rid)
+            if task is None or task.worker != worker.name or up is None or not up.claimed:
+                raise InvalidRequest("no staged job of this id runs on this worker")
+            data = self.spool.read(up, index, offset, min(nbytes, max(0, up.sizes[index] - offset)))
+        except (GpudError, IndexError) as exc:
+            err = exc if isinstance(exc, GpudError) else InvalidRequest("no such staged file")
+            core.send_worker(worker.identity, protocol.encode(Peer.WORKER, Command.ERROR,
+                                                              {"code": err.code, "message": err.message, "id": rid}))
+            return
+        core.send_worker(worker.identity, protocol.encode(
+            Peer.WORKER, Command.CHUNK, {"id": rid, "file": index, "offset": offset}, [data]))
+
+    # ------------------------------------------------------------------ outputs: pulled from workers, read by clients
+
+    def pull(self, core: BrokerCore, worker: WorkerRecord, task: Task, raw_header: bytes, frames: list[Any],
+             staged: Any) -> bool:
+        """A job's RESULT says its outputs are staged on its worker: fetch them into the spool,
+        then answer the client (``core.outputs_here``). False when that cannot be (the task is
+        failed, with the reason)."""
+        try:
+            sizes = protocol.check_sizes(staged, "staged")
+            key = task.id + OUTPUTS
+            up = self.spool.uploads.get(key)
+            if up is None:
+                why = core.accounts.over_spool(task.tenant, sum(sizes))
+                if why is not None:
+                    raise Busy(f"the job ran, but the broker has no room for its outputs: {why}")
+                up = self._new(core, key, task.tenant, task.owner, sizes)
+            elif up.sizes != sizes:
+                raise InvalidRequest("the job's outputs are staged already with other sizes")
+        except GpudError as exc:
+            core.fail(task, exc)
+            return False
+        except OSError as exc:
+            core.fail(task, Busy(f"the job ran, but the broker cannot spool its outputs ({exc.strerror})"))
+            return False
+        up.claimed = True
+        window = ChunkWindow(sizes)
+        for index, have in enumerate(up.have):  # what a replica holds already (a failover)
+            if have == sizes[index]:
+                window.sizes[index] = 0
+        pull = self.pulls[task.id] = Pull(task, worker, raw_header, frames, window, up)
+        self._pull_more(core, pull)
+        return True
+
+    def _pull_more(self, core: BrokerCore, pull: Pull) -> None:
+        if pull.window.done() and not pull.unsettled:
+            del self.pulls[pull.task.id]
+            pull.upload.claimed = False  # from now on it expires stage_ttl after its last read
+            pull.upload.touched = core.now
+            core.outputs_here(pull.task, protocol.reply(pull.raw_header, pull.frames), pull.identity)
+            return
+        for ask in pull.window.asks(core.now, len(pull.unsettled)):
+            self._ask(core, pull, ask)
+
+    def _ask(self, core: BrokerCore, pull: Pull, ask: tuple[int, int, int]) -> None:
+        index, offset, nbytes = ask
+        core.send_worker(pull.identity, protocol.encode(Peer.WORKER, Command.FETCH, {
+            "id": pull.task.id, "file": index, "offset": offset, "nbytes": nbytes}))
+
+    def on_output_chunk(self, core: BrokerCore, worker: WorkerRecord, msg: Message) -> None:
+        rid = protocol.get_id(msg.header)
+        pull = self.pulls.get(rid)
+        if pull is None or pull.worker != worker.name or len(msg.frames) != 1:
+            return  # a late or repeated chunk
+        frame = msg.frames[0]
+        data = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+        index, offset = msg.header.get("file"), msg.header.get("offset")
+        if not pull.window.expects(index, offset, len(data)):
+            return
+        assert type(index) is int and type(offset) is int  # expects() checked
+        try:
+            wrote = self.spool.write(pull.upload, index, offset, data, core.now, ordered=False)
+        except (GpudError, OSError) as exc:
+            del self.pulls[rid]
+            core.fail(pull.task, Busy(f"the job ran, but the broker could not spool its outputs: {exc}"))
+            return
+        if wrote:
+            core.journal.chunk(pull.upload.job, index, offset, data)
+            if core.acking:  # the next chunk is asked for once this one is durable (settle_pulls)
+                pull.unsettled.append(core.journal.seq)
+        pull.window.took(index, offset)
+        self._pull_more(core, pull)
+
+    def settle_pulls(self, core: BrokerCore, durable: int) -> None:
+        """Once per loop turn: chunks durable at the peer free their place in their pull's window,
+        so that the broker never takes in outputs faster than its peer does."""
+        for pull in list(self.pulls.values()):
+            if pull.unsettled and pull.unsettled[0] <= durable:
+                while pull.unsettled and pull.unsettled[0] <= durable:
+                    pull.unsettled.popleft()
+                self._pull_more(core, pull)
+
+    def pull_again(self, core: BrokerCore) -> None:
+        """Ask again for outputs unanswered for PULL_AGAIN_S (once per tick)."""
+        for pull in list(self.pulls.values()):
+            for ask in pull.window.again(core.now, core.now - PULL_AGAIN_S):
+                self._ask(core, pull, ask)
+
+    def worker_lost(self, core: BrokerCore, name: str) -> None:
+        """The worker of some pulls is gone: their jobs ran, and their outputs are lost with it."""
+        for rid, pull in list(self.pulls.items()):
+            if pull.worker == name:
+                del self.pulls[rid]
+                self.release(core, pull.upload.job)
+                core.journal.unstage(pull.upload.job)
+                core.fail(pull.task, WorkerLost(f"worker {name} was lost before the job's outputs were fetched"))
+
+    def on_client_fetch(self, core: BrokerCore, identity: bytes, msg: Message, tenant: str | None,
+                        owner: str | None) -> None:
+        header = msg.header
+        rid = protocol.get_id(header)
+        try:
+            job = protocol.get_id(header, "job")
+            index = protocol.req(header, "file", int)
+            offset = protocol.req(header, "offset", int)
+            nbytes = protocol.req(header, "nbytes", int)
+            if not 0 < nbytes <= MAX_CHUNK_BYTES:
+                raise InvalidRequest(f"a FETCH asks for 1..{MAX_CHUNK_BYTES} bytes")
+            who = tenant if tenant is not None else protocol.opt(header, "tenant", str, "default")
+            up = self.spool.uploads.get(job + OUTPUTS)
+            if up is None or up.tenant != who or up.owner != owner:
+                raise InvalidRequest("no staged outputs of this job are here (they expire stage_ttl after their "
+                                     "last read)")
+            if not 0 <= index < len(up.sizes):
+                raise InvalidRequest(f"the job has {len(up.sizes)} staged outputs")
+            data = self.spool.read(up, index, offset, min(nbytes, max(0, up.sizes[index] - offset)))
+            up.touched = core.now
+        except GpudError as exc:
+            core.send_client(identity, protocol.error_reply(rid, exc))
+            return
+        core.send_client(identity, protocol.encode(Peer.CLIENT, Command.REPLY, {"id": rid, "ok": True}, [data]))
+
+    # ------------------------------------------------------------------ the pair
+
+    def to_wire(self) -> list[list[Any]]:
+        """The uploads for a snapshot, without their bytes (journalled afterwards, ``backfill``)."""
+        out = []
+        self._backfill.clear()
+        for up in self.spool.uploads.values():
+            out.append([up.job, up.tenant, up.owner, list(up.sizes), up.claimed])
+            for index, offset, nbytes in self.spool.ranges(up, MAX_CHUNK_BYTES // 2):
+                self._backfill.append((up.job, index, offset, nbytes))
+        return out
+
+    def backfill(self, core: BrokerCore) -> None:
+        """Journal a few of the chunks a snapshot left out (called once per loop turn)."""
+        for _ in range(min(BACKFILL_PER_TURN, len(self._backfill))):
+            job, index, offset, nbytes = self._backfill.popleft()
+            up = self.spool.uploads.get(job)
+            if up is not None and offset + nbytes <= up.have[index]:
+                core.journal.chunk(job, index, offset, memoryview(self.spool.read(up, index, offset, nbytes)))
+        if not self._backfill:
+            self._backfill_seq = core.journal.seq
+
+    def new_stream(self) -> None:
+        """The journal starts again from 1 (a takeover): nothing journalled before counts."""
+        self._backfill.clear()
+        self._backfill_seq = 0
+
+    @property
+    def backfilling(self) -> bool:
+        return bool(self._backfill)
+
+    def load(self, core: BrokerCore, raw: Any) -> None:
+        """A snapshot's uploads (passive): opened empty; their bytes come as ``chunk`` updates."""
+        if type(raw) is not list:
+            raise ProtocolError("a snapshot's 'uploads' must be a list")
+        for item in raw:
+            if type(item) is not list or len(item) != 5:
+                raise ProtocolError("a replicated upload must be a list of 5 items")
+            job, tenant, owner, sizes, claimed = item
+            up = self._new(core, job, tenant, owner, protocol.check_sizes(sizes, "sizes"))
+            up.claimed = claimed is True
+
+    def apply_stage(self, core: BrokerCore, job: Any, tenant: Any, owner: Any, sizes: Any) -> None:
+        if type(job) is not bytes or type(tenant) is not str or (owner is not None and type(owner) is not str):
+            raise ProtocolError("a replicated upload names its job, tenant and owner")
+        if job not in self.spool.uploads:
+            self._new(core, job, tenant, owner, protocol.check_sizes(sizes, "sizes"))
+
+    def apply_chunk(self, core: BrokerCore, job: Any, index: Any, offset: Any, data: Any) -> None:
+        up = self.spool.uploads.get(job) if type(job) is bytes else None
+        if up is None or type(index) is not int or type(offset) is not int or type(data) is not bytes:
+            raise ProtocolError("a replicated chunk names an upload this broker does not hold")
+        self.spool.write(up, index, offset, memoryview(data), core.now, ordered=False)
+

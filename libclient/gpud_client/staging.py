@@ -1,0 +1,146 @@
+"""Staged job files (PROTOCOL.md §11): a job's large input files sent ahead of its REQUEST, and
+its large output files read after its REPLY, both in chunks with a window of them unanswered.
+
+Inputs (§11.1): an opening PUT that says the sizes (and gets TOO_LARGE or BUSY at once, before
+any byte is sent), then the files in chunk PUTs, each answered once the broker holds it durably.
+The connection re-sends unanswered PUTs, same ids, after a failover; a broker that holds none of
+the upload (it lost it) answers them INVALID_REQUEST, and the upload then resumes from what the
+broker says it holds (``have``), at most ``RESUMES`` times.
+
+Outputs (§11.5): a REPLY whose ``staged`` gives the sizes of its files is followed by FETCHes
+of them from the broker's spool; a broker that does not hold them yet (it took over and is
+fetching them from the worker again) is asked again, at most ``RESUMES`` times, ``RETRY_S`` apart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gpud.errors import InvalidRequest, ProtocolError
+from gpud.protocol import Command, Message, Peer, check_sizes, encode, id_text, new_id
+from gpud.transfer import CHUNK_BYTES, WINDOW
+from gpud_client import _request as rq
+from gpud_client._request import JobResult
+from gpud_client.chunks import plan, run_windowed
+from gpud_client.connection import Connection, Pending
+
+__all__ = ["RESUMES", "job_result", "stage"]
+
+RESUMES = 3
+"""Times an upload is opened again and resumed after a broker lost part of it, or a read of
+outputs is tried again."""
+RETRY_S = 0.5
+"""Seconds between reads of outputs that the broker does not hold yet."""
+
+
+def stage(conn: Connection, job: bytes, views: Sequence[memoryview], tenant: str, timeout: float,
+          chunk_bytes: int = CHUNK_BYTES, window: int = WINDOW) -> list[int]:
+    """Upload ``views`` as the staged inputs of job ``job``; returns their sizes (the REQUEST's
+    ``staged``). Each PUT is waited for at most ``timeout`` seconds."""
+    sizes = [v.nbytes for v in views]
+    what = f"staging of job {id_text(job)}"
+    for attempt in range(RESUMES + 1):
+        have = _open(conn, job, sizes, tenant, timeout, what)
+        items = [(i, start, n) for i, v in enumerate(views) for start, n in plan(v.nbytes, chunk_bytes)
+                 if n and start + n > have[i]]
+        try:
+            run_windowed(items, window, lambda item: _put(conn, job, views, item, tenant, timeout, what),
+                         lambda p: p.wait(), lambda p: p._abandon())
+        except InvalidRequest:
+            if attempt == RESUMES:
+                raise
+            continue  # the broker lost part of the upload (a failover): resume from what it holds
+        return sizes
+    raise InvalidRequest(f"{what}: not accepted")  # unreachable: the loop returns or raises
+
+
+def _open(conn: Connection, job: bytes, sizes: list[int], tenant: str, timeout: float, what: str) -> list[int]:
+    rid = new_id()
+    conn.submit(rid, encode(Peer.CLIENT, Command.PUT, {"id": rid, "job": job, "sizes": sizes, "tenant": tenant}), what)
+    have = Pending(conn, rid, _have, timeout, what, cancellable=False).wait()
+    if len(have) != len(sizes):
+        raise ProtocolError(f"{what}: the broker's 'have' names {len(have)} files, not {len(sizes)}")
+    return have
+
+
+def _put(conn: Connection, job: bytes, views: Sequence[memoryview], item: tuple[int, int, int], tenant: str,
+         timeout: float, what: str) -> Pending[None]:
+    index, start, n = item
+    rid = new_id()
+    header = {"id": rid, "job": job, "file": index, "offset": start, "tenant": tenant}
+    conn.submit(rid, encode(Peer.CLIENT, Command.PUT, header, [views[index][start : start + n]]), what)
+    return Pending(conn, rid, rq.parse_empty, timeout, what, cancellable=False)
+
+
+def _have(msg: Message) -> list[int]:
+    header: dict[str, Any] = rq.check_reply(msg)
+    have = header.get("have")
+    if type(have) is not list or not all(type(n) is int and n >= 0 for n in have):
+        raise ProtocolError("the opening PUT's reply needs 'have', a list of byte counts")
+    return have
+
+
+def job_result(conn: Connection, tenant: str, timeout: float, chunk_bytes: int = CHUNK_BYTES,
+               window: int = WINDOW) -> Callable[[Message], JobResult]:
+    """The converter of a job's REPLY: its staged outputs, if any, are read from the broker first."""
+
+    def convert(msg: Message) -> JobResult:
+        header = rq.check_reply(msg)
+        if "staged" not in header:
+            return rq.parse_job_result(msg)
+        try:
+            sizes = check_sizes(header["staged"], "staged")
+        except InvalidRequest as exc:
+            raise ProtocolError(f"job reply: {exc.message}") from None
+        job = header.get("id")
+        if type(job) is not bytes or len(msg.frames) != 2:
+            raise ProtocolError("a job reply with staged outputs carries its id, stdout and stderr")
+        files = _read(conn, job, sizes, tenant, chunk_bytes, window, timeout)
+        return rq.parse_job_result(Message(msg.peer, msg.command, header, [*msg.frames, *files]))
+
+    return convert
+
+
+def _read(conn: Connection, job: bytes, sizes: Sequence[int], tenant: str, chunk_bytes: int, window: int,
+          timeout: float) -> list[bytearray]:
+    what = f"outputs of job {id_text(job)}"
+    out = [bytearray(n) for n in sizes]
+    done = [0] * len(sizes)
+    for attempt in range(RESUMES + 1):
+        items = [(i, start, n) for i, size in enumerate(sizes) for start, n in plan(size, chunk_bytes)
+                 if n and start >= done[i]]
+
+        def submit(item: tuple[int, int, int]) -> tuple[tuple[int, int, int], Pending[Any]]:
+            index, start, n = item
+            rid = new_id()
+            header = {"id": rid, "job": job, "file": index, "offset": start, "nbytes": n, "tenant": tenant}
+            conn.submit(rid, encode(Peer.CLIENT, Command.FETCH, header), what, expect=n)
+            return item, Pending(conn, rid, _frame, timeout, what, cancellable=False)
+
+        def collect(entry: tuple[tuple[int, int, int], Pending[Any]]) -> None:
+            (index, start, n), pending = entry
+            data = pending.wait()
+            if len(data) != n:
+                raise ProtocolError(f"{what}: {len(data)} bytes came for {n} asked")
+            out[index][start : start + n] = data
+            done[index] = start + n
+
+        try:
+            run_windowed(items, window, submit, collect, lambda entry: entry[1]._abandon())
+        except InvalidRequest:
+            if attempt == RESUMES:
+                raise
+            time.sleep(RETRY_S)  # a broker that took over fetches them from the worker again
+            continue
+        return out
+    raise InvalidRequest(f"{what}: not read")  # unreachable: the loop returns or raises
+
+
+def _frame(msg: Message) -> memoryview:
+    rq.check_reply(msg)
+    if len(msg.frames) != 1:
+        raise ProtocolError("a FETCH's reply carries one frame")
+    frame = msg.frames[0]
+    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)

@@ -1,0 +1,219 @@
+"""Large job inputs and outputs staged through a real broker pair (PROTOCOL.md §11) while another
+client works on the same worker: nothing stalls (no worker, session or peer is taken for silent),
+the broker's memory stays bounded, and a SIGKILL of the active broker mid-upload runs the job
+exactly once.
+
+Real daemons (a CURVE Binary Star pair and one worker with two simulated GPUs, labelled
+simulated) as subprocesses on loopback, two real clients of two tenants, real jobs under
+restricted users.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mmap
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpud.security import CurveKeys
+from gpud_cli.cluster import LocalCluster, admin_call
+from gpud_client import Client
+from tests.integration.chaos import executions
+
+pytestmark = pytest.mark.timeout(400) if hasattr(pytest.mark, "timeout") else []
+
+MiB = 1 << 20
+RSS_BOUND = 400 * MiB  # the active broker's resident memory while 1 GiB is staged through it
+STALLS = re.compile(r"passive peer is silent|peer link is full|silent for|WORKER_LOST|SESSION_LOST|was lost")
+
+
+def payload(nbytes: int, seed: int) -> bytes:
+    """``nbytes`` that differ from one block to the next (a wrong offset shows in the checksum)."""
+    block = hashlib.sha256(seed.to_bytes(4, "big")).digest() * (MiB // 32)
+    out = bytearray(block * (nbytes // MiB))
+    for i in range(0, len(out), MiB):
+        out[i : i + 8] = i.to_bytes(8, "big")
+    return bytes(out)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    rundir = tmp_path_factory.mktemp("large")
+    with LocalCluster(workers=1, gpus_per_worker=2, pair=True, rundir=rundir, security="curve",
+                      worker_args=["--log-level", "DEBUG"]) as c:
+        c.wait_active()
+        yield c
+
+
+def logs(c: LocalCluster) -> dict[str, str]:
+    assert c.rundir is not None
+    return {p.name: p.read_text(errors="replace") for p in Path(c.rundir).glob("*.log")}
+
+
+def stalls(c: LocalCluster, before: dict[str, str]) -> list[str]:
+    """Lines logged since ``before`` that say something was taken for silent or lost."""
+    out = []
+    for name, text in logs(c).items():
+        new = text[len(before.get(name, "")) :]
+        out += [f"{name}: {line}" for line in new.splitlines() if STALLS.search(line)]
+    return out
+
+
+class Other:
+    """The second client: a job and a session on the same worker, kept busy until stopped."""
+
+    def __init__(self, endpoints: list[str], keys: CurveKeys) -> None:
+        self.endpoints = endpoints
+        self.keys = keys
+        self.stop = threading.Event()
+        self.calls = 0
+        self.errors: list[str] = []
+        self.thread = threading.Thread(target=self._run, name="other-client")
+
+    def _run(self) -> None:
+        try:
+            with Client(self.endpoints, timeout=60, curve=self.keys) as c:
+                job = c.submit(["sh", "-c", "sleep 4; echo other-done"], gpu_milli=100, time_limit=60)
+                with c.session(gpu_milli=100, mem=16 * MiB) as s:
+                    x = s.mem_alloc(4096)
+                    while not self.stop.is_set():
+                        data = self.calls.to_bytes(8, "big") * 512
+                        s.memcpy_htod(x, data)
+                        if bytes(s.memcpy_dtoh(x)) != data:
+                            self.errors.append(f"session copy {self.calls} came back wrong")
+                        self.calls += 1
+                        time.sleep(0.01)
+                out = job.wait()
+                if out.exit_code != 0 or out.stdout.strip() != b"other-done":
+                    self.errors.append(f"the other job ended {out.exit_code}: {out.stdout!r}")
+        except Exception as exc:
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    def __enter__(self) -> Other:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join(timeout=90)
+
+
+class Rss:
+    """The largest VmRSS of a process, sampled from /proc while in use."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="rss")
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            with open(f"/proc/{self.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        self.peak = max(self.peak, int(line.split()[1]) * 1024)
+                        self.samples += 1
+
+    def __enter__(self) -> Rss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def checksum_job(c: Client, data: bytes, timeout: float = 180.0) -> str:
+    out = c.run(["md5sum", "a"], files={"a": data}, gpu_milli=100, time_limit=timeout, timeout=timeout)
+    assert out.exit_code == 0, out.stderr
+    return out.stdout.split()[0].decode()
+
+
+def test_300mb_and_1gib_inputs_and_300mb_outputs_while_another_client_works_on_the_worker(
+        pair: LocalCluster, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="gpud_client")
+    before = logs(pair)
+    big, huge = payload(300 * MiB, 1), payload(1024 * MiB, 2)
+    with Other(pair.frontends, pair.client_keys("bob")) as other, \
+            Client(pair.frontends, timeout=60, curve=pair.client_keys("alice")) as c:
+        assert checksum_job(c, big) == hashlib.md5(big).hexdigest()
+        primary = pair.brokers["primary"].pid
+        with Rss(primary) as rss:
+            assert checksum_job(c, huge) == hashlib.md5(huge).hexdigest()
+        del huge
+        out = c.run(["sh", "-c", f"yes abcdefgh | head -c {300 * MiB} > out; echo made"], outputs=["out"],
+                    gpu_milli=100, time_limit=180, timeout=180)
+        assert out.exit_code == 0 and out.stdout == b"made\n", out.stderr
+        assert len(out.files["out"]) == 300 * MiB
+        assert hashlib.sha256(out.files["out"]).digest() == hashlib.sha256(
+            (b"abcdefgh\n" * (300 * MiB // 9 + 1))[: 300 * MiB]).digest()
+        time.sleep(0.5)
+    assert not other.errors, other.errors
+    assert other.calls > 10, "the other client's session made no progress during the uploads"
+    assert rss.samples > 10 and rss.peak < RSS_BOUND, f"broker RSS reached {rss.peak >> 20} MiB"
+    assert stalls(pair, before) == []
+    silent = [r.getMessage() for r in caplog.records if "silent" in r.getMessage()]
+    assert silent == [], "a client took its broker for silent"
+    spool = admin_call(pair.admin_of("primary"), "status")["spool"]
+    # The inputs went with their jobs; the outputs stay stage_ttl after their last read (a retry's).
+    assert (spool["uploads"], spool["reserved"], spool["stored"]) == (1, 300 * MiB, 300 * MiB)
+
+
+def test_too_large_comes_before_any_byte_is_sent(pair: LocalCluster, tmp_path: Path) -> None:
+    from gpud.errors import TooLarge
+
+    sparse = tmp_path / "sparse"
+    with open(sparse, "wb") as f:
+        f.truncate(5 << 30)  # 5 GiB that take no room: never read, the opening PUT is refused
+    with open(sparse, "rb") as f:
+        view = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)  # unmapped when collected
+    admin = pair.admin_of(pair.wait_active())
+    before = admin_call(admin, "status")["spool"]
+    with Client(pair.frontends, timeout=10, curve=pair.client_keys("alice")) as c:
+        with pytest.raises(TooLarge, match=r"max_job_input_bytes \(4294967296\)"):
+            c.run(["true"], files={"a": view})
+    after = admin_call(admin, "status")["spool"]
+    assert (after["reserved"], after["stored"]) == (before["reserved"], before["stored"])  # nothing taken in
+
+
+def test_sigkill_of_the_active_broker_mid_upload_runs_the_job_exactly_once(pair: LocalCluster) -> None:
+    active = pair.wait_active()
+    data = payload(300 * MiB, 3)
+    worker_logs = [Path(str(pair.rundir)) / f"{w}.log" for w in pair.worker_procs]
+    _, jobs_before = executions(worker_logs)
+    result: dict[str, Any] = {}
+    keys = pair.client_keys("alice")
+
+    def upload() -> None:
+        try:
+            with Client(pair.frontends, timeout=60, curve=keys) as c:
+                result["sum"] = checksum_job(c, data)
+        except Exception as exc:
+            result["error"] = f"{type(exc).__name__}: {exc}"
+
+    admin = pair.admin_of(active)
+    held = admin_call(admin, "status")["spool"]["stored"]  # what earlier tests left (their outputs)
+    thread = threading.Thread(target=upload)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while (stored := admin_call(admin, "status")["spool"]["stored"] - held) < 30 * MiB:
+        assert time.monotonic() < deadline and thread.is_alive(), result
+        time.sleep(0.01)
+    pair.kill_broker(active)
+    assert stored < len(data), "the upload was over before the kill"
+    thread.join(timeout=240)
+    assert not thread.is_alive()
+    assert result.get("sum") == hashlib.md5(data).hexdigest(), result
+    _, jobs_after = executions(worker_logs)
+    started = jobs_after - jobs_before
+    assert sum(started.values()) == 1, f"the job started {dict(started)}"
+    assert pair.wait_active() != active

@@ -1,0 +1,111 @@
+"""The broker's spool (gpud_broker.spool) and the worker's fetch of staged inputs
+(gpud_worker.fetch): pure state, real files under tmp_path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gpud.errors import InvalidRequest
+from gpud_broker.spool import Spool
+from gpud_worker.fetch import Fetch
+
+JOB = b"j" * 16
+
+
+def test_small_files_stay_in_memory_and_large_ones_go_to_disk(tmp_path: Path) -> None:
+    spool = Spool(str(tmp_path / "spool"), ram_bytes=900, ram_file_bytes=600)
+    up = spool.open(JOB, "acme", None, (500, 700, 500, 10), now=0.0)
+    # 500 fits in memory; 700 is over the per-file size; the second 500 would pass the memory total.
+    assert spool.ram_used == 500 + 10
+    on_disk = sorted(os.listdir(tmp_path / "spool"))
+    assert on_disk == [f"{JOB.hex()}-1", f"{JOB.hex()}-2"]
+    assert (tmp_path / "spool").stat().st_mode & 0o777 == 0o700
+    for i, size in enumerate(up.sizes):
+        assert spool.write(up, i, 0, memoryview(bytes([i]) * size), now=1.0)
+    assert up.complete() and up.missing() is None
+    assert spool.read(up, 1, 690, 10) == b"\x01" * 10
+    assert spool.read(up, 0, 0, 3) == b"\x00" * 3
+    dropped = spool.drop(JOB)
+    assert dropped is up
+    spool.wait_removed()  # large files are removed on a thread of their own, never in the loop
+    assert os.listdir(tmp_path / "spool") == []
+    assert (spool.ram_used, spool.reserved, spool.stored, len(spool)) == (0, 0, 0, 0)
+
+
+def test_chunks_must_come_in_order_and_a_resend_is_not_written_twice(tmp_path: Path) -> None:
+    spool = Spool(str(tmp_path), ram_bytes=0)
+    up = spool.open(JOB, "acme", None, (10,), now=0.0)
+    assert spool.write(up, 0, 0, memoryview(b"abcd"), now=0.0)
+    with pytest.raises(InvalidRequest, match="leaves a gap"):
+        spool.write(up, 0, 6, memoryview(b"gh"), now=0.0)
+    assert not spool.write(up, 0, 0, memoryview(b"abcd"), now=0.0)  # held already
+    assert spool.write(up, 0, 2, memoryview(b"cdef"), now=0.0)  # overlaps: only "ef" is new
+    assert up.have == [6] and spool.stored == 6
+    with pytest.raises(InvalidRequest, match="runs to byte 11"):
+        spool.write(up, 0, 6, memoryview(b"ghijk"), now=0.0)
+    with pytest.raises(InvalidRequest, match="not held"):
+        spool.read(up, 0, 4, 4)
+    assert up.missing() == "staged file 0 has 6 of its 10 bytes"
+    assert spool.read(up, 0, 0, 6) == b"abcdef"
+
+
+def test_a_replica_takes_chunks_out_of_order_and_closes_the_gap(tmp_path: Path) -> None:
+    spool = Spool(str(tmp_path), ram_bytes=0)
+    up = spool.open(JOB, "acme", None, (12,), now=0.0)
+    assert spool.write(up, 0, 8, memoryview(b"ijkl"), now=0.0, ordered=False)
+    assert spool.write(up, 0, 4, memoryview(b"efgh"), now=0.0, ordered=False)
+    assert up.have == [0] and not up.complete()
+    assert spool.write(up, 0, 0, memoryview(b"abcd"), now=0.0, ordered=False)
+    assert up.have == [12] and up.complete() and not up.ahead
+    assert spool.read(up, 0, 0, 12) == b"abcdefghijkl"
+    assert spool.stored == 12
+
+
+def test_unclaimed_uploads_expire_and_leftovers_of_an_earlier_run_are_removed(tmp_path: Path) -> None:
+    (tmp_path / "old-0").write_bytes(b"x")
+    spool = Spool(str(tmp_path))
+    assert os.listdir(tmp_path) == []
+    a = spool.open(b"a" * 16, "acme", None, (1,), now=0.0)
+    b = spool.open(b"b" * 16, "acme", None, (1,), now=0.0)
+    b.claimed = True
+    spool.write(a, 0, 0, memoryview(b"1"), now=5.0)
+    assert spool.expired(64.0, 60.0) == []
+    assert spool.expired(65.5, 60.0) == [a]  # b is held by its job: released with it, never expired
+
+
+def test_a_spool_without_a_directory_makes_one_only_when_needed_and_removes_it(tmp_path: Path) -> None:
+    spool = Spool("", ram_bytes=100, ram_file_bytes=100)
+    spool.open(b"a" * 16, "acme", None, (50,), now=0.0)
+    assert spool.directory == ""
+    spool.open(b"b" * 16, "acme", None, (500,), now=0.0)
+    made = spool.directory
+    assert made and os.path.isdir(made)
+    spool.close()
+    assert not os.path.exists(made) and len(spool) == 0
+
+
+def test_fetch_keeps_a_window_asks_again_and_drops_what_it_did_not_ask_for(tmp_path: Path) -> None:
+    f = Fetch(JOB, [10, 0, 5], str(tmp_path), chunk=4, window=2)
+    assert f.asks(0.0) == [(0, 0, 4), (0, 4, 4)]
+    assert f.asks(0.0) == []  # the window is full
+    assert not f.on_chunk(0, 8, b"xx")  # not asked for
+    assert not f.on_chunk(0, 0, b"abc")  # wrong size: dropped (asked again later)
+    assert f.on_chunk(0, 4, b"efgh")
+    assert not f.on_chunk(0, 4, b"efgh")  # a repeat
+    assert f.asks(1.0) == [(0, 8, 2)]
+    assert f.again(2.0, older_than=0.5) == [(0, 0, 4)]  # only the old one
+    assert sorted(f.again(3.0)) == [(0, 0, 4), (0, 8, 2)]  # all: the broker changed
+    assert f.on_chunk(0, 0, b"abcd") and f.on_chunk(0, 8, b"ij")
+    assert f.asks(4.0) == [(2, 0, 4), (2, 4, 1)]  # the empty file needs nothing
+    assert f.on_chunk(2, 4, b"5") and f.on_chunk(2, 0, b"1234")
+    assert f.done() and f.total == 15
+    bufs = f.buffers()
+    assert [bytes(b) for b in bufs] == [b"abcdefghij", b"", b"12345"]
+    paths = list(f.paths)
+    del bufs
+    f.close()
+    assert not any(os.path.exists(p) for p in paths)
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,286 @@
+"""Staged job inputs on the broker (PROTOCOL.md §11), driven through BrokerCore: the PUT dialog,
+the claim by the job's REQUEST, FETCH and CHUNK with its worker, budgets and limits, expiry, and
+the replication of the spool to a passive peer (real Pair shells over inproc, a FakeClock)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from gpud import protocol as P
+from gpud.clock import FakeClock
+from gpud.heartbeat import HeartbeatPolicy
+from gpud.protocol import Command, Message
+from gpud.transfer import CHUNK_BYTES, WINDOW
+from gpud_broker.accounts import Budgets
+from tests.unit.test_broker_core import C1, C2, W1, W2, Harness, MiB, rid
+from tests.unit.test_pair_clock import Side, settle
+
+JOB = rid(77)
+DATA = [bytes(range(256)) * 40, b"", b"tail-bytes" * 3]  # 10240, 0 and 30 bytes
+
+
+def put(h: Harness, n: int, job: bytes = JOB, tenant: str = "acme", frames: tuple[Any, ...] = (), ident: bytes = C1,
+        **fields: Any) -> None:
+    h.client(ident, Command.PUT, {"id": rid(1000 + n), "job": job, "tenant": tenant, **fields}, frames)
+
+
+def replies(h: Harness) -> list[Message]:
+    return [m for _, m, _ in h.take_client()]
+
+
+def stage_all(h: Harness, chunk: int = 4096, job: bytes = JOB, tenant: str = "acme") -> None:
+    put(h, 0, job=job, tenant=tenant, sizes=[len(d) for d in DATA])
+    n = 1
+    for i, data in enumerate(DATA):
+        for start in range(0, len(data), chunk):
+            put(h, n, job=job, tenant=tenant, file=i, offset=start, frames=(data[start : start + chunk],))
+            n += 1
+
+
+def staged_job(h: Harness, ident: bytes = C1, job: bytes = JOB, tenant: str = "acme") -> None:
+    h.request(ident, job, kind="job", argv=["cat"], files=["a", "b", "c"], staged=[len(d) for d in DATA],
+              need={"gpu_milli": 100, "tenant": tenant})
+
+
+def fetch_all(h: Harness, ident: bytes = W1, job: bytes = JOB, chunk: int = 3000) -> list[bytes]:
+    out = []
+    for i, data in enumerate(DATA):
+        got = b""
+        while len(got) < len(data):
+            h.worker(ident, Command.FETCH, {"id": job, "file": i, "offset": len(got), "nbytes": chunk})
+            (_, msg, _), = h.take_worker()
+            assert msg.command is Command.CHUNK and msg.header["offset"] == len(got), msg
+            got += P.as_bytes(msg.frames[0])
+        out.append(got)
+    return out
+
+
+def test_a_staged_job_runs_from_the_spool_and_its_bytes_are_released_with_it() -> None:
+    h = Harness()
+    h.ready(W1, "w1")
+    h.take_worker()
+    stage_all(h)
+    answers = replies(h)
+    assert all(m.header["ok"] is True for m in answers) and len(answers) == 5
+    assert answers[0].header["have"] == [0, 0, 0]
+    assert h.core.accounts.spooled == {"acme": 10270}
+    staged_job(h)
+    d = h.one_dispatch(W1)
+    assert d.header["staged"] == [10240, 0, 30] and d.frames == []
+    assert fetch_all(h) == DATA
+    h.result(W1, JOB, exit_code=0)
+    assert h.one_reply(C1).header["ok"] is True
+    assert len(h.core.staging.spool) == 0 and h.core.accounts.spooled == {} and h.core.accounts.spooled_bytes == 0
+    h.assert_idle()
+
+
+def test_too_large_comes_at_the_opening_put_naming_the_limit() -> None:
+    h = Harness(max_job_input_bytes=10 * MiB)
+    put(h, 0, sizes=[6 * MiB, 5 * MiB])
+    (m,) = replies(h)
+    assert m.header["code"] == "TOO_LARGE" and "max_job_input_bytes (10485760)" in m.header["message"]
+    assert len(h.core.staging.spool) == 0
+    h.request(C1, rid(5), kind="echo", frames=[b"x" * (17 * MiB)])
+    m = h.one_reply(C1)
+    assert m.header["code"] == "TOO_LARGE" and "max_echo_bytes (16777216)" in m.header["message"]
+
+
+def test_a_job_whose_inputs_are_not_all_staged_is_refused_saying_what_is_missing() -> None:
+    h = Harness()
+    h.ready(W1, "w1")
+    h.take_worker()
+    put(h, 0, sizes=[len(d) for d in DATA])
+    put(h, 1, file=0, offset=0, frames=(DATA[0][:4096],))
+    replies(h)
+    staged_job(h)
+    m = h.one_reply(C1)
+    assert m.header["code"] == "INVALID_REQUEST" and "staged file 0 has 4096 of its 10240 bytes" in m.header["message"]
+    assert JOB not in h.core.tasks.tasks
+    h.request(C1, rid(9), kind="job", argv=["cat"], files=["a"], staged=[5], need={"tenant": "acme"})
+    assert "stage them first" in h.one_reply(C1).header["message"]
+
+
+def test_an_out_of_order_chunk_is_refused_and_a_resent_one_is_answered_without_counting_twice() -> None:
+    h = Harness()
+    put(h, 0, sizes=[10240])
+    put(h, 1, file=0, offset=0, frames=(b"a" * 4096,))
+    put(h, 2, file=0, offset=0, frames=(b"a" * 4096,))  # a re-send after a failover
+    put(h, 3, file=0, offset=8192, frames=(b"c" * 2048,))
+    put(h, 4, file=1, offset=0, frames=(b"x",))
+    oks = [m.header.get("code") for m in replies(h)]
+    assert oks == [None, None, None, "INVALID_REQUEST", "INVALID_REQUEST"]
+    up = h.core.staging.spool.uploads[JOB]
+    assert up.have == [4096] and h.core.staging.spool.stored == 4096
+    put(h, 5, sizes=[10240])  # opened again: the client resumes from what is held
+    assert replies(h)[0].header["have"] == [4096]
+    put(h, 6, sizes=[10241])
+    assert "other file sizes" in replies(h)[0].header["message"]
+
+
+def test_another_tenant_cannot_touch_an_upload_and_the_spool_budgets_hold() -> None:
+    h = Harness(budgets=Budgets(max_spool_bytes=30 * MiB))
+    put(h, 0, sizes=[10240])
+    put(h, 1, tenant="mallory", sizes=[10240])
+    put(h, 2, tenant="mallory", file=0, offset=0, frames=(b"m" * 10,))
+    codes = [(m.header.get("code"), m.header.get("message", "")) for m in replies(h)]
+    assert codes[0][0] is None
+    assert codes[1][0] == "INVALID_REQUEST" and "already in use" in codes[1][1]
+    assert codes[2][0] == "INVALID_REQUEST"
+    assert h.core.staging.spool.uploads[JOB].have == [0]
+    put(h, 3, job=rid(78), sizes=[30 * MiB])
+    m = replies(h)[0]
+    assert m.header["code"] == "BUSY" and "spool_quota_bytes" in m.header["message"]
+    staged_job(h, C2, job=JOB, tenant="mallory")  # another tenant's REQUEST under that id claims nothing
+    assert h.one_reply(C2).header["code"] == "INVALID_REQUEST"
+    assert not h.core.staging.spool.uploads[JOB].claimed
+
+
+def test_an_unclaimed_upload_expires_and_a_fetch_from_another_worker_gets_an_error() -> None:
+    h = Harness(stage_ttl=10.0, heartbeat=HeartbeatPolicy(30.0, 3))  # the workers stay while the clock runs
+    h.ready(W1, "w1")
+    h.ready(W2, "w2")
+    h.take_worker()
+    stage_all(h)
+    stage_all(h, job=rid(88))
+    replies(h)
+    staged_job(h)
+    h.take_worker()
+    h.tick(11.0)
+    assert set(h.core.staging.spool.uploads) == {JOB}  # the claimed one stays
+    assert h.core.accounts.spooled == {"acme": 10270}
+    other = W2 if h.core.tasks.tasks[JOB].worker == "w1" else W1
+    h.worker(other, Command.FETCH, {"id": JOB, "file": 0, "offset": 0, "nbytes": 100})
+    (_, msg, _), = [o for o in h.take_worker() if o[1].command is not Command.HEARTBEAT]
+    assert msg.command is Command.ERROR and msg.header["id"] == JOB
+
+
+# --------------------------------------------------------------------------- the pair
+
+
+@pytest.fixture
+def sides() -> Iterator[tuple[Side, Side]]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    clock = FakeClock(1000.0)
+    a = Side(ctx, clock, "primary", "inproc://stage-a", "inproc://stage-b")
+    b = Side(ctx, clock, "backup", "inproc://stage-b", "inproc://stage-a")
+    try:
+        settle(a, b)
+        yield a, b
+    finally:
+        a.pair.close()
+        b.pair.close()
+        ctx.term()
+
+
+def test_a_put_is_answered_only_once_the_passive_holds_its_chunk(sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    stage_all(a.h)
+    core = a.h.core
+    assert core.staging.take_replies(core.journal.durable) == []  # nothing is durable yet
+    assert a.h.take_client() == []
+    a.tick()  # the updates go out; the peer has not applied them yet
+    assert core.staging.take_replies(core.journal.durable) == []
+    settle(a, b)
+    released = core.staging.take_replies(core.journal.durable)
+    assert len(released) == 5 and all(P.unpackb(f[2])["ok"] is True for _, f in released)
+    up = b.h.core.staging.spool.uploads[JOB]
+    assert up.complete() and not up.claimed
+    assert [b.h.core.staging.spool.read(up, i, 0, len(d)) for i, d in enumerate(DATA)] == DATA
+    staged_job(a.h)
+    settle(a, b)
+    assert up.claimed  # the task update claimed it on the passive too
+    a.h.ready(W1, "w1")
+    a.h.result(W1, JOB, exit_code=0)
+    settle(a, b)
+    assert len(b.h.core.staging.spool) == 0 and b.h.core.accounts.spooled_bytes == 0
+
+
+def test_a_passive_that_resyncs_gets_the_spool_back_chunk_by_chunk(sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    big = b"z" * (20 * MiB)
+    put(a.h, 0, sizes=[len(big)])
+    for n, start in enumerate(range(0, len(big), 4 * MiB)):
+        put(a.h, n + 1, file=0, offset=start, frames=(big[start : start + 4 * MiB],))
+    settle(a, b)
+    b.pair._sync(a.clock.monotonic())  # the passive re-syncs: a snapshot, the uploads without bytes
+    settle(a, b, rounds=100)
+    up = b.h.core.staging.spool.uploads[JOB]
+    assert up.sizes == (len(big),) and up.have == [0]
+    turns = 0
+    while a.h.core.staging.backfilling:
+        a.h.core.staging.backfill(a.h.core)
+        settle(a, b)
+        turns += 1
+    assert turns == 1
+    chunks = [u for u in b.updates if u[0] == "chunk"]
+    assert max(len(u[4]) for u in chunks) <= 8 * MiB  # no update carries a large piece
+    assert up.complete() and b.h.core.staging.spool.read(up, 0, len(big) - 5, 5) == b"zzzzz"
+
+
+# --------------------------------------------------------------------------- outputs (§11.5)
+
+
+def pull_all(h: Harness, job: bytes, files: list[bytes], ident: bytes = W1) -> tuple[int, list[Message]]:
+    """Answer the broker's FETCHes of ``job``'s outputs from ``files`` until it asks no more: how
+    many rounds of FETCHes came, and what else the worker got."""
+    rounds = 0
+    others: list[Message] = []
+    while True:
+        sent = [m for _, m, _ in h.take_worker()]
+        asks = [m for m in sent if m.command is Command.FETCH]
+        others += [m for m in sent if m.command is not Command.FETCH]
+        if not asks:
+            return rounds, others
+        rounds += 1
+        assert len(asks) <= 4  # the window
+        for m in asks:
+            i, off, n = m.header["file"], m.header["offset"], m.header["nbytes"]
+            h.worker(ident, Command.CHUNK, {"id": job, "file": i, "offset": off}, [files[i][off : off + n]])
+
+
+def test_staged_outputs_are_pulled_into_the_spool_then_read_by_their_client() -> None:
+    h = Harness(stage_ttl=30.0, heartbeat=HeartbeatPolicy(30.0, 3))
+    h.ready(W1, "w1")
+    h.take_worker()
+    job = rid(60)
+    h.request(C1, job, kind="job", argv=["x"], outputs=["o1", "o2"], need={"gpu_milli": 100, "tenant": "acme"})
+    h.one_dispatch(W1)
+    files = [b"o" * (6 * CHUNK_BYTES + 3), b"p" * 5]
+    h.result(W1, job, exit_code=0, files=["o1", "o2"], staged=[len(f) for f in files], frames=[b"out", b"err"])
+    assert h.take_client() == []  # no REPLY before the outputs are here
+    rounds, others = pull_all(h, job, files)
+    assert rounds == 2  # 8 chunks, at most 4 asked at once
+    out = h.take_client()
+    (_, reply, _), = [o for o in out if o[1].command is Command.REPLY]
+    assert reply.header["staged"] == [len(f) for f in files] and [P.as_bytes(f) for f in reply.frames] == [b"out", b"err"]
+    acks = [m for m in others if m.command is Command.ACK]
+    assert acks and acks[0].header["ids"] == [job]  # a standalone broker ACKs a staged result too
+    h.client(C1, Command.FETCH, {"id": rid(61), "job": job, "file": 0, "offset": 6 * CHUNK_BYTES, "nbytes": 8 * MiB,
+                                 "tenant": "acme"})
+    got = h.one_reply(C1)
+    assert P.as_bytes(got.frames[0]) == b"ooo"
+    h.client(C2, Command.FETCH, {"id": rid(62), "job": job, "file": 1, "offset": 0, "nbytes": 5, "tenant": "mallory"})
+    assert h.one_reply(C2).header["code"] == "INVALID_REQUEST"  # another tenant reads nothing
+    h.tick(29.0)
+    assert h.core.accounts.spooled_bytes == sum(map(len, files))
+    h.tick(2.0)  # stage_ttl since the last read: released
+    assert h.core.accounts.spooled_bytes == 0 and len(h.core.staging.spool) == 0
+
+
+def test_a_worker_lost_while_its_outputs_are_fetched_fails_the_job() -> None:
+    h = Harness()
+    h.ready(W1, "w1")
+    h.take_worker()
+    job = rid(63)
+    h.request(C1, job, kind="job", argv=["x"], outputs=["o"], need={"gpu_milli": 100})
+    h.one_dispatch(W1)
+    h.result(W1, job, exit_code=0, files=["o"], staged=[10 * MiB], frames=[b"", b""])
+    assert [m.command for _, m, _ in h.take_worker()] == [Command.FETCH] * WINDOW
+    h.worker(W1, Command.DISCONNECT, {})
+    m = h.one_reply(C1)
+    assert m.header["code"] == "WORKER_LOST" and "outputs" in m.header["message"]
+    assert len(h.core.staging.spool) == 0 and h.core.accounts.spooled_bytes == 0

@@ -751,8 +751,9 @@ class FragmentationGradientDescent:
                 continue
             # One model on the worker (the common case): its GPUs as one group, judged once per
             # state of theirs (``_Tables.view``).
-            if plain:
-                codes = tuple([-1 if g.cordoned or g.exclusive or g.state.health == "failed" else g.granted_milli
+            if plain:  # (a full GPU takes nothing whatever else holds: no need to look further)
+                codes = tuple([used if (used := g.granted_milli) >= MILLI_PER_GPU
+                               or not (g.cordoned or g.exclusive or g.state.health == "failed") else -1
                                for g in w.gpus])
             elif typed and not need.fits_type(w.gpus[0].info):
                 continue

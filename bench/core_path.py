@@ -9,7 +9,10 @@ loop reads them. Prints one JSON object.
 
 Usage::
 
-    .venv/bin/python bench/core_path.py [--requests 30000] [--repeat 5]
+    .venv/bin/python bench/core_path.py [--requests 30000] [--repeat 5] [--policy NAME]
+
+``--policy`` places with another policy than the broker's default (``balanced``, say, for what the
+default's placement costs over the cheapest).
 
 To compare two commits, run it with each tree's packages first on ``PYTHONPATH``.
 """
@@ -28,9 +31,11 @@ from gpud_broker.core import BrokerConfig, BrokerCore
 BATCH = 500
 
 
-def run(n: int) -> float:
-    """CPU seconds per request and result over ``n`` of them, on a fresh core."""
-    core = BrokerCore(BrokerConfig(), 0.0, lambda ident, frames: None, lambda ident, frames: None)
+def run(n: int, policy: str | None = None) -> float:
+    """CPU seconds per request and result over ``n`` of them, on a fresh core placing with ``policy``
+    (None: the broker's default)."""
+    config = BrokerConfig() if policy is None else BrokerConfig(policy=policy)
+    core = BrokerCore(config, 0.0, lambda ident, frames: None, lambda ident, frames: None)
     gpus = [{"uuid": f"GPU-{i}", "index": i, "model": "A100", "mem": 1 << 34, "cc": [8, 0]} for i in range(4)]
     ready = protocol.encode(Peer.WORKER, Command.READY, {"name": "w1", "gpus": gpus, "cpu_milli": 8000,
                                                          "host_mem": 1 << 36, "slots": 100_000})
@@ -57,9 +62,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=30_000)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--policy", default=None, help="placement policy (default: the broker's default)")
     args = p.parse_args()
-    runs = [run(args.requests) * 1e6 for _ in range(args.repeat)]
-    print(json.dumps({"requests": args.requests, "best_us": round(min(runs), 2), "runs_us": [round(r, 2) for r in runs]}))
+    runs = [run(args.requests, args.policy) * 1e6 for _ in range(args.repeat)]
+    print(json.dumps({"requests": args.requests, "policy": args.policy or BrokerConfig().policy, "best_us": round(min(runs), 2), "runs_us": [round(r, 2) for r in runs]}))
 
 
 if __name__ == "__main__":

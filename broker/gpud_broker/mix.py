@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from gpud.resources import MILLI_PER_GPU, Need
 
@@ -29,13 +30,15 @@ DEFAULT_MAX_CLASSES = 128
 DEFAULT_CPU_STEP = 1000  # milli-CPU; class CPU requests are rounded up to a multiple of it
 DEFAULT_TOLERANCE = 0.02  # total variation distance that triggers a new snapshot
 DEFAULT_CHECK_EVERY = 16  # observations between checks of the distance
+CLASS_CACHE_SIZE = 4096  # requests' classes remembered by the Need object (the cache starts again past it)
 
 _RESCALE_AT = 1e200
 
 
-@dataclass(frozen=True, slots=True)
-class NeedClass:
-    """A request shape. ``milli`` is per GPU (0: no GPU at all); ``gpus`` is the number of GPUs."""
+class NeedClass(NamedTuple):
+    """A request shape. ``milli`` is per GPU (0: no GPU at all); ``gpus`` is the number of GPUs.
+
+    A NamedTuple rather than a frozen dataclass: the mix hashes one for every request it counts."""
 
     milli: int
     gpus: int
@@ -98,6 +101,8 @@ class TaskMix:
         self.tolerance = tolerance
         self.check_every = check_every
         self._weights: dict[NeedClass, float] = {}
+        # id(need) -> (need, its class, its milli-GPU): the broker passes the same few Need objects
+        self._classes: dict[int, tuple[Need, NeedClass, int]] = {}
         self._total = 0.0
         # decayed sums over requests with GPU: milli-GPU, milli-CPU, host bytes
         self._gpu = 0.0
@@ -113,11 +118,17 @@ class TaskMix:
 
     def observe(self, need: Need) -> NeedClass:
         """Count one arriving request; returns its class."""
-        cls = NeedClass.of(need, self.cpu_step)
+        got = self._classes.get(id(need))
+        if got is None or got[0] is not need:
+            if len(self._classes) >= CLASS_CACHE_SIZE:
+                self._classes.clear()
+            got = self._classes[id(need)] = (need, NeedClass.of(need, self.cpu_step), need.total_milli)
+        _, cls, total_milli = got
         w = self._weights
         inc = self._inc
-        if cls in w:
-            w[cls] += inc
+        weight = w.get(cls)
+        if weight is not None:
+            w[cls] = weight + inc
         else:
             w[cls] = inc
             if len(w) > self.max_classes:
@@ -126,7 +137,7 @@ class TaskMix:
                 self._total -= w.pop(lightest)
         self._total += inc
         if cls.milli:
-            self._gpu += inc * need.total_milli
+            self._gpu += inc * total_milli
             self._cpu += inc * need.cpu_milli
             self._mem += inc * need.host_mem
         self._inc = inc * self.growth

@@ -351,6 +351,10 @@ DEFAULT_PRESSURE_WEIGHT = 1.0
 SUPPLY_EVERY = 256  # placements between two full counts of the free share of each GPU model
 SAMPLE_ABOVE = 64  # workers: above this many, a sampling policy looks at a sample first
 SAMPLE_K = 16  # workers drawn at random for that sample (and as many it chose last)
+MEMO_SIZE = 1 << 15  # entries of each memo of ``_Tables`` (it starts again past it)
+
+_ViewKey = tuple[str, int, int, tuple[bool, int, int, bool], tuple[int, ...]]
+_View = tuple[tuple[int, ...], int, float, list[tuple[float, list[int]]]]
 
 
 class _Tables:
@@ -364,6 +368,9 @@ class _Tables:
     ``demand`` is each GPU class's share of the GPU demand (probability x milli-GPU it asks);
     ``ratios`` the CPU each class asks per milli-GPU, ascending, with the suffix sums ``stranded``
     needs.
+
+    ``frag`` and ``view`` remember what they worked out (up to ``MEMO_SIZE`` entries each): most
+    workers' GPUs look the same from one decision to the next.
     """
 
     def __init__(self, snap: MixSnapshot) -> None:
@@ -380,8 +387,11 @@ class _Tables:
         self.tail_demand = list(accumulate((d for _, d in reversed(by_ratio)), initial=0.0))[::-1]
         self.tail_per_cpu = list(accumulate((d / r for r, d in reversed(by_ratio)), initial=0.0))[::-1]
         self.mem_per_milli = snap.mem_per_milli
+        # Whether ``stranded`` can be anything but 0: some GPU class asks CPU, or the mix host memory.
+        self.strands = bool(self.ratios) or self.mem_per_milli > 0
         self._by_model: dict[str, tuple[float, list[tuple[int, int, float, list[float]]]]] = {}
         self.memo: dict[tuple[str, int, tuple[int, ...]], float] = {}
+        self.views: dict[_ViewKey, _View] = {}
 
     def level(self, free_cpu: int) -> int:
         return bisect_right(self.levels, free_cpu)
@@ -431,8 +441,63 @@ class _Tables:
                 out += below * ok + total * (p - ok)
             else:
                 out += total * p
+        if len(self.memo) >= MEMO_SIZE:
+            self.memo.clear()
         self.memo[key] = out
         return out
+
+    def view(self, key: _ViewKey) -> _View:
+        """The placements a need of one shape has on the GPUs of one worker of one model,
+        remembered by ``key``: (model, CPU level before, CPU level after, the need's shape (has
+        GPU, share per GPU, GPU count, whole GPUs), the GPUs as ``_codes`` writes them).
+
+        Returns (the free shares in ``frag``'s form, their sum, their fragment before, [(the
+        fragment after, GPU indexes)]), one option per placement to judge, in index order: the
+        lowest-index GPUs that fit for whole GPUs; every GPU that fits for a share, but only the
+        first of each free share (the others score the same); the worker itself for a need
+        without GPU; none when the need does not fit.
+        """
+        model, lb, la, (gpu, milli, count, whole), codes = key
+        free = []
+        fit: list[tuple[int, int]] = []  # (index, free share) of the GPUs the need may take
+        for i, code in enumerate(codes):
+            used = code if code >= 0 else -2 - code
+            if code == -1 or used >= MILLI_PER_GPU:
+                continue
+            f = MILLI_PER_GPU - used
+            free.append(f)
+            if code >= 0 and f >= milli:
+                fit.append((i, f))
+        free.sort()
+        state = tuple(free)
+        frag = self.frag
+        options: list[tuple[float, list[int]]] = []
+        if not gpu:
+            options.append((frag(model, la, state), []))
+        elif len(fit) < count:
+            pass
+        elif whole:
+            rest = list(state)
+            for _, f in fit[:count]:
+                rest.remove(f)
+            options.append((frag(model, la, tuple(rest)), [gi for gi, _ in fit[:count]]))
+        else:
+            tried: set[int] = set()
+            for gi, f in fit:
+                if f in tried:
+                    continue
+                tried.add(f)
+                rest = list(state)
+                rest.remove(f)
+                if f > milli:
+                    rest.append(f - milli)
+                    rest.sort()
+                options.append((frag(model, la, tuple(rest)), [gi]))
+        got = (state, sum(state), frag(model, lb, state), options)
+        if len(self.views) >= MEMO_SIZE:
+            self.views.clear()
+        self.views[key] = got
+        return got
 
     def stranded(self, free_milli: int, free_cpu: int, free_mem: int) -> float:
         """Expected free GPU share (milli) that the worker's free CPU and host memory cannot feed.
@@ -478,6 +543,42 @@ class _Tables:
 
 
 _EPS = 1e-9
+
+
+_NeedPlan = tuple[Need, bool, int, int, int, int, bool, bool, int, int, tuple[bool, int, int, bool], bool]
+
+
+def _plan(need: Need) -> _NeedPlan:
+    """What ``FragmentationGradientDescent._decide`` reads of ``need``: (need, has GPU, CPU, host
+    memory, GPU count, share per GPU (all of it if exclusive), whole GPUs, typed, GPU memory,
+    milli-GPU taken, its shape for ``_Tables.view``, plain: no filter on a GPU but its free share)."""
+    gpu = needs_gpu(need)
+    count = need.gpu_count
+    milli = MILLI_PER_GPU if need.exclusive else need.milli_per_gpu
+    whole = need.gpus > 0 or need.exclusive
+    typed = need.models is not None or need.min_cc is not None
+    taken = (MILLI_PER_GPU * count if whole else milli) if gpu else 0
+    plain = not gpu or not (typed or need.mem or need.exclusive)
+    return need, gpu, need.cpu_milli, need.host_mem, count, milli, whole, typed, need.mem, taken, (gpu, milli, count, whole), plain
+
+
+def _codes(need: Need, w: WorkerRecord, typed: bool) -> tuple[int, ...]:
+    """``w``'s GPUs as ``_Tables.view`` reads them: -1 for a GPU that takes nothing (cordoned,
+    held exclusively, failed); its granted share for one ``need`` may take if its free share
+    allows; ``-2 - granted`` for one that its memory, its tasks (for an exclusive need) or its type
+    rule out. (``_decide`` writes the first two itself for a need without those filters.)"""
+    mem = need.mem
+    exclusive = need.exclusive
+    out = []
+    for g in w.gpus:
+        used = g.granted_milli
+        if g.cordoned or g.exclusive or g.state.health == "failed":
+            out.append(-1)
+        elif (mem and g.info.mem - g.granted_mem < mem) or (exclusive and g.tasks) or (typed and not need.fits_type(g.info)):
+            out.append(-2 - used)
+        else:
+            out.append(used)
+    return tuple(out)
 
 
 class FragmentationGradientDescent:
@@ -526,6 +627,8 @@ class FragmentationGradientDescent:
         sample_above: int = SAMPLE_ABOVE,
         seed: int | None = None,
     ) -> None:
+        if not (math.isfinite(shortfall_weight) and math.isfinite(pressure_weight)):
+            raise ValueError("fgd: shortfall_weight and pressure_weight must be finite")
         self.balance = balance
         self.sample = sample
         self.sample_above = sample_above
@@ -540,6 +643,7 @@ class FragmentationGradientDescent:
         self.supply: dict[str, int] = {}  # free milli-GPU by model, as last counted and kept up
         self.pressure: dict[str, float] = {}
         self._supply_age = 0  # placements since the last count (SUPPLY_EVERY: count again)
+        self._plan = _plan(Need())  # of the need decided last
 
     def tables(self) -> _Tables:
         snap = self.mix.snapshot()
@@ -606,43 +710,31 @@ class FragmentationGradientDescent:
                 placement = self._decide(need, pool, avoid)
         if placement is not None and self.sample:
             recent = self._recent
-            if placement.worker in recent:
-                recent.remove(placement.worker)
-            recent.append(placement.worker)
+            w = placement.worker
+            if not recent or recent[-1] is not w:  # (already last: nothing moves)
+                if w in recent:
+                    recent.remove(w)
+                recent.append(w)
         return placement
 
     def _decide(self, need: Need, workers: Sequence[WorkerRecord], avoid: Collection[str]) -> Placement | None:
         t = self.tables()
-        frag = t.frag
+        plan = self._plan
+        if plan[0] is not need:
+            plan = self._plan = _plan(need)
+        _, gpu, cpu, host_mem, count, milli, whole, typed, mem, taken, shape, plain = plan
+        views = t.views
         levels = t.levels
-        beta = self.shortfall_weight
+        beta = self.shortfall_weight if t.strands else 0.0  # a mix that asks no CPU nor memory strands nothing
         gamma = self.pressure_weight
         pressure = self.pressure
         stranded = t.stranded
         static = self._static
-        gpu = needs_gpu(need)
-        cpu = need.cpu_milli
-        host_mem = need.host_mem
-        count = need.gpu_count
-        milli = MILLI_PER_GPU if need.exclusive else need.milli_per_gpu
-        whole = need.gpus > 0 or need.exclusive
-        typed = need.models is not None or need.min_cc is not None
-        mem = need.mem
-        exclusive = need.exclusive
-        taken = (MILLI_PER_GPU * count if whole else milli) if gpu else 0
         # Equal states score equal, so the first of them wins anyway (unless live load decides).
-        dedupe = need.mem == 0 and not self.balance
+        dedupe = mem == 0 and not self.balance
         seen: set[tuple[object, ...]] = set()
         best = math.inf
         near: list[tuple[float, float, WorkerRecord, list[int]]] = []  # as good as the best so far
-
-        def offer(delta: float, left: float, w: WorkerRecord, option: list[int]) -> None:
-            nonlocal best
-            if delta <= best + _EPS:
-                near.append((delta, left, w, option))
-                if delta < best:
-                    best = delta
-
         for w in workers:
             free_cpu = w.cpu_milli - w.granted_cpu
             free_mem = w.host_mem - w.granted_host_mem
@@ -653,116 +745,69 @@ class FragmentationGradientDescent:
             got = static.get(id(w))
             model = got[1] if got is not None and got[0] is w else self._single_model(w)
             lb = bisect_right(levels, free_cpu)
-            la = bisect_right(levels, free_cpu - cpu)
-            if model is not None:
-                # One model on the worker (the common case): no grouping, one pass over its GPUs.
-                if gpu and typed and not need.fits_type(w.gpus[0].info):
-                    continue
-                free: list[int] = []
-                fit: list[tuple[int, int]] = []  # (index, free share) of the GPUs the need may take
-                i = -1
-                for g in w.gpus:
-                    i += 1
-                    used = g.granted_milli
-                    if used >= MILLI_PER_GPU or g.cordoned or g.exclusive or g.state.health == "failed":
-                        continue
-                    f = MILLI_PER_GPU - used
-                    free.append(f)
-                    if f < milli or (mem and g.info.mem - g.granted_mem < mem) or (exclusive and g.tasks):
-                        continue
-                    if typed and not need.fits_type(g.info):
-                        continue
-                    fit.append((i, f))
-                if gpu and len(fit) < count:
-                    continue
-                free.sort()
-                state = tuple(free)
-                if dedupe:
-                    key = (model, free_cpu, free_mem, state)
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                total = sum(state)
-                before = frag(model, lb, state)
-                cost = 0.0
-                if beta:
-                    before += beta * stranded(total, free_cpu, free_mem)
-                    cost = beta * stranded(total - taken, free_cpu - cpu, free_mem - host_mem)
-                if gamma and gpu:
-                    cost += gamma * pressure.get(model, 0.0) * taken
-                cost -= before
-                left = (free_cpu - cpu) / (2 * BEST_FIT_CPU_SCALE) + (total - taken) / (2 * BEST_FIT_GPU_SCALE)
-                if not gpu:
-                    delta = frag(model, la, state) + cost
-                    if delta <= best + _EPS:
-                        near.append((delta, left, w, []))
-                        best = min(best, delta)
-                    continue
-                if whole:
-                    after = list(state)
-                    for _, f in fit[:count]:
-                        after.remove(f)
-                    delta = frag(model, la, tuple(after)) + cost
-                    if delta <= best + _EPS:
-                        near.append((delta, left, w, [gi for gi, _ in fit[:count]]))
-                        best = min(best, delta)
-                    continue
-                tried: set[int] = set()
-                for gi, f in fit:
-                    if f in tried:
-                        continue
-                    tried.add(f)
-                    after = list(state)
-                    after.remove(f)
-                    if f > milli:
-                        after.append(f - milli)
-                        after.sort()
-                    delta = frag(model, la, tuple(after)) + cost
-                    if delta <= best + _EPS:
-                        near.append((delta, left, w, [gi]))
-                        best = min(best, delta)
+            la = bisect_right(levels, free_cpu - cpu) if cpu else lb
+            if model is None:
+                best = self._offer_groups(t, plan, w, free_cpu, free_mem, lb, la, beta, best, near)
                 continue
-            # GPUs of several models on one worker: each model's GPUs are judged as one group.
-            groups = _groups(w)
-            total = sum(sum(f) for f in groups.values())
-            before = sum(frag(m, lb, f) for m, f in groups.items())
-            after_short = 0.0
+            # One model on the worker (the common case): its GPUs as one group, judged once per
+            # state of theirs (``_Tables.view``).
+            if plain:  # (a full GPU takes nothing whatever else holds: no need to look further)
+                codes = tuple([used if (used := g.granted_milli) >= MILLI_PER_GPU
+                               or not (g.cordoned or g.exclusive or g.state.health == "failed") else -1
+                               for g in w.gpus])
+            elif typed and not need.fits_type(w.gpus[0].info):
+                continue
+            else:
+                codes = _codes(need, w, typed)
+            key = (model, lb, la, shape, codes)
+            view = views.get(key)
+            if view is None:
+                view = t.view(key)
+            state, total, before, options = view
+            if not options:
+                continue
+            if dedupe:
+                seen_key = (model, free_cpu, free_mem, state)
+                if seen_key in seen:
+                    continue
+                seen.add(seen_key)
+            cost = 0.0
             if beta:
                 before += beta * stranded(total, free_cpu, free_mem)
-                after_short = beta * stranded(total - taken, free_cpu - cpu, free_mem - host_mem)
+                cost = beta * stranded(total - taken, free_cpu - cpu, free_mem - host_mem)
+            if gamma and gpu:
+                cost += gamma * pressure.get(model, 0.0) * taken
+            cost -= before
             left = (free_cpu - cpu) / (2 * BEST_FIT_CPU_SCALE) + (total - taken) / (2 * BEST_FIT_GPU_SCALE)
-            if not gpu:
-                delta = sum(frag(m, la, f) for m, f in groups.items()) + after_short - before
-                offer(delta, left, w, [])
-                continue
-            cand = self._candidates(need, w, milli, whole, count, typed)
-            if cand is None:
-                continue
-            options = [cand] if whole else [[gi] for gi in cand]
-            for option in options:
-                after_groups = {m: list(f) for m, f in groups.items()}
-                cost = after_short
-                for gi in option:
-                    g = w.gpus[gi]
-                    f = MILLI_PER_GPU - g.granted_milli
-                    lst = after_groups[g.info.model]
-                    lst.remove(f)
-                    if not whole and f > milli:
-                        lst.append(f - milli)
-                    if gamma:
-                        cost += gamma * pressure.get(g.info.model, 0.0) * (MILLI_PER_GPU if whole else milli)
-                delta = sum(frag(m, la, tuple(sorted(f))) for m, f in after_groups.items()) + cost - before
-                offer(delta, left, w, option)
+            for after, option in options:
+                delta = after + cost
+                if delta <= best + _EPS:
+                    near.append((delta, left, w, option))
+                    if delta < best:
+                        best = delta
         if not near:
             return None
-        limit = best + _EPS
-        pool = [c for c in near if c[0] <= limit]
-        if self.balance:
-            # Equally good for packing: the least loaded by live state, then as Best-fit would.
-            _, _, best_w, best_gpus = min(pool, key=lambda c: (_live_load(c[2], c[3], need), c[1]))
+        # As good as the best: all of them when the best has not moved since the first was offered.
+        pool = near if near[0][0] == best else [c for c in near if c[0] <= best + _EPS]
+        if len(pool) == 1:
+            _, _, best_w, best_gpus = pool[0]
+        elif self.balance:
+            # Equally good for packing: the least loaded by live state, then as Best-fit would
+            # (the first of equals, as min() takes it).
+            pick = pool[0]
+            pick_key: tuple[float, float] | None = None
+            for c in pool:
+                _, left, cw, option = c
+                if len(option) == 1:  # _live_load of one GPU
+                    k = (balanced_score(cw.gpus[option[0]], need) + 0.001 * cw.inflight, left)
+                else:
+                    k = (_live_load(cw, option, need), left)
+                if pick_key is None or k < pick_key:
+                    pick, pick_key = c, k
+            _, _, best_w, best_gpus = pick
         else:
             _, _, best_w, best_gpus = min(pool, key=lambda c: c[1])
-        chosen = [best_w.gpus[i] for i in best_gpus]
+        chosen = [best_w.gpus[best_gpus[0]]] if len(best_gpus) == 1 else [best_w.gpus[i] for i in best_gpus]
         self._supply_age += 1
         supply = self.supply
         for g in chosen:
@@ -770,6 +815,62 @@ class FragmentationGradientDescent:
             if m in supply:
                 supply[m] -= MILLI_PER_GPU if whole else milli
         return Placement(best_w, chosen)
+
+    def _offer_groups(
+        self,
+        t: _Tables,
+        plan: _NeedPlan,
+        w: WorkerRecord,
+        free_cpu: int,
+        free_mem: int,
+        lb: int,
+        la: int,
+        beta: float,
+        best: float,
+        near: list[tuple[float, float, WorkerRecord, list[int]]],
+    ) -> float:
+        """``_decide`` for a worker with GPUs of several models: each model's GPUs are judged as
+        one group. Appends the placements on ``w`` as good as ``best`` to ``near``; returns the
+        best score now."""
+        need, gpu, cpu, host_mem, count, milli, whole, typed, _, taken, _, _ = plan
+        frag = t.frag
+        gamma = self.pressure_weight
+        pressure = self.pressure
+        groups = _groups(w)
+        total = sum(sum(f) for f in groups.values())
+        before = sum(frag(m, lb, f) for m, f in groups.items())
+        after_short = 0.0
+        if beta:
+            before += beta * t.stranded(total, free_cpu, free_mem)
+            after_short = beta * t.stranded(total - taken, free_cpu - cpu, free_mem - host_mem)
+        left = (free_cpu - cpu) / (2 * BEST_FIT_CPU_SCALE) + (total - taken) / (2 * BEST_FIT_GPU_SCALE)
+        if not gpu:
+            delta = sum(frag(m, la, f) for m, f in groups.items()) + after_short - before
+            if delta <= best + _EPS:
+                near.append((delta, left, w, []))
+                best = min(best, delta)
+            return best
+        cand = self._candidates(need, w, milli, whole, count, typed)
+        if cand is None:
+            return best
+        options = [cand] if whole else [[gi] for gi in cand]
+        for option in options:
+            after_groups = {m: list(f) for m, f in groups.items()}
+            cost = after_short
+            for gi in option:
+                g = w.gpus[gi]
+                f = MILLI_PER_GPU - g.granted_milli
+                lst = after_groups[g.info.model]
+                lst.remove(f)
+                if not whole and f > milli:
+                    lst.append(f - milli)
+                if gamma:
+                    cost += gamma * pressure.get(g.info.model, 0.0) * (MILLI_PER_GPU if whole else milli)
+            delta = sum(frag(m, la, tuple(sorted(f))) for m, f in after_groups.items()) + cost - before
+            if delta <= best + _EPS:
+                near.append((delta, left, w, option))
+                best = min(best, delta)
+        return best
 
     @staticmethod
     def _candidates(

@@ -136,7 +136,11 @@ class LocalCluster:
         return str(self.endpoints["admin"])
 
     def __enter__(self) -> LocalCluster:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.stop()  # what started before the failure does not outlive it
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -98,8 +98,10 @@ class Project:
             return None
 
     def actions(self, sid: str) -> list[str]:
-        """Nova's instance action log of the server, oldest first."""
-        return [a.action for a in sorted(self.admin.instance_action.list(sid), key=lambda a: a.start_time)]
+        """Nova's instance action log of the server, oldest first: Nova lists it newest first by
+        (created_at, id), and its times have whole seconds, so two actions in one second are told
+        apart only by that order (sorting by start_time put a stop before its create)."""
+        return [a.action for a in reversed(self.admin.instance_action.list(sid))]
 
     def user_data(self, sid: str) -> str:
         raw = getattr(self.admin.servers.get(sid), "OS-EXT-SRV-ATTR:user_data")

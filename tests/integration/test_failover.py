@@ -41,6 +41,19 @@ def _wait_synced(c: LocalCluster, role: str, timeout: float = 20.0) -> dict[str,
         time.sleep(0.05)
 
 
+def _wait_workers_known(c: LocalCluster, role: str, timeout: float = 30.0) -> None:
+    from gpud_cli.cluster import admin_call
+
+    want = set(c.worker_procs)
+    deadline = time.monotonic() + timeout
+    while True:
+        known = {w.get("name") for w in admin_call(c.admin_of(role), "workers", {})}
+        if want <= known:
+            return
+        assert time.monotonic() < deadline, f"{role} knows workers {sorted(known)} of {sorted(want)}"
+        time.sleep(0.05)
+
+
 def _kill_under_load(c: LocalCluster, victim: str, rng: random.Random) -> None:
     delay = rng.uniform(0.0, 0.8)
     out = run_load(c.frontends, CLIENTS, ECHOES, JOBS, during=lambda: (time.sleep(delay), c.kill_broker(victim)))
@@ -66,6 +79,10 @@ def test_broker_failover_under_load_then_fail_back(pair: LocalCluster) -> None:
     pair.restart_broker("primary")
     st = _wait_synced(pair, "primary")
     assert st["peer_state"] == "active"
+    # One failure at a time: the pair is whole again once the workers are back with the restarted
+    # primary too (they retry a dead broker every few seconds). Killing the backup before that is a
+    # second failure, in which the primary cannot know what ran on a worker it never heard from.
+    _wait_workers_known(pair, "primary")
     _kill_under_load(pair, "backup", rng)
     assert pair.wait_active() == "primary"
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 
 
-class RouterThread:
+class RouterThread(ABC):
     """Serves ``_run`` (the subclass's: bind, set ``endpoint``, set ``_ready``, then answer until
     ``_stop`` is set) in a daemon thread, from ``_start`` until ``stop``."""
 
@@ -25,5 +26,6 @@ class RouterThread:
         self._thread.join(5)
         assert not self._thread.is_alive()
 
+    @abstractmethod
     def _run(self) -> None:
-        raise NotImplementedError
+        """Bind, set ``endpoint`` and ``_ready``, then answer until ``_stop`` is set."""

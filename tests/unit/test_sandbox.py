@@ -210,11 +210,24 @@ def _starts_under_churn(top: Path, starts: int) -> list[str]:
 def test_job_status_is_what_pid_1_wrote_else_its_own_exit() -> None:
     r, w = os.pipe()
     try:
-        assert sandbox.job_status(r, -9) == -9  # it wrote nothing: SIGKILLed itself
+        assert sandbox.job_status(sandbox.job_report(r).status, -9) == -9  # it wrote nothing: SIGKILLed itself
         os.write(w, str(15).encode())  # the wait status of a process killed by SIGTERM
-        assert sandbox.job_status(r, 0) == -15
+        assert sandbox.job_status(sandbox.job_report(r).status, 0) == -15
         os.write(w, str(7 << 8).encode())  # exited with 7
-        assert sandbox.job_status(r, 0) == 7
+        assert sandbox.job_status(sandbox.job_report(r).status, 0) == 7
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_job_report_reads_the_cgroup_and_setup_lines_before_the_status() -> None:
+    r, w = os.pipe()
+    try:
+        assert sandbox.job_report(r) == sandbox.JobReport("", "", None)
+        os.write(w, b"~cannot write its cgroup.procs: No space left on device\n" + str(9).encode())
+        assert sandbox.job_report(r) == sandbox.JobReport("", "cannot write its cgroup.procs: No space left on device", 9)
+        os.write(w, b"~not in it\n!mount /tmp: Operation not permitted\n")
+        assert sandbox.job_report(r) == sandbox.JobReport("mount /tmp: Operation not permitted", "not in it", None)
     finally:
         os.close(r)
         os.close(w)

@@ -38,7 +38,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from gpud_worker import device_program
@@ -52,7 +52,8 @@ MIN_CPU_QUOTA_US = 1_000  # the kernel refuses a cpu.max quota below 1 ms
 DAEMON_LEAF = "daemon"
 DEVICE_PROBE = "gpud-device-probe"  # the cgroup setup attaches a device program to, once, to see that it can
 JOB_PREFIX = "job-"
-_JOB_CGROUP_RE = re.compile(r"job-(?:[0-9a-f]{2}){1,64}\Z")
+SESSION_PREFIX = "session-"  # a session process's cgroup (``gpud_worker.session_host``)
+_JOB_CGROUP_RE = re.compile(r"(?:job|session)-(?:[0-9a-f]{2}){1,64}\Z")
 OPTIONAL_FILES = frozenset({"memory.swap.max", "memory.oom.group"})
 """Limit files a kernel may lack (no swap accounting, older kernels): their failures are not warned."""
 
@@ -254,6 +255,35 @@ def remove_cgroup(path: str) -> bool:
     return ok
 
 
+def in_cgroup(proc_cgroup: str, name: str, hierarchies: int) -> bool:
+    """Whether a ``/proc/PID/cgroup`` text puts its process in the cgroup called ``name`` of each
+    of ``hierarchies`` hierarchies (v2: its ``0::`` path, v1: one line per hierarchy) (pure)."""
+    tail = "/" + name
+    own = parse_proc_cgroup(proc_cgroup)
+    if hierarchies == 1 and own is not None:
+        return own.endswith(tail)
+    return sum(line.endswith(tail) for line in proc_cgroup.splitlines()) >= hierarchies
+
+
+def enter(procs_fds: Sequence[int], name: str) -> str:
+    """Move the calling process into its cgroup (``JobCgroup.procs_fds``, one per hierarchy; root's
+    right, so before it drops root), and check with its own ``/proc/self/cgroup`` that it is in:
+    "" if so, else why not. Called in the new process itself (a job's before its exec, a session
+    process at its start), which alone can tell: once a short job has ended its parent reads nothing
+    true of it."""
+    for fd in procs_fds:
+        try:
+            os.write(fd, b"0")
+        except OSError as exc:
+            return f"cannot write its cgroup.procs: {exc.strerror or exc}"
+    try:
+        if in_cgroup(_read("/proc/self/cgroup"), name, len(procs_fds)):
+            return ""
+    except OSError as exc:
+        return f"cannot read /proc/self/cgroup: {exc.strerror or exc}"
+    return "it is not in it after writing its cgroup.procs"
+
+
 class JobCgroup:
     """The cgroup of one running job (on cgroup v1: its cgroup in each controller's hierarchy).
 
@@ -281,17 +311,17 @@ class JobCgroup:
             os.close(fd)
         self.procs_fds = []
 
+    @property
+    def name(self) -> str:
+        """Its directory's name, the same in every hierarchy (``job-<hex>``, ``session-<hex>``)."""
+        return os.path.basename(self.path)
+
     def holds(self, pid: int) -> bool:
         """Whether process ``pid`` (running or a zombie) is in this cgroup (v1: in each)."""
         try:
-            text = _read(f"/proc/{pid}/cgroup")
+            return in_cgroup(_read(f"/proc/{pid}/cgroup"), self.name, len(self.paths))
         except OSError:
             return False
-        name = "/" + os.path.basename(self.path)
-        if len(self.paths) == 1 and parse_proc_cgroup(text) is not None:
-            own = parse_proc_cgroup(text)
-            return own is not None and own.endswith(name)
-        return sum(line.endswith(name) for line in text.splitlines()) >= len(self.paths)
 
     def oom_kills(self) -> int:
         """Processes the kernel killed for the memory limit (0 without the memory controller)."""
@@ -404,36 +434,37 @@ class JobCgroups:
                 remove_cgroup(path)
 
     def create(self, hexid: str, limits: CgroupLimits,
-               devices: Iterable[device_program.Rule] | None = None) -> JobCgroup | None:
-        """A new cgroup for job ``hexid`` with ``limits`` and, with ``devices`` and a
-        ``device_fence``, a device program that allows those devices only; None (logged) where it
-        cannot be made."""
-        path = os.path.join(self.base, JOB_PREFIX + hexid)
+               devices: Iterable[device_program.Rule] | None = None, prefix: str = JOB_PREFIX) -> JobCgroup | None:
+        """A new cgroup for job ``hexid`` (``prefix``: ``SESSION_PREFIX`` for a session process)
+        with ``limits`` and, with ``devices`` and a ``device_fence``, a device program that allows
+        those devices only; None (logged) where it cannot be made."""
+        path = os.path.join(self.base, prefix + hexid)
+        kind = prefix.rstrip("-")
         try:
             if os.path.isdir(path):
-                log.warning("job cgroup %s exists already: replacing it", path)
+                log.warning("%s cgroup %s exists already: replacing it", kind, path)
                 remove_cgroup(path)
             os.mkdir(path, 0o755)
         except OSError as exc:
-            log.warning("cannot create job cgroup %s (%s): the job runs without it", path, exc)
+            log.warning("cannot create %s cgroup %s (%s): the %s runs without it", kind, path, exc, kind)
             return None
         for name, value in limit_files(limits, self.controllers):
             try:
                 _write(os.path.join(path, name), value)
             except OSError as exc:
                 if name in OPTIONAL_FILES:
-                    log.debug("job cgroup %s: %s not set: %s", path, name, exc)
+                    log.debug("%s cgroup %s: %s not set: %s", kind, path, name, exc)
                 else:
-                    log.warning("job cgroup %s: cannot set %s to %s: %s", path, name, value, exc)
+                    log.warning("%s cgroup %s: cannot set %s to %s: %s", kind, path, name, value, exc)
         if devices is not None and self.device_fence:
             try:
                 device_program.fence(path, devices)
             except OSError as exc:
-                log.warning("job cgroup %s: no device program (%s): only its sandbox's /dev fences its devices", path, exc)
+                log.warning("%s cgroup %s: no device program (%s): only its sandbox's /dev fences its devices", kind, path, exc)
         try:
             fd = os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
         except OSError as exc:
-            log.warning("cannot open %s/cgroup.procs (%s): the job runs without its cgroup", path, exc)
+            log.warning("cannot open %s/cgroup.procs (%s): the %s runs without its cgroup", path, exc, kind)
             remove_cgroup(path)
             return None
         return JobCgroup(path, fd)
@@ -560,13 +591,16 @@ class JobCgroupsV1:
         for base in set(self.bases.values()):
             remove_cgroup(base)
 
-    def create(self, hexid: str, limits: CgroupLimits, deny_gpus: Iterable[int] = ()) -> JobCgroup | None:
-        """A job's cgroup in every hierarchy, limited; None (logged) where one cannot be made."""
+    def create(self, hexid: str, limits: CgroupLimits, deny_gpus: Iterable[int] = (),
+               prefix: str = JOB_PREFIX) -> JobCgroup | None:
+        """A job's cgroup (``prefix``: ``SESSION_PREFIX`` for a session process's) in every
+        hierarchy, limited; None (logged) where one cannot be made."""
+        kind = prefix.rstrip("-")
         deny = list(deny_gpus)
         made: list[tuple[str, int]] = []
         try:
             for controller, base in sorted(self.bases.items()):
-                path = os.path.join(base, JOB_PREFIX + hexid)
+                path = os.path.join(base, prefix + hexid)
                 if os.path.isdir(path):
                     remove_cgroup(path)
                 os.mkdir(path, 0o755)
@@ -576,10 +610,10 @@ class JobCgroupsV1:
                         _write(os.path.join(path, name), value)
                     except OSError as exc:
                         if name not in V1_OPTIONAL:
-                            log.warning("job cgroup %s: cannot set %s to %s: %s", path, name, value, exc)
+                            log.warning("%s cgroup %s: cannot set %s to %s: %s", kind, path, name, value, exc)
                 made[-1] = (path, os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC))
         except OSError as exc:
-            log.warning("cannot make job %s's cgroup v1 (%s): the job runs without it", hexid, exc)
+            log.warning("cannot make %s %s's cgroup v1 (%s): the %s runs without it", kind, hexid, exc, kind)
             for path, fd in made:
                 if fd >= 0:
                     os.close(fd)

@@ -84,9 +84,11 @@ import psutil
 
 from gpud.errors import ConfigError, InvalidRequest, RemoteError
 from gpud.protocol import JobSpec, check_file_name
-from gpud_worker.cgroups import JobCgroup, JobCgroups, JobCgroupsV1, job_limits
+from gpud_worker.cgroups import JOB_PREFIX, JobCgroup, JobCgroups, JobCgroupsV1, enter, job_limits
 from gpud_worker.device_program import job_rules
 from gpud_worker.sandbox import (
+    CGROUP_FAILED,
+    SETUP_FAILED,
     Plan,
     Sandbox,
     job_report,
@@ -658,7 +660,7 @@ class JobRunner:
                         if self.sandbox is not None:
                             plan = self.sandbox.plan(granted, str(workdir), dfd)
                         job_grant = grant if grant is not None else JobGrant()
-                        with self._cgroup(hexid, job_grant, granted) as cgroup, self._status_pipe(plan) as status:
+                        with self._cgroup(hexid, job_grant, granted) as cgroup, self._status_pipe(plan, cgroup) as status:
                             return self._execute(
                                 hexid, spec, workdir, dfd, user, visible_devices, cancel,
                                 job_grant, cgroup, begin, plan, status,
@@ -840,13 +842,14 @@ class JobRunner:
         return env
 
     def _child_setup(
-        self, spec: JobSpec, user: pwd.struct_passwd, cgroup_fds: Sequence[int] = (), plan: Plan | None = None,
+        self, spec: JobSpec, user: pwd.struct_passwd, cgroup: JobCgroup | None = None, plan: Plan | None = None,
         status_fd: int = -1,
     ) -> Callable[[], None]:
         """Build the preexec function: it runs in the forked child, before the job's program.
 
-        As root it first enters the job's cgroup (writing ``0`` to ``cgroup_fds``, its
-        ``cgroup.procs``, one per v1 hierarchy: root's right, so before anything else), then enters its sandbox's
+        As root it first enters the job's cgroup (``cgroups.enter``: writing ``0`` to its
+        ``cgroup.procs``, one per v1 hierarchy: root's right, so before anything else), and says on
+        ``status_fd`` if it is not in it after (the worker's warning), then enters its sandbox's
         namespaces (``plan``: only the process that runs the job returns), then becomes the job user itself
         (no supplementary groups), then sets the death signal (which a change of uid would clear),
         ``PR_SET_NO_NEW_PRIVS`` and the resource limits.
@@ -866,20 +869,22 @@ class JobRunner:
         switch = self._root
         uid, gid = user.pw_uid, user.pw_gid
 
+        cgroup_fds = cgroup.procs_fds if cgroup is not None else []
+        cgroup_name = cgroup.name if cgroup is not None else ""
+
         def setup() -> None:
             try:
                 set_up()
             except BaseException as exc:  # for the worker to say why (subprocess says only that it failed)
                 if status_fd >= 0:
-                    os.write(status_fd, f"!{exc}\n".encode(errors="replace")[:500])
+                    os.write(status_fd, f"{SETUP_FAILED}{exc}".encode(errors="replace")[:500] + b"\n")
                 raise
 
         def set_up() -> None:
-            for fd in cgroup_fds:
-                try:
-                    os.write(fd, b"0")
-                except OSError:
-                    pass  # the parent finds the job outside its cgroup and logs it
+            if cgroup_fds:
+                why = enter(cgroup_fds, cgroup_name)
+                if why and status_fd >= 0:  # it runs all the same, with its rlimits
+                    os.write(status_fd, f"{CGROUP_FAILED}{why}".encode(errors="replace")[:300] + b"\n")
             if plan is not None:
                 plan.enter(status_fd=status_fd)
             if switch:
@@ -899,7 +904,7 @@ class JobRunner:
     def _cgroup(self, hexid: str, grant: JobGrant, granted: Sequence[int] = ()) -> Iterator[JobCgroup | None]:
         """The job's cgroup (None without cgroups) while it runs; its OOM kills are logged and it
         is removed after."""
-        cgroup = self._make_cgroup(hexid, grant, granted)
+        cgroup = self.make_cgroup(hexid, grant, granted)
         try:
             yield cgroup
         finally:
@@ -915,27 +920,31 @@ class JobRunner:
 
     @staticmethod
     @contextmanager
-    def _status_pipe(plan: Plan | None) -> Iterator[tuple[int, int] | None]:
-        """A sandboxed job's pipe from its PID 1 (its wait status; why its setup failed): its read
-        end is closed after the job, its write end by ``_execute`` once the job has started."""
-        status = os.pipe2(os.O_CLOEXEC) if plan is not None else None
+    def _status_pipe(plan: Plan | None, cgroup: JobCgroup | None) -> Iterator[tuple[int, int] | None]:
+        """The pipe from a sandboxed job's process or one with a cgroup (``sandbox.job_report``:
+        whether it entered its cgroup, why its setup failed, its PID 1's wait status): its read end
+        is closed after the job, its write end by ``_execute`` once the job has started."""
+        status = os.pipe2(os.O_CLOEXEC) if plan is not None or cgroup is not None else None
         try:
             yield status
         finally:
             if status is not None:
                 os.close(status[0])
 
-    def _make_cgroup(self, hexid: str, grant: JobGrant, granted: Sequence[int] = ()) -> JobCgroup | None:
-        """The job's cgroup; its devices fenced to the GPUs of minors ``granted``: on v1 the
-        others denied, on v2 a device program of the job's own nodes only."""
+    def make_cgroup(self, hexid: str, grant: JobGrant, granted: Sequence[int] = (),
+                    prefix: str = JOB_PREFIX) -> JobCgroup | None:
+        """A cgroup for job ``hexid`` (or, with ``prefix`` ``SESSION_PREFIX``, a session process;
+        ``gpud_worker.session_host``), limited by ``grant``; its devices fenced to the GPUs of minors
+        ``granted``: on v1 the others denied, on v2 a device program of the process's own nodes
+        only. None without cgroups, or where it cannot be made (logged)."""
         if self.cgroups is None:
             return None
         limits = job_limits(grant.host_mem, grant.cpu_milli, self.limits.memory, self.limits.nproc)
         if isinstance(self.cgroups, JobCgroupsV1):
-            return self.cgroups.create(hexid, limits, sorted(set(self.gpu_minors.values()) - set(granted)))
+            return self.cgroups.create(hexid, limits, sorted(set(self.gpu_minors.values()) - set(granted)), prefix)
         if self.cgroups.device_fence:
-            return self.cgroups.create(hexid, limits, job_rules(granted))
-        return self.cgroups.create(hexid, limits)
+            return self.cgroups.create(hexid, limits, job_rules(granted), prefix)
+        return self.cgroups.create(hexid, limits, prefix=prefix)
 
     def _execute(
         self,
@@ -970,8 +979,7 @@ class JobRunner:
                         close_fds=True,
                         umask=0o077,
                         preexec_fn=self._child_setup(
-                            spec, user, cgroup.procs_fds if cgroup is not None else (), plan,
-                            status[1] if status is not None else -1,
+                            spec, user, cgroup, plan, status[1] if status is not None else -1,
                         ),
                     )
         except OSError as exc:
@@ -982,7 +990,7 @@ class JobRunner:
             message = f"gpud: cannot execute {spec.argv[0]!r}: {exc.strerror}\n".encode()
             return JobOutcome(code, False, b"", message, False, False, [], user.pw_name)
         except subprocess.SubprocessError as exc:  # the child's setup failed before its exec
-            why = job_report(status[0])[0] if status is not None else ""  # what subprocess does not say
+            why = job_report(status[0]).setup if status is not None else ""  # what subprocess does not say
             log.error("job %s: its process setup failed: %s", hexid, why or exc)
             raise RemoteError(f"cannot start job {hexid}: {why or exc}") from exc
         finally:
@@ -990,8 +998,6 @@ class JobRunner:
                 cgroup.close_fd()
             if status is not None:
                 os.close(status[1])
-        if cgroup is not None and not cgroup.holds(proc.pid):
-            log.warning("job %s did not enter its cgroup %s: it runs without cgroup limits", hexid, cgroup.path)
 
         assert proc.stdout is not None and proc.stderr is not None
         out = _Capture(proc.stdout, spec.output_cap, f"job-{hexid[:8]}-stdout")
@@ -1018,8 +1024,12 @@ class JobRunner:
             except subprocess.TimeoutExpired:
                 log.error("job %s: leader pid %d survives SIGKILL", hexid, proc.pid)
                 exit_code = -signal.SIGKILL
-            if status is not None:  # the leader is the job's PID 1, which ends by no signal
-                exit_code = job_status(status[0], exit_code)
+            report = job_report(status[0]) if status is not None else None
+            if report is not None and plan is not None:  # the leader is the job's PID 1, which ends by no signal
+                exit_code = job_status(report.status, exit_code)
+            if report is not None and report.cgroup and cgroup is not None:
+                log.warning("job %s did not enter its cgroup %s (%s): it ran without cgroup limits", hexid,
+                            cgroup.path, report.cgroup)
             if cgroup is not None:  # everything the job started, whatever its session or user
                 cgroup.kill()
             if self._root:  # also what left the group (setsid) and would hold the pipes open

@@ -499,26 +499,58 @@ def _init(child: int, w: int, mask: Iterable[int]) -> None:
         os._exit(255)
 
 
-def job_report(r: int) -> tuple[str, int | None]:
-    """What a job's processes wrote on the pipe ``r`` (``status_fd`` of ``Plan.enter``): why its
-    setup failed ("" if it did not: a line after ``!``), and the job's wait status, which its PID 1
-    writes at the end (None: nothing, it was SIGKILLed)."""
+SETUP_FAILED = "!"
+"""What a line on a job's status pipe starts with that says why its setup failed."""
+CGROUP_FAILED = "~"
+"""What a line on a job's status pipe starts with that says why it is not in its cgroup."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobReport:
+    """What a job's processes wrote on their status pipe (``job_report``).
+
+    Attributes:
+        setup: why its setup failed ("": it did not).
+        cgroup: why it did not enter its cgroup ("": it did, or it has none).
+        status: the job's wait status, which its PID 1 writes at the end (None: nothing, it was
+            SIGKILLed, or it has no PID 1 of its own).
+    """
+
+    setup: str = ""
+    cgroup: str = ""
+    status: int | None = None
+
+
+def job_report(r: int) -> JobReport:
+    """What a job's processes wrote on the pipe ``r`` (``status_fd`` of ``Plan.enter``), once they
+    are gone: a line after ``CGROUP_FAILED`` and one after ``SETUP_FAILED``, each where that
+    failed, and the digits of the job's wait status that its PID 1 writes at the end."""
     os.set_blocking(r, False)
-    try:
-        said = os.read(r, 1024).decode(errors="replace")
-    except BlockingIOError:
-        said = ""
-    why = ""
-    if said.startswith("!"):
-        why, _, said = said[1:].partition("\n")
-    return why, int(said) if said.isdigit() else None
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(r, 4096)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    said = b"".join(chunks).decode(errors="replace")
+    setup = cgroup = ""
+    while said[:1] in (SETUP_FAILED, CGROUP_FAILED):
+        line, _, said = said.partition("\n")
+        if line[0] == SETUP_FAILED:
+            setup = line[1:]
+        else:
+            cgroup = line[1:]
+    return JobReport(setup, cgroup, int(said) if said.isdigit() else None)
 
 
-def job_status(r: int, status: int) -> int:
-    """The job's exit code (negative: killed by that signal, as subprocess says) from what its
-    ``I`` wrote on pipe ``r``, which PID 1 of a namespace has to write, not die of; ``status``
-    (the exit code of the worker's child) where it wrote nothing (it was SIGKILLed)."""
-    written = job_report(r)[1]
+def job_status(written: int | None, status: int) -> int:
+    """The job's exit code (negative: killed by that signal, as subprocess says) from the wait
+    status its ``I`` wrote (``JobReport.status``), which PID 1 of a namespace has to write, not
+    die of; ``status`` (the exit code of the worker's child) where it wrote nothing (it was
+    SIGKILLed)."""
     return status if written is None else os.waitstatus_to_exitcode(written)
 
 

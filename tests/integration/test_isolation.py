@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import stat
+import subprocess
 import threading
 import time
 import urllib.request
@@ -32,6 +33,9 @@ from gpud_worker.cgroups import (
     JobCgroups,
     JobCgroupsV1,
     parse_mountinfo,
+    parse_proc_cgroup,
+    parse_v1_mounts,
+    parse_v1_own,
     remove_cgroup,
     setup_job_cgroups,
 )
@@ -368,6 +372,111 @@ def test_cgroup_v2_device_program_denies_the_gpus_not_granted(stand_in_gpu_nodes
         blocks.close()
 
 
+# Run as root by the session cgroup test: opens the session's cgroup.procs files (argv[4:]), enters
+# the session's mount namespace and makes a STAND-IN node of the GPU it was not granted in the
+# session's own /dev (remounted writable for this), then tries that node and its own GPU's node
+# outside the session's cgroup and then in it.
+MKNOD_IN_A_SESSION = r"""
+import ctypes, errno, os, stat, sys
+pid, other, mine = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+procs = [os.open(os.path.join(d, "cgroup.procs"), os.O_WRONLY) for d in sys.argv[4:]]
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+assert libc.setns(os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY), 0x00020000) == 0, ctypes.get_errno()
+os.chdir("/")
+assert libc.mount(None, b"/dev", None, 32 | 4096 | 2 | 8, None) == 0, ctypes.get_errno()  # remount, bind: writable
+node = f"/dev/nvidia{other}"
+
+def attempt(what, f):
+    try:
+        f()
+        print(what, "ok")
+    except OSError as e:
+        print(what, errno.errorcode[e.errno])
+
+attempt("mknod-outside", lambda: os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(195, other)))
+attempt("open-outside", lambda: os.close(os.open(node, os.O_RDWR)))
+for fd in procs:
+    os.write(fd, b"0")
+attempt("open-inside", lambda: os.close(os.open(node, os.O_RDWR)))
+attempt("own-inside", lambda: os.close(os.open(f"/dev/nvidia{mine}", os.O_RDWR)))
+os.unlink(node)
+attempt("mknod-inside", lambda: os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(195, other)))
+"""
+
+
+def _cgroup_dirs(cgroups: JobCgroups | JobCgroupsV1, pid: int) -> list[str]:
+    """The directories of process ``pid``'s cgroups in the hierarchies ``cgroups`` uses."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        text = f.read()
+    if isinstance(cgroups, JobCgroupsV1):
+        with open("/proc/self/mountinfo") as f:
+            mounts = parse_v1_mounts(f.read())
+        own = parse_v1_own(text)
+        return [os.path.join(mounts[c], own[c].lstrip("/")) for c in sorted(cgroups.controllers)]
+    with open("/proc/self/mountinfo") as f:
+        v2 = parse_mountinfo(f.read()).v2
+    path = parse_proc_cgroup(text)
+    assert v2 is not None and path is not None
+    return [os.path.join(v2, path.lstrip("/"))]
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_session_process_has_a_cgroup_of_its_own(version: str, stand_in_gpu_nodes: list[str],
+                                                   request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Session processes (a real forkserver child, a simulated GPU, in namespaces, as a pool user)
+    with the host's cgroup v1 hierarchies (memory, cpu, pids, devices) and with v2 job cgroups
+    (a BPF device program). A session on GPU 0 is in a cgroup ``session-<hex>`` of its own in
+    every hierarchy; a STAND-IN node of GPU 1 that a root helper makes with mknod in the
+    session's own /dev opens (ENXIO: no driver behind it) outside that cgroup, but in it the open
+    and a new mknod are refused (EPERM), while its own GPU's node opens (ENXIO); past its memory
+    limit (v1: job_memory 96 MiB) the process is killed and the session lost, saying why; and its
+    cgroup is gone once the session ends."""
+    from gpud.errors import SessionLost
+    from gpud_worker.device import SimulatedDevice
+    from gpud_worker.gpu import simulated_gpus
+    from gpud_worker.session_host import HostedDevice, SessionHosts
+
+    if version == "v1":
+        found = setup_job_cgroups()
+        if not isinstance(found, JobCgroupsV1) or {"memory", "devices"} - found.controllers:
+            pytest.skip("this host has no cgroup v1 memory and devices hierarchies")
+        request.addfinalizer(found.close)
+        cgroups: JobCgroups | JobCgroupsV1 = found
+    else:
+        made = JobCgroups.setup(request.getfixturevalue("v2_parent"))
+        assert made is not None and made.device_fence == "bpf"
+        cgroups = made
+    blocks = UidBlocks(UID_BASE)
+    request.addfinalizer(blocks.close)
+    uids = blocks.take()
+    os.chmod(tmp_path, 0o711)
+    gpus = simulated_gpus(2, mem=1 << 30, worker_name="cg")
+    minors = {g.uuid: g.index for g in gpus}
+    runner = JobRunner(tmp_path / "jobs", UserPool("gpud-dyn-", uids[:2]), limits=JobLimits(memory=96 << 20),
+                       cgroups=cgroups, sandbox=Sandbox("none"), gpu_minors=minors)
+    hosts = SessionHosts(runner.lease_user, runner.end_lease, sandbox=runner.sandbox, gpu_minors=minors,
+                         make_cgroup=runner.make_cgroup)
+    device = HostedDevice(SimulatedDevice(gpus[0]), hosts)
+    s = device.open_session(512 << 20, tenant="alice")
+    try:
+        dirs = _cgroup_dirs(cgroups, s.pid)
+        names = {os.path.basename(d) for d in dirs}
+        assert len(names) == 1 and next(iter(names)).startswith("session-"), dirs
+        assert all(os.path.isdir(d) for d in dirs)
+        helper = subprocess.run([PY, "-c", MKNOD_IN_A_SESSION, str(s.pid), "1", "0", *dirs],
+                                capture_output=True, text=True, timeout=60)
+        assert helper.returncode == 0, helper.stderr
+        assert helper.stdout.split() == ["mknod-outside", "ok", "open-outside", "ENXIO", "open-inside", "EPERM",
+                                         "own-inside", "ENXIO", "mknod-inside", "EPERM"], helper.stdout
+        if "memory" in cgroups.controllers:
+            with pytest.raises(SessionLost, match="for its memory limit"):
+                s.alloc(256 << 20)
+    finally:
+        s.close()
+    assert not any(os.path.exists(d) for d in dirs)
+
+
 def test_a_sandboxed_jobs_exit_is_its_own_code_or_signal(tmp_path: Path) -> None:
     """A job's process is PID 1 of its namespace (gpud-init), which ends by no signal: the job's
     own exit code or signal reaches its outcome all the same, also a SIGTERM at its time limit;
@@ -424,8 +533,8 @@ def test_a_failed_sandbox_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 def test_a_session_process_runs_in_namespaces_of_its_own(stand_in_gpu_nodes: list[str]) -> None:
     """A session in a process of its own (session_processes on): its mount, PID, IPC, UTS and
-    network namespaces are not the worker's, its /dev holds its one GPU's STAND-IN node, and the
-    pid it reports is the one the VM sees."""
+    network namespaces are not the worker's, it is in a cgroup of its own, its /dev holds its one
+    GPU's STAND-IN node, and the pid it reports is the one the VM sees."""
     with LocalCluster(workers=1, gpus_per_worker=2, heartbeat_ms=200, security="curve", pool_size=2,
                       dynamic_uid_base=UID_BASE, worker_args=["--session-processes", "on"]) as c, \
             client(c, c.client_keys("alice")) as a, a.session(gpu_milli=100, mem=1 << 20) as s:
@@ -435,6 +544,8 @@ def test_a_session_process_runs_in_namespaces_of_its_own(stand_in_gpu_nodes: lis
             assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/{worker}/ns/{ns}"), ns
         with open(f"/proc/{pid}/status") as f:
             assert f"Uid:\t{process['uid']}" in f.read()
+        with open(f"/proc/{pid}/cgroup") as f:
+            assert re.search(r"/session-[0-9a-f]{16}$", f.read(), re.M)  # the worker's cgroups (v1 here), its own
         dev = sorted(os.listdir(f"/proc/{pid}/root/dev"))
         gpu = s.device_info()["gpu"]["index"]
         assert [n for n in dev if n.startswith("nvidia")] == [f"nvidia{gpu}", "nvidiactl"], dev

@@ -20,6 +20,7 @@ from gpud_worker import cgroups
 from gpud_worker.cgroups import (
     CgroupLimits,
     Hierarchy,
+    JobCgroup,
     JobCgroups,
     cpu_max,
     job_limits,
@@ -311,3 +312,37 @@ def test_real_stale_job_cgroup_removed_at_setup(real_parent: pathlib.Path) -> No
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_session_process_that_cannot_enter_its_cgroup_is_warned_of_and_still_serves(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real session process (forkserver, simulated GPU) handed a cgroup it cannot be in (its
+    cgroup.procs is /dev/null here: the write succeeds, yet its /proc/self/cgroup names no
+    session-fake): the worker warns, as for a job, the session serves all the same, and the
+    cgroup is removed after it."""
+    from gpud_worker.device import SimulatedDevice
+    from gpud_worker.gpu import simulated_gpus
+    from gpud_worker.session_host import HostedDevice, SessionHosts
+
+    fake = tmp_path / "session-fake"
+    made: list[tuple[str, str]] = []
+
+    def make_cgroup(hexid: str, grant: object, minors: object, prefix: str) -> JobCgroup:
+        made.append((hexid, prefix))
+        fake.mkdir()
+        return JobCgroup(str(fake), os.open("/dev/null", os.O_WRONLY | os.O_CLOEXEC))
+
+    hosts = SessionHosts(lambda tenant: None, lambda user: None, make_cgroup=make_cgroup)
+    device = HostedDevice(SimulatedDevice(simulated_gpus(1, mem=1 << 30, worker_name="cg")[0]), hosts)
+    with caplog.at_level(logging.WARNING):
+        s = device.open_session(1 << 20)
+    try:
+        assert "did not enter its cgroup" in caplog.text and "it is not in it" in caplog.text
+        handle = s.alloc(16)
+        s.htod(handle, 0, b"x" * 16)
+        assert bytes(s.dtoh(handle, 0)) == b"x" * 16
+    finally:
+        s.close()
+    assert made and made[0][1] == "session-"
+    assert not fake.exists()

@@ -234,10 +234,11 @@ def run(args: argparse.Namespace) -> int:
         from gpud_worker.session_host import HostedDevice, SessionHosts
 
         hosts = SessionHosts(runner.lease_user, runner.end_lease, cuda=not w.simulate, staging=w.session_staging,
-                             sandbox=runner.sandbox, gpu_minors=minors)
+                             sandbox=runner.sandbox, gpu_minors=minors, make_cgroup=runner.make_cgroup)
         runner.pooled_sessions = root
         devices = {uuid: HostedDevice(d, hosts) for uuid, d in devices.items()}  # type: ignore[arg-type]
-        log.info("sessions run in processes of their own%s", ", as pool users" if root else "")
+        log.info("sessions run in processes of their own%s, %s", ", as pool users" if root else "",
+                 "each in a cgroup of its own as a job" if cgroups is not None else "without cgroups (as jobs)")
     config = WorkerConfig(
         name=name,
         brokers=w.brokers,

@@ -23,9 +23,16 @@ starts.
 - ``HostedSession`` is the worker's side of one session: each call is one request and one reply on
   a socket pair (msgpack maps); bulk bytes go through a shared memory buffer (a memfd mapped by
   both sides, ``staging`` bytes, default 8 MiB), a copy larger than it in pieces.
-- ``_serve`` is the child's side: it enters its sandbox (``gpud_worker.sandbox``: namespaces of its
-  own, a ``/dev`` with only its GPU's nodes, no network) where the worker has one, becomes the pool
-  user, opens the one session on a device of
+- Each session process has a cgroup of its own where the worker has job cgroups
+  (``JobRunner.make_cgroup``, ``session-<hex>`` beside the jobs' ``job-<hex>``): the same memory,
+  CPU and pids limits a job of its grant gets, and its devices fenced as a job's are (the v1
+  ``devices`` cgroup denies the GPUs not granted; on v2 a BPF device program allows only its
+  sandbox's nodes). It is removed, with whatever still runs in it, when the session ends or the
+  worker drops it; an out-of-memory kill is said in why the session was lost.
+- ``_serve`` is the child's side: it first enters its cgroup (``cgroups.enter``; it says in its
+  first message whether it could, and the worker warns where it could not), then its sandbox
+  (``gpud_worker.sandbox``: namespaces of its own, a ``/dev`` with only its GPU's nodes, no
+  network) where the worker has one, becomes the pool user, opens the one session on a device of
   its own, and answers calls until it is closed or the worker goes away. After an error that
   leaves its context unusable it answers that call, saying the session is lost, and exits.
 
@@ -59,7 +66,9 @@ from gpud.errors import (
 )
 from gpud.protocol import gpu_info_to_wire, parse_gpu_info
 from gpud.resources import GpuInfo
+from gpud_worker.cgroups import SESSION_PREFIX, JobCgroup, enter
 from gpud_worker.device import Dims, _BaseDevice, _byte_view, _check_grant, _out_view
+from gpud_worker.jobs import JobGrant
 from gpud_worker.kernels import Arg
 from gpud_worker.modules import check_cuda_source, check_load_args, decode_text
 from gpud_worker.sandbox import Plan, Sandbox
@@ -101,6 +110,9 @@ class SessionHosts:
     sandbox, gpu_minors:
         The namespaces session processes run in (None: none) and each GPU's ``/dev/nvidiaN``
         minor number by uuid (default: its index), as for jobs (``JobRunner``).
+    make_cgroup:
+        Makes the cgroup of a session process (``JobRunner.make_cgroup``: name, grant, granted
+        GPUs' minors, prefix), None where there is none; None here: session processes get none.
     """
 
     def __init__(
@@ -112,6 +124,7 @@ class SessionHosts:
         staging: int = DEFAULT_STAGING,
         sandbox: Sandbox | None = None,
         gpu_minors: Mapping[str, int] | None = None,
+        make_cgroup: Callable[[str, JobGrant, Sequence[int], str], JobCgroup | None] | None = None,
     ) -> None:
         if staging < 4096:
             raise ValueError("staging must be at least 4096 bytes")
@@ -120,34 +133,47 @@ class SessionHosts:
         self.staging = staging
         self.sandbox = sandbox if sandbox is not None and sandbox.active else None
         self.gpu_minors = dict(gpu_minors or {})
+        self.make_cgroup = make_cgroup
         self._ctx = multiprocessing.get_context("forkserver")
         preload = ["gpud_worker.session_host", "numpy"]
         if cuda:
             preload += ["gpud_worker.cuda", "pycuda.driver"]
         self._ctx.set_forkserver_preload(preload)
 
-    def start(self, spec: dict[str, Any], user: pwd.struct_passwd | None) -> tuple[Any, Any, mmap.mmap]:
-        """Fork a session process for ``spec`` (see ``_serve``) running as ``user``; returns the
-        process, the worker's end of its socket pair and the shared buffer."""
-        fd = os.memfd_create("gpud-session", os.MFD_CLOEXEC)
+    def start(self, spec: dict[str, Any], user: pwd.struct_passwd | None,
+              grant: JobGrant | None = None) -> tuple[Any, Any, mmap.mmap, JobCgroup | None]:
+        """Fork a session process for ``spec`` (see ``_serve``) running as ``user`` in a cgroup
+        limited by ``grant``; returns the process, the worker's end of its socket pair, the shared
+        buffer and its cgroup (None: it has none; the caller removes it after the process)."""
+        uuid = spec["gpu"]["uuid"]
+        minors = [self.gpu_minors[uuid]] if uuid in self.gpu_minors else []
+        cgroup = None
+        if self.make_cgroup is not None:
+            cgroup = self.make_cgroup(os.urandom(8).hex(), grant or JobGrant(), minors, SESSION_PREFIX)
         try:
-            os.ftruncate(fd, self.staging)
-            buf = mmap.mmap(fd, self.staging)
-            ours, theirs = self._ctx.Pipe(duplex=True)
-            ids = None if user is None else (user.pw_uid, user.pw_gid)
-            plan = None
-            if self.sandbox is not None:
-                uuid = spec["gpu"]["uuid"]
-                plan = self.sandbox.plan([self.gpu_minors[uuid]] if uuid in self.gpu_minors else [])
-            proc = self._ctx.Process(target=_serve, args=(theirs, _Fd(fd), self.staging, spec, ids, plan),
-                                     name=f"gpud-session-{spec['gpu']['index']}", daemon=True)
+            fd = os.memfd_create("gpud-session", os.MFD_CLOEXEC)
             try:
-                proc.start()
+                os.ftruncate(fd, self.staging)
+                buf = mmap.mmap(fd, self.staging)
+                ours, theirs = self._ctx.Pipe(duplex=True)
+                ids = None if user is None else (user.pw_uid, user.pw_gid)
+                plan = self.sandbox.plan(minors) if self.sandbox is not None else None
+                joins = ([_Fd(f) for f in cgroup.procs_fds], cgroup.name) if cgroup is not None else None
+                proc = self._ctx.Process(target=_serve, args=(theirs, _Fd(fd), self.staging, spec, ids, plan, joins),
+                                         name=f"gpud-session-{spec['gpu']['index']}", daemon=True)
+                try:
+                    proc.start()  # the forkserver has its own copies of the fds now
+                finally:
+                    theirs.close()
             finally:
-                theirs.close()
-        finally:
-            os.close(fd)
-        return proc, ours, buf
+                os.close(fd)
+                if cgroup is not None:
+                    cgroup.close_fd()
+        except BaseException:
+            if cgroup is not None:
+                cgroup.remove()
+            raise
+        return proc, ours, buf, cgroup
 
 
 class _Fd:
@@ -180,11 +206,13 @@ class HostedDevice:
         self.simulated: bool = inner.simulated
         self.clock = inner.clock
 
-    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None, tenant: str = "default") -> HostedSession:
-        """Start a session process (this waits until its context is made) and return its session.
+    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None, tenant: str = "default",
+                     grant: JobGrant | None = None) -> HostedSession:
+        """Start a session process (this waits until its context is made) and return its session;
+        ``grant``: the DISPATCH's, whose ``host_mem`` and ``cpu_milli`` limit its cgroup as a job's.
         RemoteError when it cannot start (no pool user free, CUDA refused...)."""
         _check_grant(mem_grant)
-        return HostedSession(self, mem_grant, dict(mps or {}), tenant)
+        return HostedSession(self, mem_grant, dict(mps or {}), tenant, grant)
 
     def mem_used(self) -> int:
         """Bytes the sessions hold, counted by the wrapped device (the simulated GPU's state,
@@ -201,7 +229,8 @@ class HostedSession:
     Thread-safe: calls run one at a time. ``pid`` and ``uid`` say which process and user run it.
     """
 
-    def __init__(self, device: HostedDevice, mem_grant: int, mps: dict[str, str], tenant: str) -> None:
+    def __init__(self, device: HostedDevice, mem_grant: int, mps: dict[str, str], tenant: str,
+                 grant: JobGrant | None = None) -> None:
         self._device = device
         self._hosts = device.hosts
         self._lock = threading.Lock()
@@ -219,8 +248,9 @@ class HostedSession:
             "log_level": logging.getLogger().getEffectiveLevel(),
         }
         self._user = self._hosts.lease(tenant)
+        self._cgroup: JobCgroup | None = None
         try:
-            self._proc, self._conn, self._buf = self._hosts.start(spec, self._user)
+            self._proc, self._conn, self._buf, self._cgroup = self._hosts.start(spec, self._user, grant)
             try:
                 hello = self._receive(START_TIMEOUT_S)
             except BaseException:
@@ -234,8 +264,12 @@ class HostedSession:
             raise
         self.pid: int = hello["pid"]
         self.uid: int = hello["uid"]
-        log.info("session process %d on GPU %s runs as %s", self.pid, device.gpu.uuid,
-                 self._user.pw_name if self._user is not None else f"uid {self.uid}")
+        log.info("session process %d on GPU %s runs as %s%s", self.pid, device.gpu.uuid,
+                 self._user.pw_name if self._user is not None else f"uid {self.uid}",
+                 f" in cgroup {self._cgroup.path}" if self._cgroup is not None else "")
+        if self._cgroup is not None and hello.get("cgroup"):
+            log.warning("session process %d did not enter its cgroup %s (%s): it runs without cgroup limits",
+                        self.pid, self._cgroup.path, hello["cgroup"])
 
     # ---------------------------------------------------------------- the calls
 
@@ -385,6 +419,8 @@ class HostedSession:
         code = self._proc.exitcode
         how = ("still running" if code is None else f"killed by {signal.Signals(-code).name}" if code < 0
                else f"exit status {code}")
+        if self._cgroup is not None and self._cgroup.oom_kills():
+            how += ", for its memory limit"  # the kernel's OOM kill in its cgroup
         why = self._lost or f"its process ended ({how})"
         self._lost = why
         log.warning("session process %s on GPU %s: %s", getattr(self, "pid", "?"), self._device.gpu.uuid, why)
@@ -407,6 +443,12 @@ class HostedSession:
             self._buf.close()
         except BufferError:  # a view of it is still alive somewhere: it goes with the last one
             pass
+        if self._cgroup is not None:  # with whatever of it still runs (its sandbox's PID 1, a child)
+            oom = self._cgroup.oom_kills()
+            if oom:
+                log.info("session process %d: %d process(es) killed for its memory limit", self._proc.pid, oom)
+            self._cgroup.remove()
+            self._cgroup = None
 
 
 def _builtin_image(device: Any) -> bytes | None:
@@ -481,9 +523,16 @@ def _open(spec: dict[str, Any]) -> Any:
 
 
 def _serve(conn: Any, fd: _Fd, staging: int, spec: dict[str, Any], ids: tuple[int, int] | None,
-           plan: Plan | None = None) -> None:
-    """The body of a session process (forked from the forkserver; see the module's doc)."""
+           plan: Plan | None = None, joins: tuple[list[_Fd], str] | None = None) -> None:
+    """The body of a session process (forked from the forkserver; see the module's doc);
+    ``joins``: the ``cgroup.procs`` fds and the name of its cgroup, entered first."""
     global _PID
+    outside = ""  # why it is not in its cgroup
+    if joins is not None:
+        fds = [f.detach() for f in joins[0]]
+        outside = enter(fds, joins[1])
+        for f in fds:
+            os.close(f)
     _PID = os.getpid()
     logging.basicConfig(level=spec.get("log_level", logging.INFO),
                         format=f"%(asctime)s gpud-session[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
@@ -501,7 +550,7 @@ def _serve(conn: Any, fd: _Fd, staging: int, spec: dict[str, Any], ids: tuple[in
         text = exc.message if isinstance(exc, GpudError) else f"{type(exc).__name__}: {exc}"
         conn.send_bytes(_packb({"ok": False, "message": text}))
         return
-    conn.send_bytes(_packb({"ok": True, "pid": _PID, "uid": os.geteuid()}))
+    conn.send_bytes(_packb({"ok": True, "pid": _PID, "uid": os.geteuid(), "cgroup": outside}))
     view = memoryview(buf)
     while True:
         try:

@@ -50,6 +50,7 @@ from gpud_worker.device import Device, DeviceSession
 from gpud_worker.fetch import Fetch
 from gpud_worker.gpu import GpuProbe
 from gpud_worker.jobs import JobGrant, JobRunner
+from gpud_worker.session_host import HostedDevice
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +195,7 @@ class SessionRunner:
         self.direct = False  # the broker offered the direct path (DISPATCH 'direct')
         self.relay = True  # the broker relays its CALLs too (DISPATCH 'relay')
         self.client_key = ""  # the client key the broker named for it (CURVE)
+        self.grant = JobGrant()  # what the broker granted (DISPATCH 'grant')
 
     def put(self, item: tuple[Route, dict[str, Any], list[Any]] | None) -> None:
         """(The loop) Queue a relayed call (None: end the thread) and wake the thread; nothing
@@ -963,6 +965,7 @@ class Worker:
         env = None if mps is None else mps.environment(JobGrant.from_wire(grant).gpu_milli, [mem])
         s = SessionRunner(rid, None, self.gpus[uuid], tenant)
         s.direct, s.client_key, s.relay = direct, client_key, relay
+        s.grant = JobGrant.from_wire(grant)
         s.thread = threading.Thread(target=self._session_thread, args=(s, idx, device, mem, env), name=f"session-{rid.hex()[:8]}", daemon=True)
         self.sessions[rid] = s
         self._session_threads = [t for t in self._session_threads if t.is_alive()]
@@ -973,7 +976,10 @@ class Worker:
         """(Session thread) Open the device session of ``s`` and answer the DISPATCH."""
         rid = s.id
         try:
-            s.dev = device.open_session(mem, mps=env, tenant=s.tenant)
+            if isinstance(device, HostedDevice):  # its process's cgroup: the grant's host memory and CPU
+                s.dev = device.open_session(mem, mps=env, tenant=s.tenant, grant=s.grant)
+            else:
+                s.dev = device.open_session(mem, mps=env, tenant=s.tenant)
             s.last_used = time.monotonic()  # idle from when it is open: a session process may take a while
         except GpudError as exc:
             self._close_session(s)

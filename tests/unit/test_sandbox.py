@@ -398,3 +398,74 @@ def test_a_grants_pool_tenant_survives_replication() -> None:
     plain = Grant("w0", ("G0",), 1, 0)
     assert grant_from_wire(grant_to_wire(held)) == held and grant_from_wire(grant_to_wire(plain)) == plain
     assert len(grant_to_wire(plain) or []) == 7  # as before: an older peer reads it
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes files of other uids")
+def test_the_sweep_removes_what_the_uid_can_have_left_and_nothing_else(tmp_path: Path) -> None:
+    """A swept directory like /tmp (root's, 1777) with: the uid's file, its symlink to someone
+    else's file, its directory (with a 000 subdirectory, nested files, a symlink out); someone
+    else's file; a tree of root's 0755 with a leaf and a 1777 directory two levels down holding
+    the uid's file. All of the uid's goes, nothing else, and no symlink is followed. A file of the
+    uid planted (by root) in root's 0700 directory, where the uid cannot have made it, is not
+    looked for: that directory is not entered. Neither is root's 0755 leaf listed."""
+    uid, other = 64990, 64991
+    top = tmp_path / "tmp"
+    top.mkdir(mode=0o1777)
+    os.chmod(top, 0o1777)
+
+    def owned(path: Path, owner: int, mode: int = 0o600, text: str = "x") -> Path:
+        path.write_text(text)
+        os.chown(path, owner, owner)
+        os.chmod(path, mode)
+        return path
+
+    theirs = owned(top / "theirs", other)
+    owned(top / "mine", uid)
+    (top / "link").symlink_to(theirs)
+    os.lchown(top / "link", uid, uid)
+    mydir = top / "mydir"
+    (mydir / "closed").mkdir(parents=True)
+    owned(mydir / "closed" / "deep", uid)
+    owned(mydir / "someone's", other)
+    (mydir / "out").symlink_to(tmp_path)
+    for d in (mydir, mydir / "closed"):
+        os.chown(d, uid, uid)
+    os.chmod(mydir / "closed", 0)
+    shared = top / "tree" / "a" / "shared"
+    shared.mkdir(parents=True)
+    os.chmod(shared, 0o1777)
+    (top / "tree" / "leaf").mkdir()
+    owned(top / "tree" / "leaf" / "root's", 0)
+    owned(shared / "mine", uid)
+    private = top / "private"
+    private.mkdir(mode=0o700)
+    planted = owned(private / "planted", uid)
+    keep = {theirs, top / "tree" / "leaf" / "root's", planted, tmp_path / "tmp"}
+
+    assert sandbox._remove_files_of(uid, str(top)) == 4  # mine, link, mydir, tree/a/shared/mine
+    left = {p for p in top.rglob("*")} | {top}
+    assert keep <= left
+    assert not [p for p in left if p.lstat().st_uid == uid and p != planted]
+    assert theirs.read_text() == "x" and tmp_path.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes files of other uids")
+def test_a_tree_deeper_than_the_sweep_goes_is_said_and_the_rest_is_swept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory chain of the uid's deeper than the sweep's limit (3 here, 128 in the worker)
+    does not stop the sweep (which recursed before, so a deep enough tree raised): what is within
+    reach goes, a WARNING names where it stopped."""
+    uid = 64990
+    monkeypatch.setattr(sandbox, "SWEEP_MAX_DEPTH", 3)
+    os.chmod(tmp_path, 0o1777)  # as /tmp
+    deep = tmp_path / "d1" / "d2" / "d3" / "d4" / "d5" / "d6"
+    deep.mkdir(parents=True)
+    for p in [tmp_path / "d1", *(tmp_path / "d1").rglob("*")]:
+        os.chown(p, uid, uid)
+    (tmp_path / "f").write_text("x")
+    os.chown(tmp_path / "f", uid, uid)
+    with caplog.at_level("WARNING"):
+        sandbox._remove_files_of(uid, str(tmp_path))
+    assert not (tmp_path / "f").exists()
+    assert "did not go below 3 levels" in caplog.text

@@ -769,40 +769,121 @@ def _remove_own_ipc(uid: int, proc: str) -> int:
     return removed
 
 
+SWEEP_MAX_DEPTH = 128
+"""Directory levels below a swept directory that a sweep goes down (two fds held per level)."""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def may_hold_entries_of_others(st: os.stat_result) -> bool:
+    """Whether a pool user other than the owner may have linked entries into directory ``st``
+    (made, renamed or hard-linked them there): it is not root's, or its group or others may
+    write it (an ACL that grants a user more shows in the group bits, its mask) (pure)."""
+    return st.st_uid != 0 or bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def may_be_entered(st: os.stat_result) -> bool:
+    """Whether a pool user may ever have reached inside directory ``st``: not root's, or its group
+    or others may search it (root's own 0700 directories are no pool user's business) (pure)."""
+    return st.st_uid != 0 or bool(st.st_mode & (stat.S_IXGRP | stat.S_IXOTH))
+
+
 def _remove_files_of(uid: int, top: str) -> int:
-    """Remove every file and directory of ``uid`` below ``top`` (through directory fds, never
-    following a symlink: another user cannot redirect the sweep)."""
+    """Remove every file and directory of ``uid`` below ``top``; how many (a directory with what is
+    in it counts once). Through directory fds, never following a symlink (another user cannot
+    redirect the sweep), depth first without recursion, and only where ``uid`` can have left
+    something: in a directory of root's that no pool user may write, only its directories are
+    looked at (its files cannot be a pool user's), and only until the last of them (a directory
+    has 2 links and one more per subdirectory, as ``find`` relies on; overlayfs and btrfs say 1,
+    which tells nothing), so one without subdirectories is not listed at all, and one
+    that no pool user may search is not entered. On a VM whose /tmp holds a large tree of root's
+    (a checkout, a build), that is most of it: every entry of it was ``stat``-ed, once per job.
+    A tree deeper than ``SWEEP_MAX_DEPTH`` is swept down to that depth (a WARNING names it)."""
+    try:
+        fd = os.open(top, _DIR_FLAGS)
+    except OSError as exc:
+        log.warning("cannot sweep %s for uid %d: %s", top, uid, exc)
+        return 0
     removed = 0
-    for _, dirnames, filenames, dfd in os.fwalk(top, topdown=False, follow_symlinks=False):
-        for name in filenames + dirnames:
+    # Each level: its fd, its entries, its path (for the log), whether all of its entries are
+    # this uid's to remove, whether others' entries may be in it (then each is stat-ed), and where
+    # not, how many subdirectories are still to come (-1: not known; 0: nothing more to look at).
+    stack: list[tuple[int, Iterator[os.DirEntry[str]], str, bool, bool, list[int]]] = []
+    deep = ""
+
+    def push(dfd: int, where: str, removing: bool, st: os.stat_result) -> None:
+        look = removing or may_hold_entries_of_others(st)
+        subdirs = st.st_nlink - 2 if not look and st.st_nlink >= 2 else -1
+        stack.append((dfd, os.scandir(dfd), where, removing, look, [subdirs]))
+
+    try:
+        push(fd, top, False, os.fstat(fd))
+    except OSError as exc:
+        os.close(fd)
+        log.warning("cannot sweep %s for uid %d: %s", top, uid, exc)
+        return 0
+    while stack:
+        dfd, entries, where, removing, look, subdirs = stack[-1]
+        try:
+            entry = next(entries, None) if subdirs[0] != 0 else None
+        except OSError as exc:
+            log.warning("cannot list %s to sweep uid %d: %s", where, uid, exc)
+            entry = None
+        if entry is None:
+            stack.pop()
+            _close(entries, dfd)
+            if removing and stack:  # a directory of the uid's, now empty
+                try:
+                    os.rmdir(os.path.basename(where), dir_fd=stack[-1][0])
+                except OSError as exc:
+                    log.warning("cannot remove %s of uid %d: %s", where, uid, exc)
+            continue
+        try:
+            is_dir = entry.is_dir(follow_symlinks=False)  # from the directory entry: no stat
+            if removing and not is_dir:
+                os.unlink(entry.name, dir_fd=dfd)
+                continue
+            if not (look or is_dir):
+                continue  # in a directory of root's no pool user may write: not a pool user's file
+            if not look:
+                subdirs[0] -= 1  # once its last one is seen, the rest of it is files: not looked at
+            st = entry.stat(follow_symlinks=False)
+            mine = removing or st.st_uid == uid
+            if not is_dir:
+                if mine:
+                    os.unlink(entry.name, dir_fd=dfd)
+                    removed += 1
+                continue
+            if not (mine or may_be_entered(st)):
+                continue
+            if not mine and not may_hold_entries_of_others(st) and st.st_nlink == 2:
+                continue  # no subdirectory in it (2 links: its entry and its "."), and its files are root's
+            if len(stack) > SWEEP_MAX_DEPTH:
+                deep = deep or os.path.join(where, entry.name)
+                continue
+            sub = os.open(entry.name, _DIR_FLAGS, dir_fd=dfd)
             try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                if st.st_uid != uid:
-                    continue
-                if stat.S_ISDIR(st.st_mode):
-                    _remove_tree_at(dfd, name)
-                else:
-                    os.unlink(name, dir_fd=dfd)
+                if os.fstat(sub).st_ino != st.st_ino:
+                    raise OSError(errno.EAGAIN, "replaced while being swept")
+                push(sub, os.path.join(where, entry.name), mine, st)
+            except BaseException:
+                os.close(sub)
+                raise
+            if mine and not removing:
                 removed += 1
-            except FileNotFoundError:
-                continue  # gone meanwhile (someone else's, or removed with its directory)
-            except OSError as exc:
-                log.warning("cannot remove %s/%s of uid %d: %s", top, name, uid, exc)
+        except FileNotFoundError:
+            continue  # gone meanwhile (someone else's, or removed with its directory)
+        except OSError as exc:
+            log.warning("cannot sweep %s of uid %d: %s", os.path.join(where, entry.name), uid, exc)
+    if deep:
+        log.warning("the sweep of uid %d did not go below %d levels of %s (at %s)", uid, SWEEP_MAX_DEPTH, top, deep)
     return removed
 
 
-def _remove_tree_at(dfd: int, name: str) -> None:
-    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-    try:
-        for entry in os.listdir(fd):
-            st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                _remove_tree_at(fd, entry)
-            else:
-                os.unlink(entry, dir_fd=fd)
-    finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=dfd)
+def _close(entries: Iterator[os.DirEntry[str]], fd: int) -> None:
+    close = getattr(entries, "close", None)
+    if close is not None:
+        close()
+    os.close(fd)
 
 
 def sweep_uid(uid: int) -> None:

@@ -450,22 +450,27 @@ def test_the_sweep_removes_what_the_uid_can_have_left_and_nothing_else(tmp_path:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes files of other uids")
-def test_a_tree_deeper_than_the_sweep_goes_is_said_and_the_rest_is_swept(
+def test_a_tree_deeper_than_the_sweep_goes_is_removed_if_the_uids_else_said(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A directory chain of the uid's deeper than the sweep's limit (3 here, 128 in the worker)
-    does not stop the sweep (which recursed before, so a deep enough tree raised): what is within
-    reach goes, a WARNING names where it stopped."""
-    uid = 64990
+    """With the sweep's depth limit at 3 (128 in the worker; the sweep recursed before, and a
+    1,200-level tree raised RecursionError out of it): a directory chain of the uid's 8 deep goes
+    entirely (what is too deep is moved up into its top and removed from there); the uid's file at
+    the bottom of someone else's 1777 chain as deep stays, and a WARNING says where it stopped."""
+    uid, other = 64990, 64991
     monkeypatch.setattr(sandbox, "SWEEP_MAX_DEPTH", 3)
     os.chmod(tmp_path, 0o1777)  # as /tmp
-    deep = tmp_path / "d1" / "d2" / "d3" / "d4" / "d5" / "d6"
-    deep.mkdir(parents=True)
-    for p in [tmp_path / "d1", *(tmp_path / "d1").rglob("*")]:
-        os.chown(p, uid, uid)
-    (tmp_path / "f").write_text("x")
-    os.chown(tmp_path / "f", uid, uid)
+    for owner, name in ((uid, "mine"), (other, "theirs")):
+        chain = tmp_path.joinpath(name, *[f"d{i}" for i in range(7)])
+        chain.mkdir(parents=True)
+        (chain / "f").write_text("x")
+        for p in [tmp_path / name, *(tmp_path / name).rglob("*")]:
+            os.chown(p, owner, owner)
+            os.chmod(p, 0o1777 if p.is_dir() else 0o600)
+    os.chown(chain / "f", uid, uid)
     with caplog.at_level("WARNING"):
-        sandbox._remove_files_of(uid, str(tmp_path))
-    assert not (tmp_path / "f").exists()
-    assert "did not go below 3 levels" in caplog.text
+        assert sandbox._remove_files_of(uid, str(tmp_path)) == 1
+    assert not (tmp_path / "mine").exists()
+    assert (chain / "f").exists()
+    assert "did not go below 3 levels" in caplog.text and "/theirs/d0/d1/d2" in caplog.text
+    assert "cannot remove" not in caplog.text

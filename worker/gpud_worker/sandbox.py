@@ -797,7 +797,9 @@ def _remove_files_of(uid: int, top: str) -> int:
     which tells nothing), so one without subdirectories is not listed at all, and one
     that no pool user may search is not entered. On a VM whose /tmp holds a large tree of root's
     (a checkout, a build), that is most of it: every entry of it was ``stat``-ed, once per job.
-    A tree deeper than ``SWEEP_MAX_DEPTH`` is swept down to that depth (a WARNING names it)."""
+    The uid's own trees go however deep they are (what lies deeper than ``SWEEP_MAX_DEPTH`` below
+    the sweep is moved up to be removed from there); others' are swept down to that depth (a
+    WARNING names where it stopped)."""
     try:
         fd = os.open(top, _DIR_FLAGS)
     except OSError as exc:
@@ -806,14 +808,16 @@ def _remove_files_of(uid: int, top: str) -> int:
     removed = 0
     # Each level: its fd, its entries, its path (for the log), whether all of its entries are
     # this uid's to remove, whether others' entries may be in it (then each is stat-ed), and where
-    # not, how many subdirectories are still to come (-1: not known; 0: nothing more to look at).
+    # not, how many subdirectories are still to come (-1: not known; 0: nothing more to look at);
+    # in a tree being removed, its top's count is how many directories too deep to go down to
+    # were moved up into it (it is listed again for them).
     stack: list[tuple[int, Iterator[os.DirEntry[str]], str, bool, bool, list[int]]] = []
     deep = ""
 
     def push(dfd: int, where: str, removing: bool, st: os.stat_result) -> None:
         look = removing or may_hold_entries_of_others(st)
         subdirs = st.st_nlink - 2 if not look and st.st_nlink >= 2 else -1
-        stack.append((dfd, os.scandir(dfd), where, removing, look, [subdirs]))
+        stack.append((dfd, os.scandir(dfd), where, removing, look, [0 if removing else subdirs]))
 
     try:
         push(fd, top, False, os.fstat(fd))
@@ -824,10 +828,15 @@ def _remove_files_of(uid: int, top: str) -> int:
     while stack:
         dfd, entries, where, removing, look, subdirs = stack[-1]
         try:
-            entry = next(entries, None) if subdirs[0] != 0 else None
+            entry = next(entries, None) if removing or subdirs[0] != 0 else None
         except OSError as exc:
             log.warning("cannot list %s to sweep uid %d: %s", where, uid, exc)
             entry = None
+        if entry is None and removing and subdirs[0] > 0:  # the top of a tree, with directories moved up
+            subdirs[0] = 0
+            _close(entries, -1)
+            stack[-1] = (dfd, os.scandir(dfd), where, removing, look, subdirs)
+            continue
         if entry is None:
             stack.pop()
             _close(entries, dfd)
@@ -858,7 +867,12 @@ def _remove_files_of(uid: int, top: str) -> int:
             if not mine and not may_hold_entries_of_others(st) and st.st_nlink == 2:
                 continue  # no subdirectory in it (2 links: its entry and its "."), and its files are root's
             if len(stack) > SWEEP_MAX_DEPTH:
-                deep = deep or os.path.join(where, entry.name)
+                top_fd, *_, moved = next(frame for frame in stack if frame[3]) if removing else stack[-1]
+                if removing and top_fd != dfd:  # up into the top of the tree being removed, to go down from there
+                    os.rename(entry.name, f".gpud-deep-{os.urandom(8).hex()}", src_dir_fd=dfd, dst_dir_fd=top_fd)
+                    moved[0] += 1
+                else:
+                    deep = deep or os.path.join(where, entry.name)
                 continue
             sub = os.open(entry.name, _DIR_FLAGS, dir_fd=dfd)
             try:
@@ -883,7 +897,8 @@ def _close(entries: Iterator[os.DirEntry[str]], fd: int) -> None:
     close = getattr(entries, "close", None)
     if close is not None:
         close()
-    os.close(fd)
+    if fd >= 0:
+        os.close(fd)
 
 
 def sweep_uid(uid: int) -> None:

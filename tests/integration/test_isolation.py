@@ -464,6 +464,10 @@ def test_a_session_process_has_a_cgroup_of_its_own(version: str, stand_in_gpu_no
         names = {os.path.basename(d) for d in dirs}
         assert len(names) == 1 and next(iter(names)).startswith("session-"), dirs
         assert all(os.path.isdir(d) for d in dirs)
+        if version == "v1":  # the limits a job of its grant gets: job_memory, pids 512, no CPU figure granted
+            values = dict(zip(sorted(cgroups.controllers), dirs, strict=True))  # as _cgroup_dirs lists them
+            assert Path(values["memory"], "memory.limit_in_bytes").read_text() == f"{96 << 20}\n"
+            assert Path(values["pids"], "pids.max").read_text() == "512\n"
         helper = subprocess.run([PY, "-c", MKNOD_IN_A_SESSION, str(s.pid), "1", "0", *dirs],
                                 capture_output=True, text=True, timeout=60)
         assert helper.returncode == 0, helper.stderr
@@ -498,6 +502,22 @@ def test_a_sandboxed_jobs_exit_is_its_own_code_or_signal(tmp_path: Path) -> None
         left = f"1000.{os.getpid()}"  # seconds of a sleep nobody else runs
         code, _, out = run(("sh", "-c", f"sleep {left} & echo $!"))
         assert code == 0 and not any(c[:2] == ["sleep", left] for c in _cmdlines())
+    finally:
+        blocks.close()
+
+
+def test_the_private_tmp_and_shm_have_their_size(tmp_path: Path) -> None:
+    """job_tmp_size (1 MiB here): a sandboxed job's /tmp, /var/tmp and /dev/shm are tmpfs of that
+    size each, so filling them fails with ENOSPC there, not on the VM's file systems."""
+    blocks = UidBlocks(UID_BASE)
+    uids = blocks.take()
+    try:
+        os.chmod(tmp_path, 0o711)
+        runner = JobRunner(tmp_path / "jobs", UserPool("gpud-dyn-", uids[:2]), sandbox=Sandbox("none", tmp_size=1 << 20))
+        script = "; ".join(f"head -c 2097152 /dev/zero > {d}/fill 2>/dev/null; echo {d} $? $(wc -c < {d}/fill)"
+                           for d in ("/tmp", "/var/tmp", "/dev/shm"))
+        out = runner.run(os.urandom(8), JobSpec(argv=("sh", "-c", script), env={}, files=(), outputs=()), [], "0", "alice")
+        assert out.stdout.decode().split("\n")[:3] == ["/tmp 1 1048576", "/var/tmp 1 1048576", "/dev/shm 1 1048576"], out
     finally:
         blocks.close()
 

@@ -29,6 +29,7 @@ from gpud_worker.cgroups import (
     parse_events,
     parse_mountinfo,
     parse_proc_cgroup,
+    v1_limit_files,
 )
 
 IS_ROOT = os.geteuid() == 0
@@ -346,3 +347,13 @@ def test_a_session_process_that_cannot_enter_its_cgroup_is_warned_of_and_still_s
         s.close()
     assert made and made[0][1] == "session-"
     assert not fake.exists()
+
+
+def test_v1_limit_files_per_hierarchy() -> None:
+    limits = CgroupLimits(memory=64 << 20, cpu_milli=250, pids=100)
+    assert v1_limit_files("memory", limits, []) == [("memory.limit_in_bytes", str(64 << 20)),
+                                                    ("memory.memsw.limit_in_bytes", str(64 << 20))]
+    assert v1_limit_files("cpu", limits, []) == [("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", "25000")]
+    assert v1_limit_files("pids", limits, []) == [("pids.max", "100")]
+    assert v1_limit_files("devices", limits, [3, 1, 3]) == [("devices.deny", "c 195:1 rwm"), ("devices.deny", "c 195:3 rwm")]
+    assert v1_limit_files("cpu", CgroupLimits(), []) == [] and v1_limit_files("memory", CgroupLimits(), []) == []

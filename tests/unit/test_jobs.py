@@ -823,6 +823,21 @@ def test_job_runs_when_it_cannot_enter_its_cgroup(
 
 
 @root_only
+def test_the_job_directory_has_its_size_and_says_when_it_is_full(make_runner: Callable[..., JobRunner]) -> None:
+    """With dir_size (job_dir_size) 1 MiB the job directory is a tmpfs of that size: a job that
+    writes 2 MiB there gets ENOSPC and a line on its stderr naming the limit; input files that
+    do not fit fail the job with an error naming it; the next job has its whole MiB again."""
+    runner = make_runner(dir_size=1 << 20)
+    full = run(runner, job("sh", "-c", "head -c 2097152 /dev/zero > big; echo rc=$?; df -k . | tail -1"))
+    assert b"rc=1" in full.stdout and b"No space left" in full.stderr, full
+    assert full.stderr.endswith(b"gpud: the job directory is full: it is limited to 1048576 bytes (job_dir_size)\n")
+    with pytest.raises(RemoteError, match="do not fit its directory, limited to 1048576 bytes"):
+        run(runner, job("true", files=("in",)), (b"x" * (2 << 20),))
+    again = run(runner, job("sh", "-c", "head -c 900000 /dev/zero > mid && echo fits"))
+    assert (again.stdout, again.stderr) == (b"fits\n", b"")
+
+
+@root_only
 def test_job_cannot_read_daemon_keys_or_config(runner: JobRunner) -> None:
     """A copy of the real layout: /etc/gpud (0755) with gpud.toml (0600) and keys/ (0755) holding
     the worker's key pair (secret 0600, public 0644), all root's."""

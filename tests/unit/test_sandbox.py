@@ -474,3 +474,48 @@ def test_a_tree_deeper_than_the_sweep_goes_is_removed_if_the_uids_else_said(
     assert (chain / "f").exists()
     assert "did not go below 3 levels" in caplog.text and "/theirs/d0/d1/d2" in caplog.text
     assert "cannot remove" not in caplog.text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a process as a pool uid")
+def test_sweep_uid_removes_its_files_ipc_objects_and_message_queues() -> None:
+    """What a pool uid leaves outside a sandbox, made by a real process of that uid: a file in
+    /dev/shm, a SysV shared memory segment and a POSIX message queue. ``sweep_uid`` (the worker's
+    fallback, before the uid serves another tenant) removes all three."""
+    blocks = UidBlocks(64000)
+    uid = blocks.take()[0]
+    name = "gpud-sweep-" + os.urandom(4).hex()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+                with open(f"/dev/shm/{name}", "w") as f:
+                    f.write("left")
+                import ctypes
+
+                libc = ctypes.CDLL(None, use_errno=True)
+                rt = ctypes.CDLL("librt.so.1", use_errno=True)
+                ok = libc.shmget(0, 4096, 0o1600) >= 0 and rt.mq_open(f"/{name}".encode(), 0o100 | 2, 0o600, None) >= 0
+                os._exit(0 if ok else 1)
+            finally:
+                os._exit(2)
+        assert os.waitpid(pid, 0)[1] == 0
+
+        def left() -> list[str]:
+            with open("/proc/sysvipc/shm") as f:
+                segments = [line for line in f.read().splitlines()[1:] if line.split()[7] == str(uid)]
+            return [n for n in os.listdir("/dev/shm") if n == name] + segments + (
+                [name] if os.path.isdir("/dev/mqueue") and name in os.listdir("/dev/mqueue") else [])
+
+        rt = __import__("ctypes").CDLL("librt.so.1", use_errno=True)
+        queue = rt.mq_open(f"/{name}".encode(), 0, 0, None)
+        assert queue >= 0  # there (a message queue descriptor is an fd on Linux)
+        os.close(queue)
+        assert len(left()) >= 2  # the file and the segment at least (the queue where /dev/mqueue is mounted)
+        sandbox.sweep_uid(uid)
+        assert left() == []
+        assert rt.mq_open(f"/{name}".encode(), 0, 0, None) == -1  # the queue is gone, mounted or not
+    finally:
+        blocks.close()

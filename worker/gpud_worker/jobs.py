@@ -32,7 +32,7 @@ Isolation model (DESIGN.md §5):
   chose the host network. When its process ends, everything else in its namespaces dies with it.
   Without one ("rlimits only", said at start and in READY), a pool user's files in ``/tmp``,
   ``/var/tmp``, ``/dev/shm``, its SysV IPC objects and POSIX message queues are swept before the
-  user serves again.
+  user serves again (``sandbox.sweep_uid``: only where a pool user can have left something).
 - As root with ``dir_size``, the job's directory is a tmpfs of that size (its disk quota); a job
   that fills it gets a line on its stderr saying so.
 - With ``cgroups`` (``gpud_worker.cgroups``: cgroup v2 delegated to the worker, else the host's v1
@@ -41,15 +41,18 @@ Isolation model (DESIGN.md §5):
   pids (``JobLimits.nproc``) and its devices: on v1 the GPUs it was not granted denied, on v2 a BPF
   device program (``gpud_worker.device_program``) that allows only its sandbox's ``/dev`` nodes
   (its own GPUs', by device number) and denies every other device; after the job the whole cgroup
-  is killed and removed. Without them (not delegated, or any cgroup
-  operation failing) the job runs with its rlimits only, logged.
+  is killed and removed. The job's process itself says, on its status pipe, whether it entered
+  its cgroup (``cgroups.enter``); the worker warns where it did not. Without them (not
+  delegated, or any cgroup operation failing) the job runs with its rlimits only, logged.
+- Session processes (``gpud_worker.session_host``) get the same: a pool user, namespaces, and a
+  cgroup of their own (``make_cgroup``, ``session-<hex>``) with the limits and device fence a job
+  of their grant gets, removed when the session ends.
 - With ``mps`` (CUDA MPS runs on this GPU VM), the job's environment carries the MPS client limits
   of its grant: ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
   (``MpsSettings.environment``), and the pipe and log directories.
 
 Not covered (docs/OPERATIONS.md, Tenant isolation): the kernel and the GPU are shared; there is no
-user namespace, so a job reads what the VM leaves world-readable; session processes have no
-cgroup, so only their sandbox's ``/dev`` fences their devices. Without a sandbox, GPU device nodes
+user namespace, so a job reads what the VM leaves world-readable. Without a sandbox, GPU device nodes
 are not restricted (``CUDA_VISIBLE_DEVICES`` steers CUDA, it does not fence it) except by a devices
 cgroup (v1, or v2's device program), and the network and ``/proc`` are the VM's. Without cgroups there is no memory limit unless ``RLIMIT_AS`` is
 set (off by default: CUDA needs large virtual address space). Without root, a process that calls

@@ -289,6 +289,26 @@ def test_a_job_sees_exactly_its_gpu(cluster: Any, gpus: list[Any]) -> None:
     assert seen["count"] == 1 and seen["uuids"] == res.gpus  # exactly the granted GPU
 
 
+def test_a_session_process_runs_kernels_in_a_cgroup_of_its_own(cluster: Any) -> None:
+    """As root, where the worker makes cgroups: a session process on a real GPU is in a cgroup
+    ``session-<hex>`` of its own, whose device fence (the v1 devices cgroup, or v2's BPF
+    program of its sandbox's nodes) still lets CUDA open its GPU: a built-in kernel runs."""
+    if os.geteuid() != 0:
+        pytest.skip("the worker makes cgroups only as root (or with a delegated cgroup_parent)")
+    n = 4096
+    a = np.arange(n, dtype=F32)
+    with Client(cluster.frontend, timeout=60) as client, client.session(mem=16 * MiB) as s:
+        pid = s.device_info()["process"]["pid"]
+        with open(f"/proc/{pid}/cgroup") as f:
+            own = f.read()
+        if "/session-" not in own:
+            pytest.skip(f"the worker has no cgroups here (its log says why): {own!r}")
+        pa, pout = s.mem_alloc(4 * n), s.mem_alloc(4 * n)
+        s.memcpy_htod(pa, a)
+        s.launch(BUILTIN, "vector_add", (16,), (256,), [pa, pa, pout, np.int32(n)])
+        np.testing.assert_array_equal(np.frombuffer(s.memcpy_dtoh(pout), F32), a + a)
+
+
 def test_two_sessions_share_one_gpu(cluster: Any, gpus: list[Any]) -> None:
     n = 1 << 20
     errors: list[BaseException] = []

@@ -196,6 +196,11 @@ class Need:
         Nothing else may be granted on the GPU meanwhile.
     priority:
         -100..100; higher is placed first.
+    cpu_milli:
+        Host CPU in thousandths of a core (0: none asked; the worker then sets no CPU limit).
+    host_mem:
+        Host memory in bytes (0: none asked; the worker's ``job_memory`` then limits it). The
+        worker makes it the job's or session process's cgroup memory limit.
     """
 
     gpu_milli: int | None = None
@@ -205,6 +210,8 @@ class Need:
     min_cc: tuple[int, int] | Sequence[int] | None = None
     exclusive: bool = False
     priority: int = 0
+    cpu_milli: int = 0
+    host_mem: int = 0
 
     def wire(self, kind: str, tenant: str) -> dict[str, Any]:
         """The ``need`` map of a REQUEST of ``kind``, checked by the broker's own parser so that a
@@ -226,6 +233,10 @@ class Need:
             need["exclusive"] = True
         if self.priority:
             need["priority"] = self.priority
+        if self.cpu_milli:
+            need["cpu_milli"] = self.cpu_milli
+        if self.host_mem:
+            need["host_mem"] = self.host_mem
         protocol.parse_need(kind, need)
         return need
 

@@ -298,6 +298,8 @@ class Client:
         idempotent: bool = False,
         timeout: float | None = None,
         *,
+        cpu_milli: int = 0,
+        host_mem: int = 0,
         need: Need | None = None,
     ) -> Job:
         """Submit a job without waiting for it.
@@ -316,9 +318,11 @@ class Client:
             Names of files to bring back after the program exits.
         env:
             Extra environment variables (names ``[A-Z_][A-Z0-9_]*``).
-        gpu_milli, gpus, mem, models, min_cc, exclusive, priority:
+        gpu_milli, gpus, mem, models, min_cc, exclusive, priority, cpu_milli, host_mem:
             What the job needs (the fields of :class:`Need`, PROTOCOL.md §5.1); ``None`` leaves
             the broker's default for jobs (one whole GPU share, no memory reservation).
+            ``host_mem`` (bytes) and ``cpu_milli`` are host memory and CPU: placed on, and the
+            job's cgroup limits on the worker.
         time_limit:
             Seconds after which the job's whole process group is killed.
         output_cap:
@@ -337,7 +341,7 @@ class Client:
             ``Job.wait()`` returns the :class:`JobResult`.
         """
         body, payload = rq.job_body(argv, files, outputs, env, time_limit, output_cap, idempotent)
-        given = Need(gpu_milli, gpus, mem, models, min_cc, exclusive, priority)
+        given = Need(gpu_milli, gpus, mem, models, min_cc, exclusive, priority, cpu_milli, host_mem)
         wire_need = need_of(need, given).wire("job", self.tenant)
         if timeout is None:
             overall = max(self.timeout, float(time_limit) + self.timeout)
@@ -385,6 +389,8 @@ class Client:
         priority: int = 0,
         timeout: float | None = None,
         *,
+        cpu_milli: int = 0,
+        host_mem: int = 0,
         need: Need | None = None,
     ) -> Session:
         """Open a device session pinned to one GPU (the C-like API).
@@ -406,6 +412,9 @@ class Client:
             -100..100; higher is placed first.
         timeout:
             Seconds to wait for placement; the client's timeout by default.
+        cpu_milli, host_mem:
+            Host CPU (thousandths of a core) and memory (bytes) of the session's process on the
+            worker: placed on, and that process's cgroup limits.
         need:
             What the session needs as one :class:`Need`, instead of the keywords above (``model``
             is ``Need(models=[model])``).
@@ -420,7 +429,7 @@ class Client:
             if isinstance(models, str):
                 raise InvalidRequest("'models' must be a list of model names, not one string")
             models = [model, *(models or ())]
-        given = Need(gpu_milli, 0, mem, models, min_cc, exclusive, priority)
+        given = Need(gpu_milli, 0, mem, models, min_cc, exclusive, priority, cpu_milli, host_mem)
         wire_need = need_of(need, given).wire("session", self.tenant)
         limit = self.timeout if timeout is None else timeout
         conn, settings = self._conn, self._settings

@@ -620,8 +620,16 @@ def test_need_value_sends_what_the_keywords_send(broker: FakeBroker) -> None:
             client.session(need={"mem": 1})  # type: ignore[arg-type]
         with pytest.raises(InvalidRequest, match="gpu_milli"):
             client.session(need=Need(gpu_milli=5000))  # refused before it is sent
+        client.run(["prog"], cpu_milli=500, host_mem=64 << 20)
+        client.run(["prog"], need=Need(cpu_milli=500, host_mem=64 << 20))
+        with client.session(host_mem=32 << 20):
+            pass
+        with pytest.raises(InvalidRequest, match="host_mem"):
+            client.run(["prog"], host_mem=-1)  # refused before it is sent
     needs = [h["need"] for c, h, _ in broker.seen if c is Command.REQUEST]
-    assert len(needs) == 6
+    assert len(needs) == 9
+    assert needs[6] == needs[7] == {"tenant": "lab-1", "cpu_milli": 500, "host_mem": 64 << 20}
+    assert needs[8] == {"tenant": "lab-1", "host_mem": 32 << 20}
     assert needs[0] == needs[1] == {"tenant": "lab-1", "gpu_milli": 250, "mem": 1 << 20,
                                     "models": ["Sim"], "min_cc": [7, 0], "priority": 5}
     assert needs[2] == needs[3] == {"tenant": "lab-1", "gpus": 2, "exclusive": True}

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from gpud.errors import NoCapacity
 from gpud.protocol import JobSpec
 from gpud.security import CurveKeys
 from gpud_cli.cluster import LocalCluster, admin_call
@@ -229,6 +230,20 @@ def test_one_tenant_cannot_take_every_pool_user(cluster: LocalCluster, alice: Cu
     assert took < 8, f"bob's job waited {took:.1f}s for alice's flood"  # it did not wait for a sleep to end
     assert row["pool_free"] >= 1  # alice held at most her share
     assert all(x.exit_code == 0 for x in results), [(x.exit_code, x.user) for x in results]
+
+
+def test_a_jobs_host_mem_is_its_memory_limit(cluster: LocalCluster, alice: CurveKeys) -> None:
+    """The client's ``host_mem`` reaches the worker through the grant and becomes the job's cgroup
+    memory limit: 200 MB touched under host_mem 64 MiB is killed, under 512 MiB it is not; and a
+    host_mem no worker has is never placed."""
+    hog = [PY, "-c", "b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096]); print('survived')"]
+    with client(cluster, alice) as a:
+        small = a.run(hog, gpu_milli=1, host_mem=64 << 20, timeout=30)
+        roomy = a.run(hog, gpu_milli=1, host_mem=512 << 20, cpu_milli=500, timeout=30)
+        with pytest.raises(NoCapacity):
+            a.run(["true"], gpu_milli=1, host_mem=1 << 50, timeout=30)
+    assert small.exit_code == -9 and b"survived" not in small.stdout, small
+    assert roomy.exit_code == 0 and roomy.stdout.strip() == b"survived", roomy
 
 
 def test_host_network_with_security_none_is_refused() -> None:

@@ -55,16 +55,19 @@ import random as _random
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass
 from itertools import accumulate
+from typing import NamedTuple
 
 from gpud.resources import MILLI_PER_GPU, Need
 from gpud_broker.mix import MixSnapshot, TaskMix
 from gpud_broker.registry import GpuRecord, WorkerRecord
 
 
-@dataclass(frozen=True, slots=True)
-class Placement:
+class Placement(NamedTuple):
+    """A policy's choice: ``gpus`` of ``worker`` (none for a need without GPU). A NamedTuple, as
+    ``Grant`` is: one is made for every request placed (about 0.3 us against 1 us for a frozen
+    dataclass)."""
+
     worker: WorkerRecord
     gpus: list[GpuRecord]
 
@@ -543,6 +546,7 @@ class _Tables:
 
 
 _EPS = 1e-9
+_NOTHING_SEEN: set[tuple[object, ...]] = set()  # ``_decide``'s seen states when it does not dedupe (never added to)
 
 
 _NeedPlan = tuple[Need, bool, int, int, int, int, bool, bool, int, int, tuple[bool, int, int, bool], bool]
@@ -732,7 +736,7 @@ class FragmentationGradientDescent:
         static = self._static
         # Equal states score equal, so the first of them wins anyway (unless live load decides).
         dedupe = mem == 0 and not self.balance
-        seen: set[tuple[object, ...]] = set()
+        seen: set[tuple[object, ...]] = set() if dedupe else _NOTHING_SEEN
         best = math.inf
         near: list[tuple[float, float, WorkerRecord, list[int]]] = []  # as good as the best so far
         for w in workers:
@@ -752,9 +756,16 @@ class FragmentationGradientDescent:
             # One model on the worker (the common case): its GPUs as one group, judged once per
             # state of theirs (``_Tables.view``).
             if plain:  # (a full GPU takes nothing whatever else holds: no need to look further)
-                codes = tuple([used if (used := g.granted_milli) >= MILLI_PER_GPU
-                               or not (g.cordoned or g.exclusive or g.state.health == "failed") else -1
-                               for g in w.gpus])
+                gpus = w.gpus
+                if len(gpus) == 1:  # (the same, without a comprehension's call: one GPU per worker is common)
+                    g = gpus[0]
+                    used = g.granted_milli
+                    codes: tuple[int, ...] = (used if used >= MILLI_PER_GPU
+                                              or not (g.cordoned or g.exclusive or g.state.health == "failed") else -1,)
+                else:
+                    codes = tuple([used if (used := g.granted_milli) >= MILLI_PER_GPU
+                                   or not (g.cordoned or g.exclusive or g.state.health == "failed") else -1
+                                   for g in gpus])
             elif typed and not need.fits_type(w.gpus[0].info):
                 continue
             else:

@@ -45,14 +45,14 @@ def grant(worker: WorkerRecord, gpus: list[GpuRecord], need: Need, pool: bool = 
 
 
 def _count_pool(worker: WorkerRecord, g: Grant, sign: int) -> None:
-    if g.pool_tenant:
-        held = worker.pool_held.get(g.pool_tenant, 0) + sign
-        if held > 0:
-            worker.pool_held[g.pool_tenant] = held
-        else:
-            worker.pool_held.pop(g.pool_tenant, None)
-        if worker.pool_index is not None:
-            worker.pool_index.file(worker, g.pool_tenant)
+    """Count the pool user ``g`` holds (its ``pool_tenant``: callers call only for a grant with one)."""
+    held = worker.pool_held.get(g.pool_tenant, 0) + sign
+    if held > 0:
+        worker.pool_held[g.pool_tenant] = held
+    else:
+        worker.pool_held.pop(g.pool_tenant, None)
+    if worker.pool_index is not None:
+        worker.pool_index.file(worker, g.pool_tenant)
 
 
 def restore(worker: WorkerRecord, gpus: list[GpuRecord], g: Grant) -> None:
@@ -68,7 +68,8 @@ def restore(worker: WorkerRecord, gpus: list[GpuRecord], g: Grant) -> None:
     worker.granted_cpu += g.cpu_milli
     worker.granted_host_mem += g.host_mem
     worker.grants[id(g)] = g
-    _count_pool(worker, g, 1)
+    if g.pool_tenant:
+        _count_pool(worker, g, 1)
 
 
 def release(worker: WorkerRecord, gpus: list[GpuRecord], g: Grant) -> None:
@@ -87,7 +88,8 @@ def release(worker: WorkerRecord, gpus: list[GpuRecord], g: Grant) -> None:
             raise LedgerError(f"GPU {rec.uuid} released more than was granted")
     worker.granted_cpu -= g.cpu_milli
     worker.granted_host_mem -= g.host_mem
-    _count_pool(worker, g, -1)
+    if g.pool_tenant:
+        _count_pool(worker, g, -1)
 
 
 def clear(worker: WorkerRecord) -> None:

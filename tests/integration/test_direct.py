@@ -45,9 +45,11 @@ def vector_add(s: Session, seed: int) -> None:
 class Raw:
     """A bare DEALER on a worker's data socket, for what the library never sends."""
 
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str, keys: CurveKeys | None = None, server: str = "") -> None:
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, keys: CurveKeys | None = None, server: str = "",
+                 rcvhwm: int = 1000) -> None:
         self.sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, rcvhwm)
         if keys is not None:
             client_socket_options(self.sock, keys.secret, keys.public, server.encode())
         self.sock.connect(endpoint)
@@ -119,6 +121,46 @@ def test_capability_is_required_and_dies_with_its_session(cluster: LocalCluster)
                 vector_add(s2, 2)
                 assert s2.info()["path"] == "direct"
             raw.sock.close(0)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_dtoh_reply_still_being_sent_keeps_its_bytes_when_the_memory_is_written(cluster: LocalCluster) -> None:
+    """The worker sends a direct dtoh's reply from device memory itself (no copy): a write of
+    that memory queued behind it (htod) must not change what is still on its way. The client
+    stops reading (RCVHWM 1, a reply it leaves unread), so the reply stays in the worker's queue,
+    and sends the htod at once."""
+    size, tail = 64 << 20, 1 << 20
+    old = np.random.default_rng(3).integers(0, 255, size, dtype=np.uint8)
+    new = np.full(tail, 7, dtype=np.uint8)
+    ctx = zmq.Context()
+    try:
+        with Client(cluster.frontend, timeout=30) as c:
+            s = c.session(mem=size + (1 << 20))
+            endpoint, cap = direct(s)
+            p = s.mem_alloc(size)
+            s.memcpy_htod(p, old)
+            raw = Raw(ctx, endpoint, rcvhwm=1)
+
+            def call(op: str, args: dict[str, Any], frames: tuple[Any, ...] = ()) -> bytes:
+                rid = P.new_id()
+                header = {"id": rid, "session": s.id, "op": op, "args": args, "cap": cap}
+                raw.sock.send_multipart(P.encode(Peer.CLIENT, Command.CALL, header, frames), copy=False)
+                return rid
+
+            ids = [call("sync", {}), call("dtoh", {"handle": p.handle, "offset": 0, "nbytes": size}),
+                   call("htod", {"handle": p.handle, "offset": size - tail}, (memoryview(new),))]
+            time.sleep(1.0)  # the htod has reached the worker; the dtoh's reply has not reached us
+            replies = [raw.recv(30.0) for _ in ids]
+            assert [m.header.get("id") if m is not None else None for m in replies] == ids
+            assert all(m is not None and m.header.get("ok") is True for m in replies), replies
+            got = replies[1]
+            assert got is not None and np.array_equal(np.frombuffer(got.frames[0], dtype=np.uint8), old)
+            out = np.empty(size, dtype=np.uint8)
+            s.memcpy_dtoh(p, out=out)  # and the write did happen, after
+            assert np.array_equal(out[size - tail:], new) and np.array_equal(out[:size - tail], old[:size - tail])
+            raw.sock.close(0)
+            s.close()
     finally:
         ctx.destroy(linger=0)
 

@@ -201,6 +201,81 @@ def test_copy_bounds(sess: SimulatedSession) -> None:
     np.testing.assert_array_equal(get(sess, h, 4), [0, 1, 2, 3])
 
 
+class Send:
+    """A stand-in for the tracker of a zero-copy send (``zmq.MessageTracker``): done when set."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+def _writes_wait_for(send: Send, write: Any) -> None:
+    """``write()`` (in a thread) does not finish while ``send`` is not done, and does once it is."""
+    t = threading.Thread(target=write)
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()  # still waiting for the wire
+    send.done = True
+    t.join(5)
+    assert not t.is_alive()
+
+
+def test_lent_memory_is_not_written_while_it_is_sent(sess: SimulatedSession) -> None:
+    h = sess.alloc(1 << 20)
+    sess.htod(h, 0, b"a" * (1 << 20))
+    view = sess.dtoh_lent(h, 4096, 65536)
+    assert isinstance(view, memoryview) and view.readonly and view.nbytes == 65536
+    assert view.obj is sess._allocs[h]  # the device memory itself: no copy
+    send = Send()
+    sess.hold(view, send)
+    _writes_wait_for(send, lambda: sess.htod(h, 0, b"b" * (1 << 20)))
+    assert sess.dtoh(h, 0, None) == b"b" * (1 << 20)
+    # Until the next write, the lent view was the bytes read; a write elsewhere does not wait.
+    other = sess.alloc(16)
+    view = sess.dtoh_lent(h, 0, 16)
+    sess.hold(view, Send())  # never done
+    sess.htod(other, 0, b"x" * 16)
+    assert bytes(view) == b"b" * 16
+
+
+def test_a_launch_waits_for_the_sends_of_its_buffers(sess: SimulatedSession) -> None:
+    n = 1 << 14
+    a, b, out = put(sess, np.ones(n)), put(sess, np.ones(n)), put(sess, np.zeros(n))
+    view = sess.dtoh_lent(out, 0, None)
+    send = Send()
+    sess.hold(view, send)
+    _writes_wait_for(send, lambda: sess.launch(BUILTIN_MODULE, "vector_add", (n // 256, 1, 1), (256, 1, 1),
+                                               [("ptr", a), ("ptr", b), ("ptr", out), ("i32", n)]))
+    np.testing.assert_array_equal(get(sess, out, n), 2.0)
+
+
+def test_a_write_gives_up_on_a_send_that_never_ends(sess: SimulatedSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("gpud_worker.device.LEND_WAIT_S", 0.2)
+    h = sess.alloc(64)
+    sess.htod(h, 0, b"a" * 64)
+    sess.hold(sess.dtoh_lent(h, 0, None), Send())
+    with pytest.raises(RemoteError, match="not sent within"):
+        sess.htod(h, 0, b"b" * 64)
+    assert sess.dtoh(h, 0, None) == b"a" * 64  # unwritten: what was sent stays true
+    sess.free(h)  # freed memory is written by no one: what it held is forgotten
+    assert sess._lent == {}
+
+
+def test_past_max_lent_dtoh_lent_copies(sess: SimulatedSession) -> None:
+    from gpud_worker.device import MAX_LENT
+
+    h = sess.alloc(64)
+    for _ in range(MAX_LENT):
+        view = sess.dtoh_lent(h, 0, None)
+        assert isinstance(view, memoryview)
+        sess.hold(view, Send())
+    copy = sess.dtoh_lent(h, 0, None)
+    assert type(copy) is bytes and copy == bytes(64)  # a client that reads nothing pins no more
+    sess.hold(memoryview(copy), Send())  # a copy is not held
+    for send in [t for _, ts in sess._lent.values() for t in ts]:
+        send.done = True  # type: ignore[misc]
+    assert isinstance(sess.dtoh_lent(h, 0, None), memoryview)
+
+
 def test_closed_session(dev: SimulatedDevice) -> None:
     s = dev.open_session(MiB)
     s.alloc(1000)

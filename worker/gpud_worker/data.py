@@ -28,7 +28,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ from gpud.errors import GpudError, InvalidRequest, SessionLost, UnknownCommand
 from gpud.protocol import Command, Peer
 from gpud.ratelog import RateLimit
 from gpud.security import CurveKeys, server_socket_options
-from gpud.sockets import NOBLOCK, recv_from, send_frames
+from gpud.sockets import NOBLOCK, SNDMORE, ZERO_COPY_BYTES, recv_from, send_frames
 
 log = logging.getLogger(__name__)
 
@@ -364,8 +364,22 @@ class SessionSocket:
                 refuse(sock, ident, exc, data.notes, "a session socket")
         return None
 
-    def reply(self, ident: bytes, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> None:
-        send(self.sock, ident, reply_frames(header, frames), self.data.notes)
+    def reply(self, ident: bytes, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = (),
+              hold: Callable[[memoryview, Any], None] | None = None) -> None:
+        """Answer a CALL. ``hold``: the payload may be lent device memory (``dtoh_lent``): a
+        large one is sent without a copy and ``hold(view, tracker)`` told when zmq is done."""
+        out = reply_frames(header, frames)
+        lent = out[-1] if hold is not None and frames else None
+        if hold is None or type(lent) is not memoryview or lent.nbytes < ZERO_COPY_BYTES:
+            send(self.sock, ident, out, self.data.notes)
+            return
+        try:
+            send_frames(self.sock, [ident, *out[:-1]], NOBLOCK | SNDMORE)
+            tracker = self.sock.send(lent, NOBLOCK, copy=False, track=True)
+        except zmq.ZMQError as exc:
+            self.data.notes.note(f"a reply on a data socket was not sent: {exc}")
+            return
+        hold(lent, tracker)
 
     def close(self) -> None:
         """(Its thread) The session ended: it admits nothing more and the socket goes."""

@@ -16,6 +16,7 @@ import abc
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -58,8 +59,19 @@ BUSY_WINDOW_S = 1.0  # seconds of history behind busy_fraction()
 MAX_SHARED_MEM = 48 * 1024  # bytes of dynamic shared memory per block, CUDA's default limit
 _MAX_BUSY_INTERVALS = 4096  # past this, the oldest busy intervals are merged (over-counts a little)
 
+LEND_WAIT_S = 30.0  # how long a write waits for the wire to let go of lent device memory
+MAX_LENT = 64  # lent views of one session not yet let go of; past it, dtoh_lent copies
+
 Dims = tuple[int, int, int]
 A = TypeVar("A")  # what a session's handle table maps a handle to (its allocation)
+
+
+class Tracker(Protocol):
+    """What tells that the wire is done with a buffer it sends without a copy
+    (``zmq.MessageTracker``)."""
+
+    @property
+    def done(self) -> bool: ...
 
 
 class DeviceSession(Protocol):
@@ -85,6 +97,19 @@ class DeviceSession(Protocol):
         """Copy ``nbytes`` from the allocation at ``offset`` (None: to its end); bounds checked.
         With ``out`` (a writable buffer of at least that many bytes) the bytes go there and a view
         of them is returned."""
+        ...
+
+    def dtoh_lent(self, handle: int, offset: int, nbytes: int | None = None) -> bytes | memoryview:
+        """``dtoh`` for a reply sent without a copy: device memory itself where it is host
+        memory (the simulated GPU: a read-only view of it, lent until ``hold``'s tracker is done),
+        else a copy as ``dtoh`` makes. Whoever sends a lent view passes it and the tracker of its
+        send to ``hold``: until then the view must not outlive the next call."""
+        ...
+
+    def hold(self, view: memoryview, tracker: Tracker) -> None:
+        """``view`` (from ``dtoh_lent``) is being sent: writes to its memory (``htod``, a launch)
+        wait until ``tracker`` is done, so the bytes sent are the bytes read. A view that is a
+        copy needs nothing."""
         ...
 
     def extent(self, handle: int, offset: int, nbytes: int | None = None) -> int:
@@ -377,6 +402,17 @@ class _BaseSession(abc.ABC, Generic[A]):
             _, end = self._span(handle, offset, nbytes)
             return end - offset
 
+    @abc.abstractmethod
+    def dtoh(self, handle: int, offset: int, nbytes: int | None = None, out: Any = None) -> bytes | memoryview:
+        """As ``DeviceSession.dtoh``."""
+
+    def dtoh_lent(self, handle: int, offset: int, nbytes: int | None = None) -> bytes | memoryview:
+        """A copy, as ``dtoh`` (device memory that is not host memory cannot be lent)."""
+        return self.dtoh(handle, offset, nbytes)
+
+    def hold(self, view: memoryview, tracker: Tracker) -> None:
+        """Nothing to hold: ``dtoh_lent`` copies."""
+
     # ---------------------------------------------------------------- each backend's own
 
     @abc.abstractmethod
@@ -451,6 +487,9 @@ class SimulatedSession(_BaseSession[bytearray]):
     ) -> None:
         super().__init__(device, mem_grant, mps)  # mps is recorded only: a simulated GPU has no MPS
         self._modules = {}  # loaded module -> its (built-in) kernels
+        # Allocations lent to the wire (dtoh_lent): id of the buffer -> it, and the trackers of
+        # the sends that still read it. Writes to a buffer wait for its trackers (_settle).
+        self._lent: dict[int, tuple[bytearray, list[Tracker]]] = {}
 
     def _allocate(self, nbytes: int) -> tuple[int, bytearray]:
         handle = self._device._reserve(nbytes)
@@ -463,6 +502,7 @@ class SimulatedSession(_BaseSession[bytearray]):
 
     def _free(self, handle: int, alloc: bytearray) -> int:
         del self._allocs[handle]
+        self._lent.pop(id(alloc), None)  # nothing writes it any more: what is sent stays as it is
         return len(alloc)
 
     def _size(self, alloc: bytearray) -> int:
@@ -473,6 +513,7 @@ class SimulatedSession(_BaseSession[bytearray]):
         with self._lock:
             self._check_open()
             buf, end = self._span(handle, offset, len(view))
+            self._settle(buf)
             with self._device._working():
                 # Through a memoryview: one memcpy. ``buf[a:b] = view`` would first copy ``view``
                 # into a temporary bytearray of its size (CPython does that for any non-bytearray).
@@ -491,6 +532,60 @@ class SimulatedSession(_BaseSession[bytearray]):
                 # bytes as they are, and they must not change while zmq sends or re-sends them.
                 return bytes(memoryview(buf)[offset:end])
 
+    def dtoh_lent(self, handle: int, offset: int, nbytes: int | None = None) -> bytes | memoryview:
+        """The device memory itself, read-only, without a copy (the bytes a real GPU's transfer
+        would have put in host memory are here already); a copy (``dtoh``) while MAX_LENT views
+        are still being sent (a client that does not read its replies pins no more than that)."""
+        with self._lock:
+            self._check_open()
+            buf, end = self._span(handle, offset, nbytes)
+            if self._lent_count() < MAX_LENT:
+                return memoryview(buf)[offset:end].toreadonly()
+        return self.dtoh(handle, offset, nbytes)
+
+    def hold(self, view: memoryview, tracker: Tracker) -> None:
+        buf = view.obj
+        with self._lock:
+            if type(buf) is not bytearray:
+                return  # a copy (dtoh_lent past MAX_LENT): nothing writes it
+            entry = self._lent.get(id(buf))
+            if entry is None:
+                self._lent[id(buf)] = (buf, [tracker])
+            else:
+                entry[1].append(tracker)
+
+    def _lent_count(self) -> int:
+        """(Lock held) Lent views not let go of yet, forgetting those that were."""
+        n = 0
+        for key, (_, trackers) in list(self._lent.items()):
+            trackers[:] = [t for t in trackers if not t.done]
+            if trackers:
+                n += len(trackers)
+            else:
+                del self._lent[key]
+        return n
+
+    def _settle(self, buf: bytearray) -> None:
+        """(Lock held) Wait until the wire no longer reads views of ``buf`` lent by
+        ``dtoh_lent``, so a write leaves the bytes of replies still being sent as they were read;
+        RemoteError after LEND_WAIT_S (their client does not read them), the memory unwritten."""
+        entry = self._lent.pop(id(buf), None)
+        if entry is None:
+            return
+        trackers = entry[1]
+        deadline = time.monotonic() + LEND_WAIT_S
+        pause = 1e-4
+        while True:
+            trackers[:] = [t for t in trackers if not t.done]
+            if not trackers:
+                return
+            if time.monotonic() >= deadline:
+                self._lent[id(buf)] = entry
+                raise RemoteError(f"earlier dtoh replies of this memory were not sent within {LEND_WAIT_S:g} s "
+                                  "(their client does not read them): it is not written until they are")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+
     def launch(
         self,
         module: str,
@@ -508,6 +603,8 @@ class SimulatedSession(_BaseSession[bytearray]):
             self._check_open()
             bufs = self._ptr_allocs(args, lambda i: f"kernel {name!r} argument {i} ({sig.names[i]})")
             _check_footprint(name, sig, values, {i: len(buf) for i, buf in bufs.items()})
+            for buf in bufs.values():  # a kernel may write any buffer it is given
+                self._settle(buf)
             resolved: list[Resolved] = [
                 np.frombuffer(bufs[i], dtype=np.float32, count=len(bufs[i]) // F32_BYTES)
                 if i in bufs
@@ -580,6 +677,7 @@ class SimulatedSession(_BaseSession[bytearray]):
                 return
             self._closed = True
             self._allocs.clear()
+            self._lent.clear()
             self._device._release(self._used)
             log.debug("%s: session closed, %d bytes freed", self._device.gpu.uuid, self._used)
             self._used = 0

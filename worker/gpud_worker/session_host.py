@@ -315,6 +315,13 @@ class HostedSession:
                     pos += n
             return dest
 
+    def dtoh_lent(self, handle: int, offset: int, nbytes: int | None = None) -> bytes | memoryview:
+        """A copy, as ``dtoh``: the session's memory is in its process."""
+        return self.dtoh(handle, offset, nbytes)
+
+    def hold(self, view: memoryview, tracker: Any) -> None:
+        """Nothing to hold: ``dtoh_lent`` copies."""
+
     def extent(self, handle: int, offset: int, nbytes: int | None = None) -> int:
         with self._lock:
             return int(self._call({"op": "extent", "handle": handle, "offset": offset, "nbytes": nbytes})["n"])

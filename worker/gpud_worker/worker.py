@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import random
+import select
 import shutil
 import signal
 import socket
@@ -58,7 +59,6 @@ HOUSEKEEPING_S = 0.02  # how often liveness, heartbeats and idle sessions are lo
 UNACKED_TTL_S = 600.0  # seconds a RESULT is kept for a broker that never ACKs it
 STAGE_OUTPUTS_ABOVE = 8 << 20  # output files larger together are staged: fetched by the broker (PROTOCOL.md §11.5)
 _SIG = Peer.WORKER.value
-POLLIN = int(zmq.POLLIN)
 _RESULT = P.CMD_BYTES[Command.RESULT]
 _START = P.CMD_BYTES[Command.START]
 
@@ -1036,9 +1036,12 @@ class Worker:
         if not self._start_session(s, idx, device, mem, env):
             return
         sock = s.sock
-        waits: list[tuple[Any, int]] = [(s.door, POLLIN)]  # for zmq_poll, without a Poller's upkeep
+        # A plain poll of the doorbell and the socket's ZMQ_FD: zmq_poll would first poll both
+        # without waiting and ask the socket's events before and after, system calls a call pays.
+        waits = select.poll()
+        waits.register(s.door, select.POLLIN)
         if sock is not None:
-            waits.append((sock.sock, POLLIN))
+            waits.register(int(sock.sock.getsockopt(zmq.FD)), select.POLLIN)
         name = self.config.name
         while True:
             item = self._next_op(s, sock, waits)
@@ -1053,7 +1056,7 @@ class Worker:
                     raise SessionLost("the session is not open on this worker")
                 if s.lost:
                     raise SessionLost(f"the session's GPU failed ({s.lost})")
-                header, out = self._session_op(s, op, h.get("args") or {}, frames)
+                header, out = self._session_op(s, op, h.get("args") or {}, frames, lend=type(route) is bytes)
                 header["ok"] = True
             except GpudError as exc:
                 header, out = P.error_header(rid, exc), []
@@ -1067,17 +1070,18 @@ class Worker:
                 self._result(route, rid, header, out)
             elif sock is not None:  # a direct call: back to its client at once, from here
                 header["id"], header["worker"] = rid, name
-                sock.reply(route, header, out)
+                sock.reply(route, header, out, s.dev.hold if op == "dtoh" and s.dev is not None else None)
             if op == "close":
                 break
         assert s.dev is not None
         s.dev.close()
 
     @staticmethod
-    def _next_op(s: SessionRunner, sock: SessionSocket | None, waits: list[tuple[Any, int]]) -> tuple[Route, dict[str, Any], list[Any]] | None:
+    def _next_op(s: SessionRunner, sock: SessionSocket | None, waits: select.poll) -> tuple[Route, dict[str, Any], list[Any]] | None:
         """(Session thread) The session's next call: a relayed one from the loop, else a direct
-        one from its socket, waiting for either; None when the thread is to end."""
-        ops = s.ops
+        one from its socket, waiting for either; None when the thread is to end. The socket's
+        ZMQ_FD only says that it has news: ``take`` reads its events, before each wait."""
+        ops, door = s.ops, s.door
         while True:
             if not ops.empty():  # a lone consumer: what is there stays there
                 return ops.get_nowait()
@@ -1086,13 +1090,13 @@ class Worker:
                 if call is not None:
                     s.last_used = time.monotonic()
                     return call
-            zmq.zmq_poll(waits, -1)
-            try:
-                os.eventfd_read(s.door)
-            except BlockingIOError:
-                pass
+            for fd, _ in waits.poll():
+                if fd == door:
+                    os.eventfd_read(door)
 
-    def _session_op(self, s: SessionRunner, op: Any, args: Any, frames: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+    def _session_op(self, s: SessionRunner, op: Any, args: Any, frames: list[Any], lend: bool = False) -> tuple[dict[str, Any], list[Any]]:
+        """Run one CALL; ``lend``: a ``dtoh`` may answer with device memory itself
+        (``dtoh_lent``), for a reply sent at once that holds it (``SessionSocket.reply``)."""
         if type(args) is not dict:
             raise InvalidRequest("'args' must be a map")
         dev = s.dev
@@ -1109,7 +1113,9 @@ class Worker:
             dev.htod(P.req(args, "handle", int), P.opt(args, "offset", int, 0), memoryview(f.buffer if hasattr(f, "buffer") else f))
             return {}, []
         if op == "dtoh":
-            data = dev.dtoh(P.req(args, "handle", int), P.opt(args, "offset", int, 0), P.opt(args, "nbytes", int, None))
+            # Relayed, the reply is kept for a resend (unacked): it must be a copy.
+            copy = dev.dtoh_lent if lend else dev.dtoh
+            data = copy(P.req(args, "handle", int), P.opt(args, "offset", int, 0), P.opt(args, "nbytes", int, None))
             return {}, [data]
         if op == "launch":
             module = P.opt(args, "module", str, P.BUILTIN_MODULE)

@@ -45,6 +45,7 @@ in flight, the worker may look silent for as long as they take at this rate, on 
 
 _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
+_RCVTIMEO = int(zmq.RCVTIMEO)
 
 
 class DataOffer:
@@ -215,7 +216,10 @@ class DataLink:
             if now >= deadline:
                 raise Timeout(f"{_text(what)}: no reply within {timeout:g}s from the worker at {self.endpoint}")
             wake = self._watch(now, what)
-            self._pump(min(deadline, wake) - now, rid)
+            if self._ping_at is None:  # nothing awaited from the data socket: the reply alone
+                self._receive(min(deadline, wake) - now)
+            else:
+                self._pump(min(deadline, wake) - now, rid)
 
     # ------------------------------------------------------------------ internals
 
@@ -235,6 +239,18 @@ class DataLink:
         send_frames(self._pinger, self._ping, NOBLOCK)
         self._ping_at = now
         return now + interval
+
+    def _receive(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for one message on the session's socket and handle it:
+        a blocking receive (RCVTIMEO), the fewest system calls a reply can cost (a poll first
+        asks the socket's events before and after it waits)."""
+        sock = self._sock
+        sock.setsockopt(_RCVTIMEO, max(0, math.ceil(timeout * 1000)))
+        try:
+            frames = recv_frames(sock, 0, copy_first=3)
+        except zmq.Again:
+            return
+        self._handle(frames, 0)
 
     def _pump(self, timeout: float, rid: bytes | None) -> None:
         """Wait up to ``timeout`` seconds for a message, then handle every one queued on either

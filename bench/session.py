@@ -13,11 +13,13 @@
 Figures: ``*_call_p50_us``, the median of ``--calls`` ``sync`` calls (``bare``: round trips);
 ``*_copy_gbps``, 2 x ``--copy-mib`` bytes (htod then dtoh) over the median time of ``--reps``
 copies, in 1e9 bytes per second; ``broker_cpu_us_per_call_*``, the broker process's CPU time
-(user + system, /proc, 10 ms ticks) over the calls, per call. The three systems alternate for
+(user + system, /proc, 10 ms ticks) over the calls, per call; ``server_cpu_us_per_call_*``, the
+same for the process that answers the calls (the worker; bare: the ROUTER process), a figure that
+a loaded machine moves far less than a latency. The three systems alternate for
 ``--rounds`` rounds; each figure is the median over the rounds (``*_rounds``: every round's).
 The last line of output is one JSON object: every figure above, with each round's, and the
-ratios ``direct_over_relay_call``, ``direct_over_bare_call``, ``direct_over_relay_copy`` and
-``direct_over_bare_copy``. About a minute with the defaults on a quiet 2-core VM (at most 4).
+ratios ``direct_over_relay_call``, ``direct_over_bare_call``, ``direct_over_relay_copy``,
+``direct_over_bare_copy`` and ``direct_over_bare_server_cpu``. About a minute with the defaults on a quiet 2-core VM (at most 4).
 
 Usage::
 
@@ -176,6 +178,7 @@ def main() -> int:
             Client(c.frontend, timeout=120, data_path="auto") as direct_client:
         c.wait_workers(1)
         broker = c.broker.pid if c.broker is not None else None
+        worker = next(iter(c.worker_procs.values())).pid
         sessions = {"relay": relay_client.session(mem=nbytes + MIB), "direct": direct_client.session(mem=nbytes + MIB)}
         assert sessions["relay"].info()["path"] == "broker" and sessions["direct"].info()["path"] == "direct"
         bare = Bare(nbytes, DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_WINDOW)
@@ -186,11 +189,15 @@ def main() -> int:
             for r in range(a.rounds):
                 for path, s in sessions.items():
                     before = cpu_s(broker) if broker else 0.0
+                    served = cpu_s(worker)
                     rounds.setdefault(f"{path}_call_p50_us", []).append(calls_p50(s, a.calls))
+                    rounds.setdefault(f"server_cpu_us_per_call_{path}", []).append((cpu_s(worker) - served) / a.calls * 1e6)
                     if broker:
                         rounds.setdefault(f"broker_cpu_us_per_call_{path}", []).append((cpu_s(broker) - before) / a.calls * 1e6)
                     rounds.setdefault(f"{path}_copy_gbps", []).append(copy_gbps(s, nbytes, a.reps))
+                served = cpu_s(bare.proc.pid)
                 rounds.setdefault("bare_call_p50_us", []).append(bare.call_p50(a.calls))
+                rounds.setdefault("server_cpu_us_per_call_bare", []).append((cpu_s(bare.proc.pid) - served) / a.calls * 1e6)
                 rounds.setdefault("bare_copy_gbps", []).append(bare.copy_gbps(a.reps))
                 print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3g}" for k, v in rounds.items()), flush=True)
         finally:
@@ -202,11 +209,13 @@ def main() -> int:
         out[f"{key}_rounds"] = [round(v, 3) for v in values]
     for path in ("relay", "direct", "bare"):
         print(f"{path:6}  call p50 {out[f'{path}_call_p50_us']:8.1f} us   copy {out[f'{path}_copy_gbps']:6.3f} GB/s"
+              f"   server CPU {out[f'server_cpu_us_per_call_{path}']:6.1f} us/call"
               + (f"   broker CPU {out[f'broker_cpu_us_per_call_{path}']:7.2f} us/call" if path != "bare" and broker else ""))
     out["direct_over_relay_call"] = round(out["direct_call_p50_us"] / out["relay_call_p50_us"], 3)
     out["direct_over_bare_call"] = round(out["direct_call_p50_us"] / out["bare_call_p50_us"], 3)
     out["direct_over_relay_copy"] = round(out["direct_copy_gbps"] / out["relay_copy_gbps"], 3)
     out["direct_over_bare_copy"] = round(out["direct_copy_gbps"] / out["bare_copy_gbps"], 3)
+    out["direct_over_bare_server_cpu"] = round(out["server_cpu_us_per_call_direct"] / out["server_cpu_us_per_call_bare"], 3)
     print(json.dumps(out))
     return 0
 

@@ -8,6 +8,12 @@ running kernels and copies. It is always labelled simulated and never claims to 
 ``_BaseDevice`` and ``_BaseSession`` hold what the simulated GPU and the pycuda backend
 (``gpud_worker.cuda``) share: memory accounting, busy time, the handle table, the memory grant and
 the checks of a call's arguments.
+
+A direct ``dtoh`` is answered from the simulated GPU's memory itself, without a copy
+(``dtoh_lent``): the bytes stay as they were read until zmq is done sending them, since a write of
+that memory waits for the send's tracker (``hold``). Memory that is not host memory (a real GPU,
+a session's own process) is copied, as for every relayed ``dtoh`` (the worker keeps those replies
+for a resend).
 """
 
 from __future__ import annotations

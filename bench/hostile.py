@@ -4,12 +4,20 @@ idle figures in the same run; and the broker's RSS under a queue flood at B's bu
 Real daemons (``LocalCluster``, CURVE on, one worker with one simulated GPU); each flood runs in a
 process of its own while A, an honest tenant with a connected ``Client``, makes sequential echoes.
 The target (issue "The broker under hostile tenants") is A's p99 under each flood at most 3x idle.
+The payload flood sends the largest echo the broker takes (``max_echo_bytes``; a larger
+``--payload-bytes`` raises the broker's limit to it). Each flood's own rate is shown beside it.
+
+Two setups, each with its own idle figures: ``raw``, everything on all CPUs (on a 2-core machine
+the flood's process takes CPU from the broker, which a real attacker, running elsewhere, does not);
+and ``pinned``, the flood processes on the last CPU and the system under test (broker, worker, A)
+on the others (``os.sched_setaffinity``). The flood is the same in both: it runs as fast as its CPU
+lets it.
 
 Usage::
 
-    .venv/bin/python bench/hostile.py [--echoes 300] [--settle 1.5] [--payload-bytes 8388608]
+    .venv/bin/python bench/hostile.py [--echoes 300] [--settle 1.5] [--setup both|raw|pinned]
 
-The last line is one JSON object; the table before it is what BENCHMARKS.md shows.
+The last line is one JSON object; the tables before it are what BENCHMARKS.md shows.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from bench.dispatch import seconds_each  # noqa: E402
 from gpud import protocol as P  # noqa: E402
 from gpud.protocol import Command, Peer  # noqa: E402
 from gpud.security import CurveKeys, apply_client_keys  # noqa: E402
+from gpud_broker.core import DEFAULT_MAX_ECHO_BYTES  # noqa: E402
 from gpud_cli.cluster import LocalCluster  # noqa: E402
 from gpud_client import Client  # noqa: E402
 
@@ -61,7 +70,7 @@ def _drain(s: zmq.Socket[bytes]) -> None:
 # --------------------------------------------------------------------------- floods (child processes)
 
 
-def flood_queue(stop: Any, endpoint: str, keys: CurveKeys, n: int) -> None:
+def flood_queue(stop: Any, sent: Any, endpoint: str, keys: CurveKeys, n: int) -> None:
     """B: ``n`` jobs that cannot all run (each wants 90% of the one GPU), past its queue budget."""
     ctx: zmq.Context[Any] = zmq.Context()
     s = _dealer(ctx, endpoint, keys)
@@ -69,6 +78,7 @@ def flood_queue(stop: Any, endpoint: str, keys: CurveKeys, n: int) -> None:
     for rid in ids:
         s.send_multipart(P.encode(Peer.CLIENT, Command.REQUEST, {"id": rid, "kind": "job", "argv": ["sleep", "30"],
                                                                  "need": {"gpu_milli": 900}, "time_limit": 40}))
+    sent.value = n
     while not stop.is_set():
         _drain(s)
         time.sleep(0.05)
@@ -79,7 +89,7 @@ def flood_queue(stop: Any, endpoint: str, keys: CurveKeys, n: int) -> None:
     ctx.term()
 
 
-def flood_payload(stop: Any, endpoint: str, keys: CurveKeys, size: int) -> None:
+def flood_payload(stop: Any, sent: Any, endpoint: str, keys: CurveKeys, size: int) -> None:
     """B: echoes of ``size`` bytes, 4 outstanding, as fast as the broker takes them (its replies
     fill B's share of the reply store as well)."""
     ctx: zmq.Context[Any] = zmq.Context()
@@ -90,13 +100,14 @@ def flood_payload(stop: Any, endpoint: str, keys: CurveKeys, size: int) -> None:
         while out < 4:
             s.send_multipart([*P.encode(Peer.CLIENT, Command.REQUEST, {"id": P.new_id(), "kind": "echo"}), chunk])
             out += 1
+            sent.value += 1
         if s.poll(100):  # replies may come as a BATCH: count the messages in it
             out -= len(P.messages(P.decode(s.recv_multipart(), Peer.CLIENT)))
     s.close(0)
     ctx.term()
 
 
-def flood_garbage(stop: Any, endpoint: str, keys: CurveKeys) -> None:
+def flood_garbage(stop: Any, sent: Any, endpoint: str, keys: CurveKeys) -> None:
     """B: malformed messages (bad signature, bad msgpack, unknown commands), as fast as it can."""
     ctx: zmq.Context[Any] = zmq.Context()
     s = _dealer(ctx, endpoint, keys)
@@ -106,13 +117,14 @@ def flood_garbage(stop: Any, endpoint: str, keys: CurveKeys) -> None:
         for _ in range(100):
             s.send_multipart(junk[i % len(junk)])
             i += 1
+        sent.value = i
         _drain(s)
         time.sleep(0.001)
     s.close(0)
     ctx.term()
 
 
-def flood_handshakes(stop: Any, endpoint: str, server_key: bytes) -> None:
+def flood_handshakes(stop: Any, sent: Any, endpoint: str, server_key: bytes) -> None:
     """An outsider on OUTSIDER: a fresh CURVE key per connection, each refused by ZAP."""
     ctx: zmq.Context[Any] = zmq.Context()
     host_port = endpoint.removeprefix("tcp://")
@@ -121,13 +133,14 @@ def flood_handshakes(stop: Any, endpoint: str, server_key: bytes) -> None:
         for _ in range(20):
             public, secret = zmq.curve_keypair()
             socks.append(_dealer(ctx, f"tcp://{OUTSIDER}:0;{host_port}", CurveKeys(public, secret, server_key)))
+        sent.value += len(socks)
         time.sleep(0.05)
         for s in socks:
             s.close(0)
     ctx.term()
 
 
-def flood_connections(stop: Any, endpoint: str, n: int) -> None:
+def flood_connections(stop: Any, sent: Any, endpoint: str, n: int) -> None:
     """An outsider on OUTSIDER: ``n`` idle TCP connections, opened again as the broker closes them."""
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     held: list[socket.socket] = []
@@ -152,6 +165,7 @@ def flood_connections(stop: Any, endpoint: str, n: int) -> None:
                 continue
             alive.append(c)
         held = alive
+        sent.value = len(held)
     for c in held:
         c.close()
 
@@ -168,6 +182,12 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds ``pid`` has used so far, all its threads (user and system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -175,63 +195,132 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--echoes", type=int, default=300, help="A's sequential echoes per figure (default %(default)s)")
-    p.add_argument("--settle", type=float, default=1.5, help="seconds a flood runs before A measures (default %(default)s)")
-    p.add_argument("--payload-bytes", type=int, default=8 << 20, help="size of B's echoes in the payload flood (default %(default)s)")
-    p.add_argument("--io-threads", type=int, default=0, help="the broker's libzmq I/O threads (default: its own default)")
-    p.add_argument("--only", default="", help="run only the floods whose name contains this (e.g. payload)")
-    args = p.parse_args(argv)
+def pin_tree(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of ``pid`` and of its descendants to ``cpus`` (what they start later inherits)."""
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+            except (OSError, ValueError):
+                pass  # gone meanwhile
+
+
+def _flood(fn: Callable[..., None], cpus: set[int] | None, *args: Any) -> None:
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    fn(*args)
+
+
+def measure(args: argparse.Namespace, pinned: bool) -> dict[str, Any]:
+    """One setup: a cluster of its own, A's idle figures, then each flood in turn."""
     mp_ctx = mp.get_context("fork")
     extra = ["--io-threads", str(args.io_threads)] if args.io_threads else []
+    if args.payload_bytes > DEFAULT_MAX_ECHO_BYTES:
+        extra += ["--max-echo-bytes", str(args.payload_bytes)]  # the flood stays legal
+    ncpu = len(os.sched_getaffinity(0))
+    flood_cpus = {max(os.sched_getaffinity(0))} if pinned and ncpu > 1 else None
+    sut_cpus = os.sched_getaffinity(0) - flood_cpus if flood_cpus else None
+    mine = os.sched_getaffinity(0)
     with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=500, security="curve", log_level="WARNING",
                       broker_args=extra, dynamic_uid_base=61184 + 16 * 200) as c:
         alice, bob = c.client_keys("alice"), c.client_keys("bob")
         assert c.broker is not None
         pid = c.broker.pid
+        if sut_cpus is not None:
+            for proc in (c.broker, *c.worker_procs.values()):
+                pin_tree(proc.pid, sut_cpus)
         budgets = c.status()["budgets"]
         queued = budgets["default"]["max_queued"]
         server_key = alice.server_public
-        floods: list[tuple[str, Callable[..., None], tuple[Any, ...]]] = [
-            (f"queue flood ({queued + 2000} jobs, budget {queued})", flood_queue, (c.frontend, bob, queued + 2000)),
-            (f"payload flood ({args.payload_bytes >> 10} KiB echoes)", flood_payload, (c.frontend, bob, args.payload_bytes)),
-            ("malformed messages", flood_garbage, (c.frontend, bob)),
-            ("handshake spam (a fresh key each)", flood_handshakes, (c.frontend, server_key)),
-            ("idle TCP connections (500)", flood_connections, (c.frontend, 500)),
+        floods: list[tuple[str, str, Callable[..., None], tuple[Any, ...]]] = [
+            (f"queue flood ({queued + 2000} jobs, budget {queued})", "jobs", flood_queue, (c.frontend, bob, queued + 2000)),
+            (f"payload flood ({args.payload_bytes >> 10} KiB echoes)", "echoes", flood_payload,
+             (c.frontend, bob, args.payload_bytes)),
+            ("malformed messages", "messages", flood_garbage, (c.frontend, bob)),
+            ("handshake spam (a fresh key each)", "handshakes", flood_handshakes, (c.frontend, server_key)),
+            ("idle TCP connections (500)", "connections", flood_connections, (c.frontend, 500)),
         ]
         floods = [f for f in floods if args.only in f[0]]
         rows: list[dict[str, Any]] = []
-        with Client(c.frontend, timeout=60, curve=alice) as a:
-            echo_latencies(a, 50)  # warm
-            idle = echo_latencies(a, args.echoes)
-            i50, i99 = pct(idle, 0.5), pct(idle, 0.99)
-            rss_idle = rss_mb(pid)
-            for name, fn, fargs in floods:
-                stop = mp_ctx.Event()
-                proc = mp_ctx.Process(target=fn, args=(stop, *fargs), daemon=True)
-                proc.start()
-                time.sleep(args.settle)
-                during = echo_latencies(a, args.echoes)
-                rss = rss_mb(pid)
-                stop.set()
-                proc.join(20)
-                if proc.is_alive():
-                    proc.kill()
-                rows.append({"flood": name, "p50_ms": round(pct(during, 0.5) * 1e3, 2), "p99_ms": round(pct(during, 0.99) * 1e3, 2),
-                             "p50_ratio": round(pct(during, 0.5) / i50, 2), "p99_ratio": round(pct(during, 0.99) / i99, 2),
-                             "broker_rss_mb": round(rss, 1), "alive": c.broker.poll() is None})
-                time.sleep(1.0)
-                echo_latencies(a, 20)
-        result = {"idle_p50_ms": round(i50 * 1e3, 2), "idle_p99_ms": round(i99 * 1e3, 2), "idle_rss_mb": round(rss_idle, 1),
-                  "budgets": budgets["default"], "max_held_bytes": budgets["max_held_bytes"], "floods": rows,
-                  "cpus": os.cpu_count()}
-    print(f"A's echo, idle: p50 {result['idle_p50_ms']} ms, p99 {result['idle_p99_ms']} ms; broker RSS {result['idle_rss_mb']} MB")
-    print("| flood | A p50 ms | A p99 ms | p50 / idle | p99 / idle | broker RSS MB | broker alive |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['flood']} | {r['p50_ms']} | {r['p99_ms']} | {r['p50_ratio']} | {r['p99_ratio']} | {r['broker_rss_mb']} | {r['alive']} |")
-    print(json.dumps(result))
+        try:
+            if sut_cpus is not None:
+                pin_tree(os.getpid(), sut_cpus)  # A: this process (its client's threads are made below)
+            with Client(c.frontend, timeout=60, curve=alice) as a:
+                if sut_cpus is not None:
+                    pin_tree(os.getpid(), sut_cpus)
+                echo_latencies(a, 50)  # warm
+                t0, c0 = time.monotonic(), cpu_s(pid)
+                idle = echo_latencies(a, args.echoes)
+                idle_share = (cpu_s(pid) - c0) / (time.monotonic() - t0)  # the broker's CPU for A's echoes alone
+                i50, i99 = pct(idle, 0.5), pct(idle, 0.99)
+                rss_idle = rss_mb(pid)
+                for name, unit, fn, fargs in floods:
+                    stop, sent = mp_ctx.Event(), mp_ctx.Value("d", 0.0, lock=False)
+                    proc = mp_ctx.Process(target=_flood, args=(fn, flood_cpus, stop, sent, *fargs), daemon=True)
+                    proc.start()
+                    time.sleep(args.settle)
+                    t0, n0, c0 = time.monotonic(), sent.value, cpu_s(pid)
+                    during = echo_latencies(a, args.echoes)
+                    took, n = time.monotonic() - t0, sent.value - n0
+                    broker_cpu = cpu_s(pid) - c0
+                    flood_cpu = max(0.0, broker_cpu - idle_share * took)  # less what A's own echoes cost it idle
+                    rss = rss_mb(pid)
+                    stop.set()
+                    proc.join(20)
+                    if proc.is_alive():
+                        proc.kill()
+                    rows.append({"flood": name, "p50_ms": round(pct(during, 0.5) * 1e3, 2), "p99_ms": round(pct(during, 0.99) * 1e3, 2),
+                                 "p50_ratio": round(pct(during, 0.5) / i50, 2), "p99_ratio": round(pct(during, 0.99) / i99, 2),
+                                 "flood_rate": (f"{n / took:,.0f} {unit}/s" if unit not in ("jobs", "connections")
+                                                else f"{sent.value:,.0f} {unit} held"),
+                                 "broker_cpu_share": round(broker_cpu / took, 2),
+                                 "broker_cpu_us_each": (round(flood_cpu / n * 1e6, 1) if n > 0 and unit not in ("jobs", "connections")
+                                                        else None),
+                                 "broker_rss_mb": round(rss, 1), "alive": c.broker.poll() is None})
+                    time.sleep(1.0)
+                    echo_latencies(a, 20)
+        finally:
+            os.sched_setaffinity(0, mine)
+            for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
+                try:
+                    os.sched_setaffinity(int(task.name), mine)
+                except OSError:
+                    pass
+        return {"setup": "pinned" if flood_cpus else "raw", "flood_cpus": sorted(flood_cpus or ()),
+                "sut_cpus": sorted(sut_cpus or mine), "idle_p50_ms": round(i50 * 1e3, 2),
+                "idle_p99_ms": round(i99 * 1e3, 2), "idle_rss_mb": round(rss_idle, 1),
+                "idle_broker_cpu_share": round(idle_share, 2),
+                "budgets": budgets["default"], "max_held_bytes": budgets["max_held_bytes"], "floods": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--echoes", type=int, default=300, help="A's sequential echoes per figure (default %(default)s)")
+    p.add_argument("--settle", type=float, default=1.5, help="seconds a flood runs before A measures (default %(default)s)")
+    p.add_argument("--payload-bytes", type=int, default=DEFAULT_MAX_ECHO_BYTES,
+                   help="size of B's echoes in the payload flood (default %(default)s: the broker's max_echo_bytes)")
+    p.add_argument("--io-threads", type=int, default=0, help="the broker's libzmq I/O threads (default: its own default)")
+    p.add_argument("--only", default="", help="run only the floods whose name contains this (e.g. payload)")
+    p.add_argument("--setup", choices=("both", "raw", "pinned"), default="both",
+                   help="raw: all on all CPUs; pinned: floods on the last CPU, the rest on the others (default %(default)s)")
+    args = p.parse_args(argv)
+    results = [measure(args, pinned) for pinned in ((False, True) if args.setup == "both" else (args.setup == "pinned",))]
+    for r in results:
+        where = (f"floods on CPU {r['flood_cpus']}, broker, worker and A on CPUs {r['sut_cpus']}" if r["flood_cpus"]
+                 else f"everything on CPUs {r['sut_cpus']}")
+        print(f"\n{r['setup']} ({where}). A's echo, idle: p50 {r['idle_p50_ms']} ms, p99 {r['idle_p99_ms']} ms; "
+              f"broker RSS {r['idle_rss_mb']} MB, CPU {r['idle_broker_cpu_share']} cores")
+        print("| flood | its rate | broker CPU (cores; us each, less A's) | A p50 ms | A p99 ms | p50 / idle | p99 / idle "
+              "| broker RSS MB | broker alive |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for f in r["floods"]:
+            each = f"; {f['broker_cpu_us_each']}" if f["broker_cpu_us_each"] is not None else ""
+            print(f"| {f['flood']} | {f['flood_rate']} | {f['broker_cpu_share']}{each} | {f['p50_ms']} | {f['p99_ms']} "
+                  f"| {f['p50_ratio']} | {f['p99_ratio']} | {f['broker_rss_mb']} | {f['alive']} |")
+    print(json.dumps({"setups": results, "cpus": os.cpu_count(), "payload_bytes": args.payload_bytes}))
     return 0
 
 

@@ -96,7 +96,7 @@ MAX_OWNERS = 1 << 18  # routing ids whose authenticated sender is remembered (ol
 
 
 DEFAULT_MAX_JOB_INPUT_BYTES = 4 << 30
-DEFAULT_MAX_ECHO_BYTES = 16 << 20
+DEFAULT_MAX_ECHO_BYTES = 256 << 10  # an echo is a probe; big data travels as staged files or session copies
 
 
 def default_max_message_bytes() -> int:

@@ -17,6 +17,7 @@ import zmq
 from gpud import protocol as P
 from gpud.protocol import Command, Peer
 from gpud.security import CurveKeys
+from gpud_broker.core import DEFAULT_MAX_ECHO_BYTES
 from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
 from tests.integration import test_hostile
@@ -204,8 +205,9 @@ def test_a_reply_flood_does_not_evict_alices_reply(cluster: LocalCluster, ctx: z
         a.send(Command.REQUEST, {"id": rid, **job})
         first = a.replies(timeout=20)
         assert first and first[0].header["ok"] is True
-        # Bob pushes more than the whole reply store through it (and twice his share), 4 MiB at a time.
-        chunk = os.urandom(4 << 20)
+        # Bob pushes more than the whole reply store through it (and twice his share), in the
+        # largest echoes the broker takes.
+        chunk = os.urandom(DEFAULT_MAX_ECHO_BYTES)
         for _ in range(flood // len(chunk)):
             b.sock.send_multipart([*P.encode(Peer.CLIENT, Command.REQUEST, {"id": P.new_id(), "kind": "echo"}), chunk])
             got = b.replies(timeout=20)

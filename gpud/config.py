@@ -195,6 +195,7 @@ class BrokerSection:
     max_connections: int = _key(0, _at_least(0))  # frontend connections at once (0: sized from the descriptor limit)
     max_connections_per_source: int = _key(0, _at_least(0))  # of those from one address (0: sized likewise)
     io_threads: int = _key(0, _at_least(0))  # libzmq I/O threads (0: half the CPUs, 2 to 4)
+    tenant_echo_bytes_in_flight: int = _key(0, _at_least(0))  # a tenant's echo payload in flight (0: max_echo_bytes)
     max_job_input_bytes: int = _key(4 << 30, _at_least(0))  # a job's input files together (staged, PROTOCOL.md §11)
     max_echo_bytes: int = _key(256 << 10, _at_least(0))  # an echo's payload (a probe: small)
     spool_dir: str = _key("", _absolute_or_empty)  # staged inputs over spool_ram_bytes (empty: a temporary directory)

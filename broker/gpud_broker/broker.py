@@ -2,7 +2,8 @@
 backend (workers) and the admin socket. It only moves frames: decode, hand to ``BrokerCore``, send
 what the core answers. Each ready socket is drained in a batch before polling again (the
 frontend's batch cut short when one sender fills it). New frontend connections pass the
-connection gate (``gate.ConnectionGate``) as libzmq's monitor reports them.
+connection gate (``gate.ConnectionGate``) as libzmq's monitor reports them; a sender's messages
+wait behind its echoes in flight past its share (``intake.EchoShare``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import zmq.utils.z85
 from zmq.utils.monitor import parse_monitor_message
 
 from gpud import notify, protocol
-from gpud.errors import ConfigError, GpudError, InternalError, ShuttingDown, UnknownCommand
+from gpud.errors import Busy, ConfigError, GpudError, InternalError, ShuttingDown, UnknownCommand
 from gpud.protocol import Command, Peer
 from gpud.ratelog import OTHERS, RateLimit
 from gpud.security import (
@@ -55,6 +56,7 @@ from gpud.sockets import (
 from gpud_broker.commands import ADMIN
 from gpud_broker.core import BrokerConfig, BrokerCore
 from gpud_broker.gate import ConnectionGate, default_limits, source_of
+from gpud_broker.intake import EchoShare
 from gpud_standby.pair import Pair, PairConfig
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,10 @@ GATE_CHECK_S = 5.0  # at most this often, a refusal by the gate first checks the
 CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED  # what the frontend's monitor reports besides failed handshakes
 PASS_MESSAGES = 32  # messages of one sender read from the frontend in one pass at most (then the others' turn)
 PASS_BYTES = 1 << 20  # payload bytes read from the frontend in one pass at most (then the workers' turn)
+PASS_BAD = 8  # bad messages read from the frontend in one pass at most (each costs an ERROR: then the others' turn)
+SIDE_BATCH = 64  # ZAP requests, and events of each monitor, handled per call at most (then the sockets' turn)
+WAITING_SHARES = 16  # a sender's messages waiting behind its echoes in flight: this many shares of bytes at most
+_REQUEST = protocol.CMD_BYTES[Command.REQUEST]
 _NEW_WORK = (protocol.CMD_BYTES[Command.REQUEST], protocol.CMD_BYTES[Command.CALL], protocol.CMD_BYTES[Command.PUT])
 _WHO_WORKER = frozenset((protocol.CMD_BYTES[Command.READY], protocol.CMD_BYTES[Command.BATCH]))  # worker messages read with their key's name
 
@@ -104,10 +110,13 @@ class Broker:
         self.reloader: Callable[[], BrokerConfig] | None = None  # re-reads the configuration
         self._monitors: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes], HandshakeLog]] = []
         self._route_log_at = 0.0
+        self._bad_in_pass = 0  # bad messages in the frontend pass under way (PASS_BAD)
         self._fd_check_at = 0.0
         self._gate_check_at = 0.0
         self._bad_log = RateLimit(BAD_LOG_S, time.monotonic, max_new=BAD_LOG_SOURCES)
         self.gate = ConnectionGate(config.connection_limits or default_limits(resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
+        share = config.echo_bytes_in_flight or config.max_echo_bytes
+        self.intake = EchoShare(share, WAITING_SHARES * share)
         self._accepting = True  # the frontend is bound (it is unbound while descriptors run short)
         _seed_routing_ids()
         keys: CurveKeys | None = None
@@ -226,6 +235,7 @@ class Broker:
             rid = protocol.peek_id(frames[1:])
             if rid is not None and rid not in self.core.tasks.tasks:
                 exc = ShuttingDown(f"broker {self.config.name} is stopping and takes no new work")
+                self.intake.answered(rid)
                 self.core.counters["errors"] += 1
                 self.core.stats.error(exc.code)
                 send_frames(self.frontend, [frames[0], *protocol.error_reply(rid, exc)])
@@ -281,7 +291,7 @@ class Broker:
             if ready is not None and monitor not in ready:
                 continue
             front = sock is self.frontend
-            for _ in range(BATCH):
+            for _ in range(SIDE_BATCH):
                 try:
                     msg = monitor.recv_multipart(NOBLOCK)
                 except zmq.Again:
@@ -351,10 +361,11 @@ class Broker:
         ZAP is answered here, in the broker's loop, and is cheap: per handshake an inproc round
         trip, a dictionary look-up and, unless the source is held off, a check of the key
         directories' times (``KeyStore.refresh``). The CURVE cryptography of a handshake runs on
-        libzmq's I/O threads, never here."""
+        libzmq's I/O threads, never here. A burst of handshakes (an outsider's spam) is served
+        SIDE_BATCH at a time, the clients' and workers' messages between."""
         zap, handler = self.zap, self.zap_handler
         if zap is not None and handler is not None and (ready is None or zap in ready):
-            for _ in range(BATCH):
+            for _ in range(SIDE_BATCH):
                 try:
                     frames = zap.recv_multipart(NOBLOCK)
                 except zmq.Again:
@@ -374,9 +385,12 @@ class Broker:
 
         A pass ends early, for the workers' socket and the replies to be served before more is
         read, once one sender (key, else routing id) had PASS_MESSAGES of its messages read or
-        PASS_BYTES of payload came in: a flood of one sender's messages, big or small, delays
-        another's by a short pass at most (the ROUTER reads its peers in turn)."""
+        PASS_BYTES of payload came in, or PASS_BAD bad messages were answered: a flood of one
+        sender's messages, big, small or malformed, delays another's by a short pass at most (the
+        ROUTER reads its peers in turn)."""
         curve = self.zap is not None
+        intake = self.intake
+        self._bad_in_pass = 0
         per_sender: dict[Any, int] = {}
         nbytes = 0
         for n in range(BATCH):
@@ -390,14 +404,46 @@ class Broker:
             if curve and not user:  # cannot happen with our ZAP handler; never serve a message without one
                 log.warning("dropped a client message without a tenant (User-Id)")
                 continue
-            self._on_client(frames, user)
+            if len(frames) > 4 or intake.waiting:  # a payload, or someone's messages wait: the share decides
+                self._take(frames, user)
+            else:
+                self._on_client(frames, user)
             sender = user or frames[0]
             seen = per_sender[sender] = per_sender.get(sender, 0) + 1
             if len(frames) > 4:
                 nbytes += sum([len(f) for f in frames[4:]])
-            if seen >= PASS_MESSAGES or nbytes >= PASS_BYTES:
+            if seen >= PASS_MESSAGES or nbytes >= PASS_BYTES or self._bad_in_pass >= PASS_BAD:
                 return n + 1
         return BATCH
+
+    def _take(self, frames: list[Any], user: str | None) -> None:
+        """A client message through the echo share (``intake.EchoShare``): to the core now, kept
+        waiting behind its sender's echoes in flight, or answered BUSY when too much waits."""
+        sender = user.partition(" ")[0] if user else frames[0]  # a tenant (CURVE), else a routing id
+        try:
+            echo = _echo_of(frames) if len(frames) > 4 and frames[2] == _REQUEST else None
+            took = self.intake.take(sender, frames, user, echo, self.core.now)
+        except Exception:  # a bug here must cost the share, never the broker
+            log.exception("bug in the echo share; the message goes to the core unshared")
+            took = True
+        if took:
+            self._on_client(frames, user)
+        elif took is None:
+            rid = protocol.peek_id(frames[1:])
+            shown = f"tenant {sender}" if isinstance(sender, str) else "this client"
+            exc = Busy(f"{shown} has too many messages waiting behind its echoes in flight "
+                       f"(tenant_echo_bytes_in_flight {self.intake.share}); try later")
+            held = self._bad_log(("intake", shown))
+            if held is not None:
+                log.warning("refused a message of %s: %s%s", shown, exc.message,
+                            f" ({held} more since its last line)" if held else "")
+            if rid is not None:
+                send_frames(self.frontend, [frames[0], *protocol.error_reply(rid, exc)])
+
+    def _let_waiting_go(self) -> None:
+        """Hand the core the waiting messages whose turn it is (their sender's echoes answered)."""
+        for w in self.intake.ready(self.core.now):
+            self._on_client(w.frames, w.user)
 
     def _dropped_route(self) -> None:
         """Count a message dropped for its routing id; log at most once per DROP_LOG_S. The id is
@@ -484,6 +530,7 @@ class Broker:
         core = self.core
         front, back, admin = self.frontend, self.backend, self.admin
         to_workers, to_clients = self._to_workers, self._to_clients
+        intake = self.intake
         monotonic = time.monotonic
         next_tick = 0.0
         timeout_ms = int(TICK_S * 1000)
@@ -509,6 +556,8 @@ class Broker:
             got = self._drain_workers(back) if busy or back in ready else 0
             if to_workers or to_clients:
                 self._flush()
+            if intake.waiting:
+                self._let_waiting_go()
             if busy or front in ready:
                 got += self._drain_clients(front)
             if pair is not None and (busy or pair.inbound in ready):
@@ -545,6 +594,8 @@ class Broker:
                     self._guard_descriptors()
                     self._fd_check_at = now + FD_CHECK_S
                     self._report_held_back()
+                    if intake.in_flight:
+                        intake.forget_old(now)
                 if self.openstack is not None:  # OpenStack: results in, decisions out; never waits
                     self.openstack.on_tick(core, now)
                 if pair is not None:
@@ -622,7 +673,15 @@ class Broker:
                             n, what, who, BAD_LOG_S)
 
     def _flush(self) -> None:
-        """Send what the core queued: each peer's messages in order, runs of small ones as BATCHes."""
+        """Send what the core queued: each peer's messages in order, runs of small ones as BATCHes.
+        Replies to echoes in flight let their bytes go (``intake.EchoShare``)."""
+        if self.intake.in_flight and self._to_clients:
+            answered = self.intake.answered
+            for msgs in self._to_clients.values():
+                for frames in msgs:
+                    rid = protocol.peek_id(frames)
+                    if rid is not None:
+                        answered(rid)
         for sock, box in self._outboxes:
             for ident, msgs in box.items():
                 for frames in protocol.batched(msgs):
@@ -727,6 +786,7 @@ class Broker:
         log is rate-limited per sender (a client's tenant under CURVE, else its routing id): its
         first bad message of each BAD_LOG_S in full, the rest counted (``_report_held_back``)."""
         self.core.counters["bad_messages"] += 1
+        self._bad_in_pass += 1
         who = f"tenant {tenant}" if tenant is not None else ident.hex()[:16]
         held = self._bad_log((peer.name.lower(), who))
         if held is not None:
@@ -736,7 +796,27 @@ class Broker:
         rid = protocol.peek_id(frames[1:])
         if rid is not None:
             header["id"] = rid
+            if self.intake.in_flight:
+                self.intake.answered(rid)
         sock.send_multipart([ident, *protocol.encode(peer, Command.ERROR, header)])
+
+
+def _echo_of(frames: list[Any]) -> tuple[bytes, int] | None:
+    """(id, payload bytes) of a REQUEST of kind echo (``frames``: with the routing id); None for
+    another kind or a header the core will refuse anyway."""
+    try:
+        raw = protocol.as_bytes(frames[3])
+        if len(raw) > protocol.MAX_HEADER_BYTES:
+            return None
+        header = protocol.unpackb(raw)
+    except Exception:  # garbage msgpack raises many types
+        return None
+    if type(header) is not dict or header.get("kind") != "echo":
+        return None
+    rid = header.get("id")
+    if type(rid) is not bytes or len(rid) != protocol.ID_BYTES:
+        return None
+    return rid, sum([len(f) for f in frames[4:]])
 
 
 def _tcp_port(endpoint: str) -> int | None:

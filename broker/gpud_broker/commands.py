@@ -155,6 +155,8 @@ def status(target: Any, args: dict[str, Any]) -> dict[str, Any]:
                     "load": {t: {"outstanding": v.outstanding, "bytes": v.bytes} for t, v in sorted(core.accounts.load.items())}},
         # Frontend connections against their bounds (the socket shell's gate; None without one).
         "connections": target.gate.shown(now) if hasattr(target, "gate") else None,
+        # Echo bytes in flight against each sender's share, and messages waiting behind them (the shell's).
+        "intake": target.intake.shown() if hasattr(target, "intake") else None,
         # Staged job inputs (PROTOCOL.md §11): uploads held, bytes reserved and written, in memory.
         "spool": {"uploads": len(core.staging.spool), "reserved": core.staging.spool.reserved,
                   "stored": core.staging.spool.stored, "ram": core.staging.spool.ram_used},

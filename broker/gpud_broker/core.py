@@ -128,6 +128,7 @@ class BrokerConfig:
     # limit, gate.default_limits), and libzmq's I/O threads (0: sized from the CPUs).
     connection_limits: ConnectionLimits | None = None
     io_threads: int = 0
+    echo_bytes_in_flight: int = 0  # the shell's: each sender's echo payload in flight (0: max_echo_bytes; intake.EchoShare)
     max_job_input_bytes: int = DEFAULT_MAX_JOB_INPUT_BYTES  # a job's input files together (PROTOCOL.md §11)
     max_echo_bytes: int = DEFAULT_MAX_ECHO_BYTES  # an echo's payload
     spool_dir: str = ""  # where staged inputs are spooled ("": a temporary directory of its own)

@@ -190,6 +190,41 @@ def test_queue_flood_holds_bob_at_his_budget_and_alice_is_served(cluster: LocalC
     assert_alice_served(cluster, alice)
 
 
+def test_bobs_echoes_past_his_share_wait_in_order_and_past_their_bound_get_busy(
+        cluster: LocalCluster, ctx: zmq.Context[Any], alice: CurveKeys, bob: CurveKeys) -> None:
+    """Bob sends 40 of the largest echoes at once: one is in flight at a time (his share), 16
+    shares of bytes wait behind it, and the rest are answered BUSY naming the share. Each one is
+    answered exactly once, the others with their own payload; alice's echo is not held meanwhile."""
+    share = cluster.status()["intake"]["echo_bytes_in_flight_share"]
+    assert share == DEFAULT_MAX_ECHO_BYTES
+    before = cluster.status()["intake"]
+    b = Raw(ctx, cluster.frontend, bob, os.urandom(16))
+    payloads = {P.new_id(): os.urandom(DEFAULT_MAX_ECHO_BYTES) for _ in range(40)}
+    try:
+        for rid, payload in payloads.items():
+            b.sock.send_multipart([*P.encode(Peer.CLIENT, Command.REQUEST, {"id": rid, "kind": "echo"}), payload])
+        with Client(cluster.frontend, timeout=20, curve=alice) as a:
+            assert a.echo(b"alice meanwhile") == b"alice meanwhile"
+        answers: dict[bytes, P.Message] = {}
+        while len(answers) < len(payloads):
+            got = b.replies(timeout=20)
+            assert got, f"{len(answers)} of {len(payloads)} echoes answered"
+            for msg in got:
+                assert msg.header["id"] not in answers, "answered twice"
+                answers[msg.header["id"]] = msg
+        ok = [rid for rid, m in answers.items() if m.header["ok"] is True]
+        busy = [m.header for m in answers.values() if m.header["ok"] is False]
+        assert all(answers[rid].frames[0] == payloads[rid] for rid in ok)
+        assert busy and all(h["code"] == "BUSY" and "tenant_echo_bytes_in_flight" in h["message"] for h in busy), busy
+        assert len(ok) >= 17, len(ok)  # one in flight and 16 shares waiting, at least
+        after = cluster.status()["intake"]
+        assert after["waited"] - before["waited"] >= 16 and after["refused"] - before["refused"] == len(busy)
+        assert after["echo_bytes_in_flight"] == 0 and after["messages_waiting"] == 0
+    finally:
+        b.close()
+    assert_alice_served(cluster, alice)
+
+
 # ----------------------------------------------------------------------------- the reply store
 
 

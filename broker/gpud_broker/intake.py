@@ -1,0 +1,130 @@
+"""Fair intake by bytes: each sender's echo payload in flight (read by the broker, its reply not
+yet sent) against a share, and the sender's messages that wait while it is over it.
+
+An echo's bytes cross the worker's one connection twice, and every other tenant's messages to
+and from that worker queue behind them: a tenant sending big echoes as fast as they come back
+would make everyone's latency its own. So a sender may have ``share`` bytes of echo payload in
+flight (one echo always, whatever its size); an echo past that waits here, and so does every
+later message of the same sender (its order is kept: a CANCEL never overtakes its REQUEST), until
+its echoes in flight are answered or the waiting one is ``max_wait_s`` old (then it goes anyway:
+a sender is slowed, never stalled). Past ``max_waiting`` messages or ``max_waiting_bytes``
+waiting, a sender's new messages are refused (the shell answers BUSY). Other senders' messages
+never wait here.
+
+Pure: the socket shell (``broker.Broker``) says what it read and what it answered; the caller
+passes the time. A sender is a tenant under CURVE (its key's), else a routing id.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+MAX_WAIT_S = 1.0  # a waiting message goes after this long, whatever is in flight
+MAX_WAITING = 1024  # messages of one sender waiting, at most
+FORGET_S = 600.0  # an echo in flight whose reply was never seen is forgotten after this long
+
+
+@dataclass(slots=True)
+class Waiting:
+    frames: list[Any]
+    user: str | None
+    echo: tuple[bytes, int] | None  # (id, payload bytes) when it is an echo
+    since: float
+
+
+class EchoShare:
+    """Echo bytes in flight per sender, against ``share``; the messages waiting behind."""
+
+    def __init__(self, share: int, max_waiting_bytes: int, max_wait_s: float = MAX_WAIT_S,
+                 max_waiting: int = MAX_WAITING) -> None:
+        self.share = share
+        self.max_waiting_bytes = max_waiting_bytes
+        self.max_wait_s = max_wait_s
+        self.max_waiting = max_waiting
+        self.in_flight: dict[bytes, tuple[Hashable, int, float]] = {}  # echo id -> (sender, bytes, since)
+        self.bytes_of: dict[Hashable, int] = {}  # sender -> echo bytes in flight
+        self.waiting: dict[Hashable, deque[Waiting]] = {}  # sender -> its messages waiting, in order
+        self.waiting_bytes: dict[Hashable, int] = {}
+        self.waited = 0  # messages that waited, so far
+        self.refused = 0  # messages refused for a sender waiting past its bounds, so far
+
+    def take(self, sender: Hashable, frames: list[Any], user: str | None, echo: tuple[bytes, int] | None,
+             now: float) -> bool | None:
+        """A message read: True, hand it to the core now; False, it waits (``ready`` gives it back
+        later); None, refused (the sender has too much waiting)."""
+        queue = self.waiting.get(sender)
+        if queue is None:
+            if echo is None or not self._over(sender, echo):
+                if echo is not None:
+                    self._fly(sender, echo, now)
+                return True
+            queue = self.waiting[sender] = deque()
+            self.waiting_bytes[sender] = 0
+        nbytes = echo[1] if echo is not None else 0
+        if len(queue) >= self.max_waiting or self.waiting_bytes[sender] + nbytes > self.max_waiting_bytes:
+            self.refused += 1
+            return None
+        queue.append(Waiting(frames, user, echo, now))
+        self.waiting_bytes[sender] += nbytes
+        self.waited += 1
+        return False
+
+    def answered(self, rid: bytes) -> None:
+        """A reply to ``rid`` was sent: if it was an echo in flight, its bytes are let go."""
+        entry = self.in_flight.pop(rid, None)
+        if entry is not None:
+            self._land(entry[0], entry[1])
+
+    def ready(self, now: float) -> list[Waiting]:
+        """The waiting messages that may go now, each sender's in order: those before its next
+        echo over the share, and any that waited ``max_wait_s``."""
+        out: list[Waiting] = []
+        for sender in list(self.waiting):
+            queue = self.waiting[sender]
+            while queue:
+                head = queue[0]
+                if head.echo is not None:
+                    if self._over(sender, head.echo) and now - head.since < self.max_wait_s:
+                        break
+                    self._fly(sender, head.echo, now)
+                    self.waiting_bytes[sender] -= head.echo[1]
+                out.append(queue.popleft())
+            if not queue:
+                del self.waiting[sender], self.waiting_bytes[sender]
+        return out
+
+    def forget_old(self, now: float) -> int:
+        """Forget echoes in flight whose reply was never seen for FORGET_S (one answered in a way
+        the shell did not see); returns how many."""
+        old = [rid for rid, (_, _, since) in self.in_flight.items() if now - since >= FORGET_S]
+        for rid in old:
+            self.answered(rid)
+        return len(old)
+
+    def _over(self, sender: Hashable, echo: tuple[bytes, int]) -> bool:
+        """Would ``echo`` take ``sender`` past its share? (Never its first, nor a retry of one in flight.)"""
+        held = self.bytes_of.get(sender, 0)
+        return held > 0 and held + echo[1] > self.share and echo[0] not in self.in_flight
+
+    def _fly(self, sender: Hashable, echo: tuple[bytes, int], now: float) -> None:
+        rid, nbytes = echo
+        if rid in self.in_flight or nbytes <= 0:  # a retry of an echo in flight: counted once; no bytes: nothing
+            return
+        self.in_flight[rid] = (sender, nbytes, now)
+        self.bytes_of[sender] = self.bytes_of.get(sender, 0) + nbytes
+
+    def _land(self, sender: Hashable, nbytes: int) -> None:
+        left = self.bytes_of.get(sender, 0) - nbytes
+        if left > 0:
+            self.bytes_of[sender] = left
+        else:
+            del self.bytes_of[sender]
+
+    def shown(self) -> dict[str, Any]:
+        """For admin ``status``: the share and what is held now."""
+        return {"echo_bytes_in_flight_share": self.share, "echo_bytes_in_flight": sum(self.bytes_of.values()),
+                "senders_waiting": len(self.waiting), "messages_waiting": sum(len(q) for q in self.waiting.values()),
+                "waited": self.waited, "refused": self.refused}

@@ -1,0 +1,74 @@
+"""intake.EchoShare: each sender's echo bytes in flight against its share; what waits, in order."""
+
+from __future__ import annotations
+
+from gpud_broker.intake import EchoShare
+
+KiB = 1 << 10
+A, B = "alice", "bob"
+
+
+def rid(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def msg(name: str) -> list[bytes]:
+    return [b"route", name.encode()]
+
+
+def test_a_sender_over_its_share_waits_and_another_sender_never_does() -> None:
+    s = EchoShare(share=256 * KiB, max_waiting_bytes=4096 * KiB)
+    assert s.take(B, msg("b1"), None, (rid(1), 256 * KiB), 0.0) is True  # one echo always goes
+    assert s.take(B, msg("b2"), None, (rid(2), 256 * KiB), 0.0) is False  # over bob's share: waits
+    assert s.take(B, msg("b-cancel"), None, None, 0.0) is False  # behind it, in order, whatever it is
+    assert s.take(A, msg("a1"), None, (rid(3), 200 * KiB), 0.0) is True  # alice has her own share
+    assert s.take(A, msg("a-small"), None, None, 0.0) is True
+    assert s.ready(0.1) == []
+    s.answered(rid(1))
+    assert [w.frames[1] for w in s.ready(0.1)] == [b"b2", b"b-cancel"]
+    assert s.bytes_of == {B: 256 * KiB, A: 200 * KiB} and s.waiting == {}
+
+
+def test_small_echoes_share_the_bytes_and_a_waiting_one_goes_after_max_wait() -> None:
+    s = EchoShare(share=100, max_waiting_bytes=1000, max_wait_s=1.0)
+    assert [s.take(B, msg(f"e{i}"), None, (rid(i), 40), 0.0) for i in range(4)] == [True, True, False, False]
+    assert s.ready(0.5) == []
+    s.answered(rid(0))  # 40 in flight: one more fits, the other still waits
+    assert [w.frames[1] for w in s.ready(0.6)] == [b"e2"]
+    assert [w.frames[1] for w in s.ready(1.0)] == [b"e3"]  # waited its second: it goes anyway
+    assert s.bytes_of[B] == 120
+
+
+def test_too_much_waiting_is_refused_and_a_retry_in_flight_counts_once() -> None:
+    s = EchoShare(share=100, max_waiting_bytes=150, max_waiting=3)
+    assert s.take(B, msg("e0"), None, (rid(0), 100), 0.0) is True
+    assert s.take(B, msg("e1"), None, (rid(1), 100), 0.0) is False
+    assert s.take(B, msg("e2"), None, (rid(2), 100), 0.0) is None  # past max_waiting_bytes
+    assert s.take(B, msg("p1"), None, None, 0.0) is False
+    assert s.take(B, msg("p2"), None, None, 0.0) is False
+    assert s.take(B, msg("p3"), None, None, 0.0) is None  # past max_waiting messages
+    assert s.refused == 2
+    s.answered(rid(0))
+    s.answered(rid(0))  # a second reply (a retry answered again) lets nothing more go
+    assert [w.frames[1] for w in s.ready(0.0)] == [b"e1", b"p1", b"p2"]
+    assert s.take(B, msg("e1 again"), None, (rid(1), 100), 0.0) is True  # a retry: 100, not 200, in flight
+    assert s.bytes_of[B] == 100
+    s.answered(rid(1))
+    assert s.bytes_of == {} and s.in_flight == {}
+
+
+def test_an_echo_whose_reply_was_never_seen_is_forgotten() -> None:
+    s = EchoShare(share=100, max_waiting_bytes=1000)
+    s.take(B, msg("e0"), None, (rid(0), 100), 0.0)
+    assert s.forget_old(599.0) == 0 and s.bytes_of[B] == 100
+    assert s.forget_old(600.0) == 1 and s.bytes_of == {}
+
+
+def test_empty_echoes_hold_no_share_and_every_reply_lands_cleanly() -> None:
+    s = EchoShare(share=100, max_waiting_bytes=1000)
+    for i in range(3):
+        assert s.take(B, msg(f"empty{i}"), None, (rid(i), 0), 0.0) is True
+    assert s.take(B, msg("full"), None, (rid(9), 100), 0.0) is True
+    for i in (0, 1, 2, 9, 9, 42):  # empty ones, the full one twice, an unknown id
+        s.answered(rid(i))
+    assert s.bytes_of == {} and s.in_flight == {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -159,10 +160,21 @@ def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | Non
         echo_bytes_in_flight=b.tenant_echo_bytes_in_flight,
         max_job_input_bytes=b.max_job_input_bytes,
         max_echo_bytes=b.max_echo_bytes,
-        spool_dir=b.spool_dir,
+        spool_dir=spool_directory(b.spool_dir, os.environ),
         spool_ram_bytes=b.spool_ram_bytes,
         stage_ttl=b.stage_ttl,
     )
+
+
+def spool_directory(configured: str, environ: Mapping[str, str]) -> str:
+    """``[broker] spool_dir``, else ``spool`` in the state directory systemd made for the unit
+    (``$STATE_DIRECTORY``, its first entry), else "" (a temporary directory of the broker's). Under
+    systemd the spool then survives a crash where the next start clears it, instead of in /tmp
+    for good."""
+    if configured:
+        return configured
+    state = environ.get("STATE_DIRECTORY", "").split(":")[0]
+    return os.path.join(state, "spool") if os.path.isabs(state) else ""
 
 
 def connection_limits(b: config.BrokerSection) -> ConnectionLimits | None:

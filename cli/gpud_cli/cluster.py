@@ -200,6 +200,7 @@ class LocalCluster:
         proc = self._spawn(role, [
             *self._broker_argv[role], "--frontend", frontend, "--backend", backend, "--ready-file", str(ready),
             "--heartbeat-ms", str(self.heartbeat_ms), "--liveness", str(self.liveness),
+            "--spool-dir", str(self.rundir / f"spool-{role}"),  # removed with the cluster, even after a SIGKILL
             *self._security_args("broker"), *self.broker_args,
         ])
         self.brokers[role] = proc

@@ -431,3 +431,11 @@ def test_config_check_shows_and_checks_each_daemons_own_key_files(tmp_path: Path
     (keys / "clients").chmod(0o777)
     r = check("broker")
     assert r.returncode == 2 and "chmod 600" in r.stderr and f"{keys}/clients has mode 0777" in r.stderr
+
+
+def test_the_spool_lies_in_systemds_state_directory_unless_configured() -> None:
+    from gpud_broker.__main__ import spool_directory
+    assert spool_directory("/srv/spool", {"STATE_DIRECTORY": "/var/lib/gpud/b1"}) == "/srv/spool"
+    assert spool_directory("", {"STATE_DIRECTORY": "/var/lib/gpud/b1:/var/lib/other"}) == "/var/lib/gpud/b1/spool"
+    assert spool_directory("", {}) == ""  # a temporary directory of the broker's
+    assert spool_directory("", {"STATE_DIRECTORY": "relative"}) == ""

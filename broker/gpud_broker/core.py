@@ -38,6 +38,7 @@ from gpud.errors import (
     NoCapacity,
     NotActive,
     ProtocolError,
+    RemoteError,
     ResultExpired,
     SessionLost,
     ShuttingDown,
@@ -149,6 +150,7 @@ _NOT_ACTIVE = NotActive.code
 _SHUTTING_DOWN = ShuttingDown.code
 _GPU_FAULT = GpuFault.code
 _SESSION_LOST = SessionLost.code
+_REMOTE_ERROR = RemoteError.code
 
 
 class BrokerCore:
@@ -967,6 +969,12 @@ class BrokerCore:
             self._release(worker, task)
             self.place_again(task, worker.name, "the worker is shutting down")
             return True
+        if (ok is False and code == _REMOTE_ERROR and kind == "job" and not task.started
+                and self.staging.holds_inputs(task)):
+            # A staged job its worker could not fetch or set up: it never began (PROTOCOL.md §11.3).
+            self._release(worker, task)
+            self.place_again(task, worker.name, f"it failed there before it began: {header.get('message')}")
+            return True
         if ok is False and code == _GPU_FAULT and kind not in ("call", "session") and task.retryable:
             # Its GPU failed under it: place it again, never on this worker.
             self._release(worker, task)
@@ -1019,6 +1027,22 @@ class BrokerCore:
         grant = task.grant
         if grant is not None:
             self.accounts.refund(grant, task.tenant, task.kind == "session", self.now, worker)
+
+    def abort_staged(self, task: Task, exc: GpudError) -> None:
+        """End a staged job that has not begun and whose inputs will not all come (its upload
+        stalled, or the spool lost it): out of the queue, or off its worker, which is told to
+        drop it (ERROR, PROTOCOL.md §11.3) and whose slot is freed."""
+        worker = self.registry.by_name.get(task.worker) if task.state is State.RUNNING and task.worker else None
+        if worker is not None and worker.assigned.pop(task.id, None) is not None:
+            if task.grant is not None:
+                had = worker.has_slot
+                worker.inflight -= 1
+                if not had:
+                    self._open_changed(worker, had)
+            self._release(worker, task)
+            self.send_worker(worker.identity, protocol.encode(Peer.WORKER, Command.ERROR,
+                                                              {"code": exc.code, "message": exc.message, "id": task.id}))
+        self.fail(task, exc)
 
     def _on_other_result(self, worker: WorkerRecord, rid: bytes, msg: Message, raw_header: bytes) -> None:
         """A RESULT for a task not running on this worker: after a failover, the answer to work

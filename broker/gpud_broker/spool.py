@@ -123,6 +123,8 @@ class Upload:
     ram: int = 0  # bytes of it held in memory
     claimed: bool = False
     ahead: dict[tuple[int, int], int] = field(default_factory=dict)  # (file, offset) -> end, past ``have`` (replicas)
+    # FETCHes of bytes not held yet (the upload still comes, PROTOCOL.md §11.3): (worker identity, file, offset, nbytes)
+    waiting: list[tuple[bytes, int, int, int]] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -247,6 +249,12 @@ class Spool:
         """Unclaimed uploads untouched for ``ttl`` seconds (the caller drops them)."""
         limit = now - ttl
         return [up for up in self.uploads.values() if not up.claimed and up.touched < limit]
+
+    def stalled(self, now: float, ttl: float) -> list[Upload]:
+        """Claimed uploads still incomplete and untouched for ``ttl`` seconds: their job waits
+        for bytes that stopped coming."""
+        limit = now - ttl
+        return [up for up in self.uploads.values() if up.claimed and up.touched < limit and not up.complete()]
 
     def wait_removed(self) -> None:
         """Wait until the files of every upload dropped so far are gone (they go on a thread)."""

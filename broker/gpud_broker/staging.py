@@ -5,6 +5,9 @@ its job. Pure: no sockets; the core's send functions and journal carry everythin
 A PUT's REPLY goes out only once what it stored is durable (held by the passive peer, as ACKs
 wait, §9.4): the client's window of unanswered PUTs then bounds how far the active broker's intake
 runs ahead of its peer.
+
+Upload and fetch are pipelined: a job may be claimed and placed while its upload still comes, and
+a worker's FETCH of bytes not here yet waits on the upload until a PUT brings them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 
 MAX_CHUNK_BYTES = 16 << 20  # the largest chunk a PUT may carry, and a FETCH ask for
 BACKFILL_PER_TURN = 4  # chunks journalled per loop turn to a peer that re-synced
+MAX_WAITING = 8  # FETCHes of bytes not here yet kept per upload (a worker asks 4 at once); more are ignored
 OUTPUTS = b"\x01"  # a job's id and this: the spool key of its staged outputs (§11.5)
 PULL_AGAIN_S = 2.0  # a FETCH of outputs unanswered this long is sent again
 
@@ -130,6 +134,21 @@ class Staging:
             raise TooLarge(f"a chunk carries at most {MAX_CHUNK_BYTES} bytes")
         if self.spool.write(up, index, offset, data, core.now):
             core.journal.chunk(job, index, offset, data)
+            if up.waiting:
+                self._serve_waiting(core, up, index, offset, frame, len(data))
+
+    def _serve_waiting(self, core: BrokerCore, up: Upload, index: int, offset: int, frame: Any, nbytes: int) -> None:
+        """Answer the FETCHes that waited for bytes a PUT just brought: with the PUT's own frame
+        when they ask for exactly its range, else read back from the spool."""
+        still = []
+        for identity, i, start, n in up.waiting:
+            if start + n > up.have[i]:
+                still.append((identity, i, start, n))
+                continue
+            data = frame if (i, start, n) == (index, offset, nbytes) else self.spool.read(up, i, start, n)
+            core.send_worker(identity, protocol.encode(
+                Peer.WORKER, Command.CHUNK, {"id": up.job, "file": i, "offset": start}, [data]))
+        up.waiting = still
 
     def take_replies(self, durable: int) -> list[tuple[bytes, list[Any]]]:
         """The PUT REPLYs whose chunks are durable now (route, frames), in order."""
@@ -145,16 +164,17 @@ class Staging:
     # ------------------------------------------------------------------ jobs: claim and release
 
     def check(self, job: bytes, tenant: str, owner: str | None, sizes: tuple[int, ...]) -> None:
-        """A job REQUEST names staged inputs of ``sizes``: they must all be here, staged by the
-        same tenant and key. InvalidRequest otherwise."""
+        """A job REQUEST names staged inputs of ``sizes``: an upload of them must be open here,
+        by the same tenant and key (its bytes may still be coming). InvalidRequest otherwise."""
         up = self.spool.uploads.get(job)
         if up is None or up.tenant != tenant or up.owner != owner:
-            raise InvalidRequest("the job's staged inputs are not here: stage them first (PUT)")
+            raise InvalidRequest("the job's staged inputs are not here: open their upload first (PUT)")
         if up.sizes != sizes:
             raise InvalidRequest("'staged' does not match the sizes of the upload")
-        missing = up.missing()
-        if missing is not None:
-            raise InvalidRequest(f"the job's inputs are not all staged: {missing}")
+
+    def holds_inputs(self, task: Task) -> bool:
+        """Whether ``task`` is a staged job whose upload is here (complete or still coming)."""
+        return "staged" in task.body and task.id in self.spool.uploads
 
     def claim(self, job: bytes) -> None:
         """The job's task holds its upload now: released with it, never expired."""
@@ -169,10 +189,22 @@ class Staging:
             core.accounts.release_spool(up.tenant, up.total)
 
     def expire(self, core: BrokerCore, now: float) -> None:
+        """Drop uploads unclaimed for ``stage_ttl``; fail the jobs whose upload stalled."""
         for up in self.spool.expired(now, self.stage_ttl):
             log.info("staged upload of %s unclaimed for %.0fs: dropped", protocol.id_text(up.job), self.stage_ttl)
             self.release(core, up.job)
             core.journal.unstage(up.job)
+        for up in self.spool.stalled(now, self.stage_ttl):
+            task = core.tasks.tasks.get(up.job)
+            if task is None or up.job in self.pulls:  # outputs being pulled: PULL_AGAIN_S asks again
+                continue
+            if task.started:  # its worker had every byte (from a broker that held them): it runs
+                up.touched = now
+                continue
+            log.info("staged upload of %s stalled for %.0fs (%s): its job fails", protocol.id_text(up.job),
+                     self.stage_ttl, up.missing())
+            core.abort_staged(task, InvalidRequest(f"its staged inputs stopped coming ({up.missing()}, nothing "
+                                                   f"for {self.stage_ttl:.0f}s)"))
 
     def clear(self, core: BrokerCore) -> None:
         self.pulls.clear()
@@ -196,7 +228,19 @@ class Staging:
             up = self.spool.uploads.get(rid)
             if task is None or task.worker != worker.name or up is None or not up.claimed:
                 raise InvalidRequest("no staged job of this id runs on this worker")
-            data = self.spool.read(up, index, offset, min(nbytes, max(0, up.sizes[index] - offset)))
+            nbytes = min(nbytes, max(0, up.sizes[index] - offset))
+            if offset >= 0 and offset + nbytes > up.have[index]:  # still coming: answered when it is here
+                ask = (worker.identity, index, offset, nbytes)
+                if ask not in up.waiting and len(up.waiting) < MAX_WAITING:
+                    up.waiting.append(ask)
+                return
+            try:
+                data = self.spool.read(up, index, offset, nbytes)
+            except OSError as exc:
+                log.error("spool: cannot read a staged file of %s: %s", protocol.id_text(rid), exc)
+                err = InvalidRequest(f"the broker lost the job's staged inputs ({exc.strerror})")
+                core.abort_staged(task, err)
+                raise err from None
         except (GpudError, IndexError) as exc:
             err = exc if isinstance(exc, GpudError) else InvalidRequest("no such staged file")
             core.send_worker(worker.identity, protocol.encode(Peer.WORKER, Command.ERROR,

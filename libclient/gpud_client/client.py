@@ -350,13 +350,15 @@ class Client:
             overall = queue_wait = timeout
         rid = new_id()
         settings = self._settings
-        if sum([v.nbytes for v in payload]) > settings.chunk_bytes:
-            # Large inputs go ahead of the REQUEST, in chunks (PROTOCOL.md §11).
-            body["staged"] = stage(self._conn, rid, payload, self.tenant, settings.timeout)
-            payload = []
-        frames = rq.request_frames(rid, "job", wire_need, rq.timeout_ms(queue_wait), body, payload)
         what = f"job {id_text(rid)}"
-        self._conn.submit(rid, frames, what)
+        if sum([v.nbytes for v in payload]) > settings.chunk_bytes:
+            # Large inputs go in chunks, the REQUEST right after their upload opens (PROTOCOL.md §11).
+            body["staged"] = [v.nbytes for v in payload]
+            frames = rq.request_frames(rid, "job", wire_need, rq.timeout_ms(queue_wait), body, [])
+            stage(self._conn, rid, payload, self.tenant, settings.timeout, lambda: self._conn.submit(rid, frames, what))
+        else:
+            self._conn.submit(rid, rq.request_frames(rid, "job", wire_need, rq.timeout_ms(queue_wait), body, payload),
+                              what)
         convert = job_result(self._conn, self.tenant, settings.timeout)
         return Job(self._conn, rid, convert, overall, what, cancellable=True)
 

@@ -2,7 +2,9 @@
 its large output files read after its REPLY, both in chunks with a window of them unanswered.
 
 Inputs (§11.1): an opening PUT that says the sizes (and gets TOO_LARGE or BUSY at once, before
-any byte is sent), then the files in chunk PUTs, each answered once the broker holds it durably.
+any byte is sent), then the job's REQUEST (so that the job is placed, and its worker fetches each
+chunk, while the rest still comes: pipelined), then the files in chunk PUTs, each answered once
+the broker holds it durably.
 The connection re-sends unanswered PUTs, same ids, after a failover; a broker that holds none of
 the upload (it lost it) answers them INVALID_REQUEST, and the upload then resumes from what the
 broker says it holds (``have``), at most ``RESUMES`` times.
@@ -36,24 +38,29 @@ RETRY_S = 0.5
 
 
 def stage(conn: Connection, job: bytes, views: Sequence[memoryview], tenant: str, timeout: float,
-          chunk_bytes: int = CHUNK_BYTES, window: int = WINDOW) -> list[int]:
-    """Upload ``views`` as the staged inputs of job ``job``; returns their sizes (the REQUEST's
-    ``staged``). Each PUT is waited for at most ``timeout`` seconds."""
+          request: Callable[[], None], chunk_bytes: int = CHUNK_BYTES, window: int = WINDOW) -> None:
+    """Upload ``views`` as the staged inputs of job ``job``, calling ``request`` (which submits
+    the job's REQUEST, id ``job``) once the upload is open. Each PUT is waited for at most
+    ``timeout`` seconds. Returns early when the job is answered meanwhile (refused, or failed):
+    its answer is the job's."""
     sizes = [v.nbytes for v in views]
     what = f"staging of job {id_text(job)}"
     for attempt in range(RESUMES + 1):
         have = _open(conn, job, sizes, tenant, timeout, what)
+        if attempt == 0:
+            request()
         items = [(i, start, n) for i, v in enumerate(views) for start, n in plan(v.nbytes, chunk_bytes)
                  if n and start + n > have[i]]
         try:
             run_windowed(items, window, lambda item: _put(conn, job, views, item, tenant, timeout, what),
                          lambda p: p.wait(), lambda p: p._abandon())
         except InvalidRequest:
-            if attempt == RESUMES:
+            if attempt == RESUMES or conn.has_reply(job):
+                if conn.has_reply(job):
+                    return  # the job ended (its upload with it): the REQUEST's answer says why
                 raise
             continue  # the broker lost part of the upload (a failover): resume from what it holds
-        return sizes
-    raise InvalidRequest(f"{what}: not accepted")  # unreachable: the loop returns or raises
+        return
 
 
 def _open(conn: Connection, job: bytes, sizes: list[int], tenant: str, timeout: float, what: str) -> list[int]:

@@ -89,19 +89,84 @@ def test_too_large_comes_at_the_opening_put_naming_the_limit() -> None:
     assert m.header["code"] == "TOO_LARGE" and "max_echo_bytes (262144)" in m.header["message"]
 
 
-def test_a_job_whose_inputs_are_not_all_staged_is_refused_saying_what_is_missing() -> None:
+def test_a_job_is_placed_while_its_upload_still_comes_and_its_fetches_wait_for_the_bytes() -> None:
     h = Harness()
     h.ready(W1, "w1")
     h.take_worker()
     put(h, 0, sizes=[len(d) for d in DATA])
     put(h, 1, file=0, offset=0, frames=(DATA[0][:4096],))
     replies(h)
-    staged_job(h)
-    m = h.one_reply(C1)
-    assert m.header["code"] == "INVALID_REQUEST" and "staged file 0 has 4096 of its 10240 bytes" in m.header["message"]
-    assert JOB not in h.core.tasks.tasks
+    staged_job(h)  # pipelined: the REQUEST right after the opening PUT (PROTOCOL.md §11.1)
+    assert h.take_client() == []  # accepted, not refused
+    d = h.one_dispatch(W1)
+    assert d.header["staged"] == [10240, 0, 30]
+    h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 0, "nbytes": 4096})
+    h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 4096, "nbytes": 4096})
+    h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 4096, "nbytes": 4096})  # asked again: waits once
+    h.worker(W1, Command.FETCH, {"id": JOB, "file": 2, "offset": 0, "nbytes": 4096})
+    (_, first, _), = h.take_worker()
+    assert first.command is Command.CHUNK and P.as_bytes(first.frames[0]) == DATA[0][:4096]
+    put(h, 2, file=0, offset=4096, frames=(DATA[0][4096:8192],))
+    (_, second, _), = h.take_worker()  # the waiting FETCH, answered by the PUT that brought its bytes
+    assert second.header == {"id": JOB, "file": 0, "offset": 4096} and P.as_bytes(second.frames[0]) == DATA[0][4096:8192]
+    put(h, 3, file=0, offset=8192, frames=(DATA[0][8192:],))
+    assert h.take_worker() == []  # nobody asked for these yet
+    put(h, 4, file=2, offset=0, frames=(DATA[2],))
+    (_, third, _), = h.take_worker()
+    assert third.header["file"] == 2 and P.as_bytes(third.frames[0]) == DATA[2]  # clipped to the file's size
+    assert all(m.header["ok"] is True for m in replies(h))
+    h.result(W1, JOB, exit_code=0)
+    assert h.one_reply(C1).header["ok"] is True
+    assert len(h.core.staging.spool) == 0 and h.core.accounts.spooled == {}
+    h.assert_idle()
     h.request(C1, rid(9), kind="job", argv=["cat"], files=["a"], staged=[5], need={"tenant": "acme"})
-    assert "stage them first" in h.one_reply(C1).header["message"]
+    assert "open their upload first" in h.one_reply(C1).header["message"]
+
+
+def test_a_stalled_upload_fails_its_job_and_its_worker_is_told_to_drop_it() -> None:
+    h = Harness(stage_ttl=10.0, heartbeat=HeartbeatPolicy(30.0, 3))
+    h.ready(W1, "w1")
+    h.take_worker()
+    put(h, 0, sizes=[len(d) for d in DATA])
+    put(h, 1, file=0, offset=0, frames=(DATA[0][:4096],))
+    staged_job(h)
+    replies(h)
+    h.one_dispatch(W1)
+    h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 4096, "nbytes": 4096})
+    assert h.take_worker() == []
+    h.tick(5.0)
+    assert JOB in h.core.tasks.tasks and h.take_client() == []  # not yet: 10 s without a PUT
+    h.tick(6.0)
+    m = h.one_reply(C1)
+    assert m.header["code"] == "INVALID_REQUEST" and "stopped coming" in m.header["message"]
+    assert "staged file 0 has 4096 of its 10240 bytes" in m.header["message"]
+    (_, err, _), = h.take_worker()
+    assert err.command is Command.ERROR and err.header["id"] == JOB
+    assert len(h.core.staging.spool) == 0 and h.core.accounts.spooled == {}
+    h.assert_idle()
+
+
+def test_a_staged_job_that_fails_on_its_worker_before_it_began_is_placed_again_elsewhere() -> None:
+    h = Harness()
+    h.ready(W1, "w1")
+    h.ready(W2, "w2")
+    h.take_worker()
+    stage_all(h)
+    staged_job(h)
+    replies(h)
+    (ident, first, _), = h.take_worker()
+    other = W2 if ident == W1 else W1
+    h.result(ident, JOB, ok=False, code="REMOTE_ERROR", message="cannot write the job's staged inputs: ENOSPC")
+    assert h.take_client() == []  # not failed: it never began
+    (again, d, _), = h.take_worker()
+    assert again == other and d.command is Command.DISPATCH and d.header["staged"] == [10240, 0, 30]
+    assert fetch_all(h, other) == DATA  # the upload is still held
+    h.worker(ident, Command.FETCH, {"id": JOB, "file": 0, "offset": 0, "nbytes": 100})  # the worker it left
+    (_, err, _), = h.take_worker()
+    assert err.command is Command.ERROR and err.header["id"] == JOB
+    h.result(other, JOB, exit_code=0)
+    assert h.one_reply(C1).header["ok"] is True
+    h.assert_idle()
 
 
 def test_an_out_of_order_chunk_is_refused_and_a_resent_one_is_answered_without_counting_twice() -> None:

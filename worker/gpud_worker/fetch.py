@@ -4,14 +4,14 @@ staging files of the worker's own.
 A ``Fetch`` is the state of one job's inputs: its window (``gpud.transfer.ChunkWindow``: which
 chunks are asked for, at most ``window`` at once, which have come) and the files they are
 written to. It has no sockets and no clock of its own: the worker loop sends the FETCHes it names, hands it each CHUNK and passes the time. Once
-complete, ``buffers`` maps the files for the job runner, which copies them into the job's own
-directory as it does inline inputs.
+complete, ``inputs`` hands the files to the job runner, which copies each into the job's own
+directory file to file in the kernel (``StagedFile.copy_to``), not through the worker's memory.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
-import mmap
 import os
 from typing import Any
 
@@ -19,6 +19,25 @@ from gpud.protocol import id_text
 from gpud.transfer import CHUNK_BYTES, WINDOW, ChunkWindow
 
 log = logging.getLogger(__name__)
+
+
+class StagedFile:
+    """A complete staged input in its staging file, ``size`` bytes from offset 0 of ``fd``."""
+
+    __slots__ = ("fd", "size")
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.size = size
+
+    def copy_to(self, out: int) -> None:
+        """Write the whole file to ``out`` (a new, empty file), in the kernel."""
+        done = 0
+        while done < self.size:
+            n = os.sendfile(out, self.fd, done, self.size - done)
+            if n == 0:
+                raise OSError(errno.EIO, "the staging file is shorter than its input")
+            done += n
 
 
 class Fetch(ChunkWindow):
@@ -30,7 +49,6 @@ class Fetch(ChunkWindow):
         self.job = job
         self.paths: list[str] = []
         self.fds: list[int] = []
-        self._maps: list[mmap.mmap] = []
         try:
             for i in range(len(sizes)):
                 path = os.path.join(directory, f"{job.hex()}-{i}")
@@ -55,26 +73,12 @@ class Fetch(ChunkWindow):
         self.took(index, offset)
         return True
 
-    def buffers(self) -> list[Any]:
-        """The complete inputs, in order, as buffers (the files mapped read-only)."""
-        out: list[Any] = []
-        for fd, size in zip(self.fds, self.sizes, strict=True):
-            if size == 0:
-                out.append(b"")
-                continue
-            m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-            self._maps.append(m)
-            out.append(m)
-        return out
+    def inputs(self) -> list[StagedFile]:
+        """The complete inputs, in order (valid until ``close``)."""
+        return [StagedFile(fd, size) for fd, size in zip(self.fds, self.sizes, strict=True)]
 
     def close(self) -> None:
-        """Unmap and remove the staging files (idempotent)."""
-        for m in self._maps:
-            try:
-                m.close()
-            except BufferError:  # a view of it is still alive somewhere: unmapped when collected
-                pass
-        self._maps.clear()
+        """Remove the staging files (idempotent)."""
         for fd in self.fds:
             os.close(fd)
         self.fds.clear()

@@ -811,6 +811,10 @@ class JobRunner:
         try:
             if self._root:
                 os.fchown(fd, user.pw_uid, user.pw_gid)
+            copy_to = getattr(data, "copy_to", None)
+            if copy_to is not None:  # a fetched staged input (gpud_worker.fetch): file to file, in the kernel
+                copy_to(fd)
+                return
             with memoryview(data) as raw:
                 view = raw if raw.ndim == 1 and raw.itemsize == 1 else raw.cast("B")
                 offset = 0

@@ -48,7 +48,7 @@ from gpud.security import HANDSHAKE_FAILURES, CurveKeys, HandshakeLog, apply_cli
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
 from gpud_worker.data import DataSocket, SessionSocket
 from gpud_worker.device import Device, DeviceSession
-from gpud_worker.fetch import Fetch
+from gpud_worker.fetch import Fetch, StagedFile
 from gpud_worker.gpu import GpuProbe
 from gpud_worker.jobs import JobGrant, JobRunner
 from gpud_worker.session_host import HostedDevice
@@ -575,7 +575,12 @@ class Worker:
         elif cmd is Command.ERROR:
             rid = h.get("id")
             if type(rid) is bytes and rid in self.fetches and idx == self.active_idx:
-                self._fetch_failed(rid, RemoteError(f"the broker could not give the job's staged inputs: {h.get('message')}"))
+                # The broker holds no inputs of it placed here: it failed the job or placed it
+                # elsewhere (PROTOCOL.md §11.3). Dropped without a RESULT: its fate is decided.
+                log.info("job %s: dropped (%s)", P.id_text(rid), h.get("message"))
+                self._end_fetch(rid)
+                self.running.pop(rid, None)
+                self.owner.pop(rid, None)
                 return
             log.warning("broker %s reports an error: %s %s", link.endpoint, h.get("code"), h.get("message"))
         else:
@@ -746,7 +751,7 @@ class Worker:
         try:
             spec = P.parse_job(h, len(frames))
             visible = ",".join(self._visible_name(u) for u in uuids)
-            out = self.runner.run(rid, spec, [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames], visible, tenant, cancel,
+            out = self.runner.run(rid, spec, [f if isinstance(f, StagedFile) else memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames], visible, tenant, cancel,
                                   JobGrant.from_wire(h.get("grant")), lambda: self._await_go(rid, cancel),
                                   gpus=uuids)
             if cancel.is_set():
@@ -879,7 +884,7 @@ class Worker:
     def _run_fetched(self, idx: int, rid: bytes, h: dict[str, Any], fetch: Fetch, uuids: list[str], tenant: str) -> None:
         """(Job thread) Run a job whose staged inputs are all here, then remove them."""
         try:
-            self._run_job(idx, rid, h, fetch.buffers(), uuids, tenant)
+            self._run_job(idx, rid, h, fetch.inputs(), uuids, tenant)
         except OSError as exc:
             self._error(idx, rid, RemoteError(f"cannot read the job's staged inputs: {exc}"))
         finally:

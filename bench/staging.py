@@ -6,8 +6,10 @@ during the upload as a ratio to idle, in one run.
   simulated GPUs, labelled simulated). A client runs ``true`` with one input file of ``--mib``
   MiB (staged: PUT chunks to the broker's spool, FETCHed by the worker, copied into the job's
   directory); its rate is the size over the job's time less that of the same job without input
-  (the job's own start-up). ``stage_gbps`` is the first hop alone: the size over the time until
-  ``submit`` returns (the input is in the broker's spool, durable). A second client meanwhile sends 64-byte echoes one after another;
+  (the job's own start-up). The upload and the worker's fetch are pipelined (the job is placed
+  once its upload opens): ``stage_gbps`` is the size over the time until ``submit`` returns (every
+  chunk is in the broker's spool, durable), while the worker fetches behind it. A second client
+  meanwhile sends 64-byte echoes one after another;
   their p99 during the upload is compared with their p99 while nothing else runs.
 - bare: the forwarder and worker of ``bench/transfer.py`` (ROUTER frontend and backend, one
   DEALER worker that answers each chunk; ``copy=False`` everywhere), the same bytes sent in

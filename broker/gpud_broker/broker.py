@@ -528,6 +528,8 @@ class Broker:
         if pair is not None:
             poller.register(pair.inbound, zmq.POLLIN)
         core = self.core
+        spool_io = core.staging.spool.io  # its writes done wake the loop: PUT REPLYs wait for them
+        poller.register(spool_io.fd, zmq.POLLIN)
         front, back, admin = self.frontend, self.backend, self.admin
         to_workers, to_clients = self._to_workers, self._to_clients
         intake = self.intake
@@ -567,6 +569,11 @@ class Broker:
                 ready.discard(admin)
             busy = bool(got)
             staging = core.staging
+            if spool_io.fd in ready:
+                ready.discard(spool_io.fd)
+                spool_io.take_signal()
+                if spool_io.failed:
+                    staging.write_failures(core)
             if pair is not None:
                 if staging.backfilling:
                     staging.backfill(core)

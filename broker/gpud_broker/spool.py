@@ -5,6 +5,12 @@ rest, so that the broker's resident memory does not grow with what is staged.
 The spool owns the bytes and their bookkeeping (which upload holds how much of each file); who may
 stage how much is the accounts' (``Accounts.over_spool``), checked before ``open``. No sockets, no
 clock of its own: the caller passes the time.
+
+Disk I/O is off the broker's loop: writes to spooled files, and their removal, go in order to one
+thread of the spool's own (``_SpoolIO``), which counts each write done and signals ``io_fd`` (an
+eventfd for the loop's poller). A chunk is held by the spool at once (its bookkeeping), its bytes
+on disk once its write is done (``written``); until then, and for the last few chunks of each
+upload, ``read`` answers from the chunk's own buffer.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpud.errors import InvalidRequest
 from gpud.protocol import id_text
@@ -28,36 +35,105 @@ DEFAULT_RAM_FILE_BYTES = 1 << 20  # files up to this size go to memory (while th
 DEFAULT_STAGE_TTL_S = 60.0  # seconds an unclaimed upload is kept after its last PUT
 
 
-class _Reaper:
-    """Closes and removes spooled files on a thread of its own: freeing a large file's blocks can
-    take the file system a second, which the broker's loop must never wait for."""
+MAX_BACKLOG_BYTES = 64 << 20  # bytes queued for writing at most; past it ``write`` waits (flow control)
+RECENT_CHUNKS = 8  # chunks of each upload kept in memory after their write, for reads without disk
+
+
+class _SpoolIO:
+    """Writes to spooled files, then closes and removes them, in order, on a thread of its own:
+    a write can wait on the disk, and freeing a large file's blocks can take the file system a
+    second, which the broker's loop must never wait for. Writes are numbered (tickets, from 1);
+    ``done`` is the last one finished, and each finished write makes ``fd`` (an eventfd) readable."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[int, str] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, int, memoryview | None, str] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._fd = -1  # the eventfd, made when first asked for (``fd``)
+        self.issued = 0  # the last ticket handed out
+        self.done = 0  # the last ticket whose write finished (set by the thread only)
+        self.backlog = 0  # bytes queued, not written yet
+        self.failed: list[tuple[int, OSError]] = []  # (ticket, error) of writes that failed
+        self._progress = threading.Condition()
+
+    @property
+    def fd(self) -> int:
+        if self._fd < 0:
+            self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        return self._fd
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="spool-io", daemon=True)
+            self._thread.start()
+
+    def write(self, fd: int, offset: int, data: memoryview) -> int:
+        """Queue a write of ``data`` (kept referenced until written); its ticket."""
+        self._start()
+        if self.backlog > MAX_BACKLOG_BYTES:  # the disk is slower than the intake: wait for it
+            with self._progress:
+                self._progress.wait_for(lambda: self.backlog <= MAX_BACKLOG_BYTES, timeout=30.0)
+        self.issued += 1
+        with self._progress:
+            self.backlog += len(data)
+        self._queue.put((fd, offset, data, ""))
+        return self.issued
+
+    def wait(self, ticket: int) -> None:
+        """Block until write ``ticket`` is done (a read of bytes not written yet: rare)."""
+        with self._progress:
+            self._progress.wait_for(lambda: self.done >= ticket, timeout=30.0)
 
     def reap(self, fd: int, path: str) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="spool-reaper", daemon=True)
-            self._thread.start()
-        self._queue.put((fd, path))
+        """Close ``fd`` and remove ``path`` once the writes queued before are done."""
+        self._start()
+        self._queue.put((fd, 0, None, path))
 
     def _run(self) -> None:
+        ticket = self.done
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            fd, path = item
+            fd, offset, data, path = item
+            if data is None:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    log.warning("spool: cannot remove %s: %s", path, exc)
+                os.close(fd)
+                continue
+            ticket += 1
             try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+                done = 0
+                while done < len(data):
+                    done += os.pwrite(fd, data[done:], offset + done)
             except OSError as exc:
-                log.warning("spool: cannot remove %s: %s", path, exc)
-            os.close(fd)
+                log.error("spool: cannot write a staged file: %s", exc)
+                self.failed.append((ticket, exc))
+            with self._progress:
+                self.backlog -= len(data)
+                self.done = ticket
+                self._progress.notify_all()
+            if self._fd >= 0:
+                os.eventfd_write(self._fd, 1)
+
+    def take_signal(self) -> None:
+        """Clear ``fd`` (the loop read it readable)."""
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        self.stop()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def stop(self) -> None:
-        """Wait until every file handed over is gone."""
+        """Wait until every write and removal handed over is done."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
@@ -70,8 +146,9 @@ class _RamStore:
     def __init__(self, size: int) -> None:
         self.buf = bytearray(size)
 
-    def write(self, offset: int, data: memoryview) -> None:
+    def write(self, offset: int, data: memoryview) -> int:
         self.buf[offset : offset + len(data)] = data
+        return 0  # written now
 
     def read(self, offset: int, nbytes: int) -> bytes:
         return bytes(self.buf[offset : offset + nbytes])
@@ -83,15 +160,13 @@ class _RamStore:
 class _FileStore:
     """One staged file held in a file of the spool directory."""
 
-    def __init__(self, path: str, reaper: _Reaper) -> None:
+    def __init__(self, path: str, io: _SpoolIO) -> None:
         self.path = path
-        self.reaper = reaper
+        self.io = io
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
 
-    def write(self, offset: int, data: memoryview) -> None:
-        done = 0
-        while done < len(data):
-            done += os.pwrite(self.fd, data[done:], offset + done)
+    def write(self, offset: int, data: memoryview) -> int:
+        return self.io.write(self.fd, offset, data)
 
     def read(self, offset: int, nbytes: int) -> bytes:
         parts = []
@@ -105,7 +180,7 @@ class _FileStore:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def close(self) -> None:
-        self.reaper.reap(self.fd, self.path)
+        self.io.reap(self.fd, self.path)
 
 
 @dataclass(slots=True)
@@ -123,6 +198,10 @@ class Upload:
     ram: int = 0  # bytes of it held in memory
     claimed: bool = False
     ahead: dict[tuple[int, int], int] = field(default_factory=dict)  # (file, offset) -> end, past ``have`` (replicas)
+    # The last chunks stored, by (file, offset): (their bytes, their write's ticket). Every chunk
+    # whose write is not done is here (reads of it are answered from memory), and RECENT_CHUNKS more.
+    recent: dict[tuple[int, int], tuple[memoryview, int]] = field(default_factory=dict)
+    ticket: int = 0  # the write of its last chunk stored (0: none on disk)
     # FETCHes of bytes not held yet (the upload still comes, PROTOCOL.md §11.3): (worker identity, file, offset, nbytes)
     waiting: list[tuple[bytes, int, int, int]] = field(default_factory=list)
 
@@ -160,7 +239,7 @@ class Spool:
                     log.warning("spool: cannot remove %s left by an earlier run: %s", name, exc)
         self.ram_bytes = ram_bytes
         self.ram_file_bytes = ram_file_bytes
-        self._reaper = _Reaper()
+        self.io = _SpoolIO()
         self.uploads: dict[bytes, Upload] = {}
         self.ram_used = 0  # bytes of memory stores
         self.reserved = 0  # sizes of every upload, held or still to come
@@ -181,7 +260,7 @@ class Spool:
                 else:
                     if not self.directory:
                         self.directory = tempfile.mkdtemp(prefix="gpud-spool-")
-                    up.stores.append(_FileStore(os.path.join(self.directory, f"{job.hex()}-{i}"), self._reaper))
+                    up.stores.append(_FileStore(os.path.join(self.directory, f"{job.hex()}-{i}"), self.io))
         except OSError:
             self._close(up)
             raise
@@ -201,7 +280,7 @@ class Spool:
             raise InvalidRequest(f"the chunk runs to byte {end} of staged file {index}, which has {up.sizes[index]}")
         have = up.have[index]
         if offset > have and not ordered:
-            up.stores[index].write(offset, data)
+            self._store(up, index, offset, data)
             up.ahead[index, offset] = max(end, up.ahead.get((index, offset), 0))
             up.touched = now
             return True
@@ -212,7 +291,7 @@ class Spool:
         if end <= have:
             return False
         fresh = data[have - offset :]
-        up.stores[index].write(have, fresh)
+        self._store(up, index, have, fresh)
         merged = bool(up.ahead)
         while merged:  # pieces written ahead that the gap just closed on
             merged = False
@@ -224,10 +303,33 @@ class Spool:
         self.stored += end - have
         return True
 
-    def read(self, up: Upload, index: int, offset: int, nbytes: int) -> bytes:
-        """Bytes of a staged file that the spool holds (InvalidRequest for a range it does not)."""
+    def _store(self, up: Upload, index: int, offset: int, data: memoryview) -> None:
+        ticket = up.stores[index].write(offset, data)
+        if ticket:
+            up.ticket = ticket
+            recent = up.recent
+            recent[index, offset] = (data, ticket)
+            done = self.io.done
+            while len(recent) > RECENT_CHUNKS:
+                key = next(iter(recent))
+                if recent[key][1] > done:
+                    break  # not on disk yet: kept
+                del recent[key]
+
+    def written(self, up: Upload) -> bool:
+        """Whether every chunk of ``up`` stored so far is on disk (or in memory)."""
+        return up.ticket <= self.io.done
+
+    def read(self, up: Upload, index: int, offset: int, nbytes: int) -> Any:
+        """Bytes of a staged file that the spool holds (InvalidRequest for a range it does not): a
+        buffer of the chunk that brought them when they are one of the last chunks, else read."""
         if not 0 <= index < len(up.sizes) or offset < 0 or nbytes < 0 or offset + nbytes > up.have[index]:
             raise InvalidRequest(f"bytes {offset}..{offset + nbytes} of staged file {index} are not held")
+        kept = up.recent.get((index, offset))
+        if kept is not None and len(kept[0]) >= nbytes:
+            return kept[0][:nbytes]
+        if up.ticket > self.io.done:
+            self.io.wait(up.ticket)  # a range not on disk yet that no kept chunk covers: rare
         return up.stores[index].read(offset, nbytes)
 
     def ranges(self, up: Upload, chunk: int) -> Iterator[tuple[int, int, int]]:
@@ -258,7 +360,7 @@ class Spool:
 
     def wait_removed(self) -> None:
         """Wait until the files of every upload dropped so far are gone (they go on a thread)."""
-        self._reaper.stop()
+        self.io.stop()
 
     def clear(self) -> None:
         for job in list(self.uploads):
@@ -266,7 +368,7 @@ class Spool:
 
     def close(self) -> None:
         self.clear()
-        self.wait_removed()
+        self.io.close()
         if self._own_dir and self.directory:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = ""
@@ -280,3 +382,5 @@ class Spool:
             except OSError as exc:
                 log.warning("spool: cannot remove a staged file of %s: %s", id_text(up.job), exc)
         up.stores = []
+        up.recent.clear()
+        up.waiting.clear()

@@ -61,7 +61,8 @@ class Staging:
         self.spool = spool
         self.max_input_bytes = max_input_bytes
         self.stage_ttl = stage_ttl
-        self.waiting: deque[tuple[int, bytes, list[Any]]] = deque()  # (seq, route, REPLY) until durable
+        # PUT REPLYs until their chunk is durable: (journal seq, spool write ticket, route, REPLY)
+        self.waiting: deque[tuple[int, int, bytes, list[Any]]] = deque()
         self._backfill: deque[tuple[bytes, int, int, int]] = deque()  # (job, file, offset, nbytes) to journal again
         self._backfill_seq = 0  # the update that ended the last backfill: no PUT is answered before it is durable
 
@@ -84,8 +85,9 @@ class Staging:
             core.send_client(identity, protocol.error_reply(rid, exc))
             return
         reply = protocol.encode(Peer.CLIENT, Command.REPLY, {"id": rid, "ok": True, **extra})
-        if core.acking:
-            self.waiting.append((core.journal.seq, identity, reply))
+        ticket = self.spool.io.issued
+        if core.acking or ticket > self.spool.io.done:  # not at the peer, or not on disk, yet
+            self.waiting.append((core.journal.seq if core.acking else 0, ticket, identity, reply))
         else:
             core.send_client(identity, reply)
 
@@ -151,15 +153,39 @@ class Staging:
         up.waiting = still
 
     def take_replies(self, durable: int) -> list[tuple[bytes, list[Any]]]:
-        """The PUT REPLYs whose chunks are durable now (route, frames), in order."""
+        """The PUT REPLYs whose chunks are durable now, at the peer and on disk (route, frames),
+        in order."""
         waiting = self.waiting
         out: list[tuple[bytes, list[Any]]] = []
         if self._backfill or durable < self._backfill_seq:
             return out  # earlier chunks of the same uploads are not at the peer yet
-        while waiting and waiting[0][0] <= durable:
-            _, route, reply = waiting.popleft()
+        written = self.spool.io.done
+        while waiting and waiting[0][0] <= durable and waiting[0][1] <= written:
+            _, _, route, reply = waiting.popleft()
             out.append((route, reply))
         return out
+
+    def write_failures(self, core: BrokerCore) -> None:
+        """Uploads a spool write failed for (the disk is full?): dropped, their jobs failed."""
+        failed = self.spool.io.failed
+        while failed:
+            ticket, exc = failed.pop()
+            for up in list(self.spool.uploads.values()):
+                if any(t == ticket for _, t in up.recent.values()):
+                    self._lost(core, up, f"the broker could not spool them ({exc.strerror})")
+
+    def _lost(self, core: BrokerCore, up: Upload, why: str) -> None:
+        job = up.job[: len(up.job) - len(OUTPUTS)] if up.job.endswith(OUTPUTS) and len(up.job) == 17 else up.job
+        if job != up.job:  # outputs being pulled: the job ran
+            pull = self.pulls.pop(job, None)
+            if pull is not None:
+                core.fail(pull.task, Busy(f"the job ran, but its outputs were lost: {why}"))
+        else:
+            task = core.tasks.tasks.get(job)
+            if up.claimed and task is not None and not task.started:
+                core.abort_staged(task, InvalidRequest(f"the job's staged inputs were lost: {why}"))
+        self.release(core, up.job)
+        core.journal.unstage(up.job)
 
     # ------------------------------------------------------------------ jobs: claim and release
 
@@ -283,7 +309,7 @@ class Staging:
         return True
 
     def _pull_more(self, core: BrokerCore, pull: Pull) -> None:
-        if pull.window.done() and not pull.unsettled:
+        if pull.window.done() and not pull.unsettled and self.spool.written(pull.upload):
             del self.pulls[pull.task.id]
             pull.upload.claimed = False  # from now on it expires stage_ttl after its last read
             pull.upload.touched = core.now
@@ -328,6 +354,8 @@ class Staging:
             if pull.unsettled and pull.unsettled[0] <= durable:
                 while pull.unsettled and pull.unsettled[0] <= durable:
                     pull.unsettled.popleft()
+                self._pull_more(core, pull)
+            elif pull.window.done() and not pull.unsettled:  # its last writes were still going to disk
                 self._pull_more(core, pull)
 
     def pull_again(self, core: BrokerCore) -> None:
@@ -422,5 +450,8 @@ class Staging:
         up = self.spool.uploads.get(job) if type(job) is bytes else None
         if up is None or type(index) is not int or type(offset) is not int or type(data) is not bytes:
             raise ProtocolError("a replicated chunk names an upload this broker does not hold")
-        self.spool.write(up, index, offset, memoryview(data), core.now, ordered=False)
+        if self.spool.write(up, index, offset, memoryview(data), core.now, ordered=False) and not self.spool.written(up):
+            # Applied means held: on disk before the next update, so that what the active broker
+            # sends ahead of its peer's disk stays bounded by its window (its REPLYs wait for ours).
+            self.spool.io.wait(up.ticket)
 

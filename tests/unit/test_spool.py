@@ -114,3 +114,47 @@ def test_fetch_keeps_a_window_asks_again_and_drops_what_it_did_not_ask_for(tmp_p
     f.close()
     assert not any(os.path.exists(p) for p in paths)
     assert os.listdir(tmp_path) == []
+
+
+def test_writes_go_to_disk_on_a_thread_and_a_chunk_not_written_yet_is_read_from_its_own_buffer(tmp_path: Path) -> None:
+    from gpud_broker.spool import RECENT_CHUNKS
+
+    spool = Spool(str(tmp_path), ram_bytes=0)
+    n = RECENT_CHUNKS + 4
+    up = spool.open(JOB, "acme", None, ((n + 1) * 100,), now=0.0)
+    chunks = [bytes([65 + i]) * 100 for i in range(n + 1)]
+    for i, chunk in enumerate(chunks[:n]):
+        assert spool.write(up, 0, i * 100, memoryview(chunk), now=0.0)
+        assert bytes(spool.read(up, 0, i * 100, 100)) == chunk  # at once, written or not
+    assert up.ticket == spool.io.issued == n
+    spool.io.wait(up.ticket)
+    assert spool.written(up)
+    assert not spool.write(up, 0, 0, memoryview(chunks[0]), now=0.0)  # a re-send: nothing stored
+    assert spool.write(up, 0, n * 100, memoryview(chunks[n]), now=0.0)
+    assert len(up.recent) == RECENT_CHUNKS  # the others were written: their buffers are let go
+    spool.io.wait(up.ticket)
+    assert bytes(spool.read(up, 0, 50, 100)) == chunks[0][50:] + chunks[1][:50]  # from the file
+    with open(tmp_path / f"{JOB.hex()}-0", "rb") as f:
+        assert f.read() == b"".join(chunks)
+    spool.close()
+
+
+def test_a_write_that_fails_is_reported_with_its_chunk_kept_in_memory(tmp_path: Path) -> None:
+    import resource
+    import signal
+
+    spool = Spool(str(tmp_path), ram_bytes=0)
+    up = spool.open(JOB, "acme", None, (3 << 20,), now=0.0)
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, old[1]))  # a write past 1 MiB fails (EFBIG), as on a full disk
+    try:
+        spool.write(up, 0, 0, memoryview(b"x" * (2 << 20)), now=0.0)
+        spool.io.wait(up.ticket)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)
+    ((ticket, exc),) = spool.io.failed
+    assert ticket == up.ticket and isinstance(exc, OSError)
+    assert any(t == ticket for _, t in up.recent.values())  # so the broker finds whose write it was
+    spool.close()

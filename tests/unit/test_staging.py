@@ -41,6 +41,14 @@ def stage_all(h: Harness, chunk: int = 4096, job: bytes = JOB, tenant: str = "ac
             n += 1
 
 
+def loop_turn(h: Harness) -> None:
+    """What the broker's loop does once the spool's writes are done: PUT REPLYs and pulls go on."""
+    io = h.core.staging.spool.io
+    io.wait(io.issued)
+    h.to_client.extend(h.core.staging.take_replies(h.core.journal.durable))
+    h.core.staging.settle_pulls(h.core, h.core.journal.durable)
+
+
 def staged_job(h: Harness, ident: bytes = C1, job: bytes = JOB, tenant: str = "acme") -> None:
     h.request(ident, job, kind="job", argv=["cat"], files=["a", "b", "c"], staged=[len(d) for d in DATA],
               need={"gpu_milli": 100, "tenant": tenant})
@@ -319,6 +327,8 @@ def test_staged_outputs_are_pulled_into_the_spool_then_read_by_their_client() ->
     assert h.take_client() == []  # no REPLY before the outputs are here
     rounds, others = pull_all(h, job, files)
     assert rounds == 2  # 8 chunks, at most 4 asked at once
+    loop_turn(h)  # once the spool's writes are done
+    others += [m for _, m, _ in h.take_worker()]
     out = h.take_client()
     (_, reply, _), = [o for o in out if o[1].command is Command.REPLY]
     assert reply.header["staged"] == [len(f) for f in files] and [P.as_bytes(f) for f in reply.frames] == [b"out", b"err"]

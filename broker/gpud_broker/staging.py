@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 MAX_CHUNK_BYTES = 16 << 20  # the largest chunk a PUT may carry, and a FETCH ask for
 BACKFILL_PER_TURN = 4  # chunks journalled per loop turn to a peer that re-synced
+REPLY_BACKLOG_BYTES = 16 << 20  # past this many bytes queued for the spool's disk, PUT REPLYs wait for it
 MAX_WAITING = 8  # FETCHes of bytes not here yet kept per upload (a worker asks 4 at once); more are ignored
 OUTPUTS = b"\x01"  # a job's id and this: the spool key of its staged outputs (§11.5)
 PULL_AGAIN_S = 2.0  # a FETCH of outputs unanswered this long is sent again
@@ -85,8 +86,12 @@ class Staging:
             core.send_client(identity, protocol.error_reply(rid, exc))
             return
         reply = protocol.encode(Peer.CLIENT, Command.REPLY, {"id": rid, "ok": True, **extra})
-        ticket = self.spool.io.issued
-        if core.acking or ticket > self.spool.io.done:  # not at the peer, or not on disk, yet
+        io = self.spool.io
+        # A chunk queued for the disk is as durable as one in the page cache (a broker that
+        # restarts removes its spool files; the passive peer is what a failover keeps): its
+        # REPLY waits for the write only while the queue is long, so that it stays short.
+        ticket = io.issued if io.backlog > REPLY_BACKLOG_BYTES else 0
+        if core.acking or ticket > io.done:  # not at the peer, or the disk is behind
             self.waiting.append((core.journal.seq if core.acking else 0, ticket, identity, reply))
         else:
             core.send_client(identity, reply)

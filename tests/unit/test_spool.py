@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
 from gpud.errors import InvalidRequest
 from gpud_broker.spool import Spool
-from gpud_worker.fetch import Fetch
+from gpud_worker.fetch import Fetch, FetchAbandoned
 
 JOB = b"j" * 16
 
@@ -88,32 +89,75 @@ def test_a_spool_without_a_directory_makes_one_only_when_needed_and_removes_it(t
 
 
 def test_fetch_keeps_a_window_asks_again_and_drops_what_it_did_not_ask_for(tmp_path: Path) -> None:
-    f = Fetch(JOB, [10, 0, 5], str(tmp_path), chunk=4, window=2)
-    assert f.asks(0.0) == [(0, 0, 4), (0, 4, 4)]
-    assert f.asks(0.0) == []  # the window is full
+    written: list[int] = []
+    f = Fetch(JOB, [10, 0, 5], lambda: written.append(1), chunk=4, window=2)
+    assert f.next_asks(0.0) == [(0, 0, 4), (0, 4, 4)]
+    assert f.next_asks(0.0) == []  # the window is full
     assert not f.on_chunk(0, 8, b"xx")  # not asked for
     assert not f.on_chunk(0, 0, b"abc")  # wrong size: dropped (asked again later)
     assert f.on_chunk(0, 4, b"efgh")
     assert not f.on_chunk(0, 4, b"efgh")  # a repeat
-    assert f.asks(1.0) == [(0, 8, 2)]
+    assert f.next_asks(1.0) == []  # taken, not written yet: it still counts against the window
+    assert f.busy == 1
     assert f.again(2.0, older_than=0.5) == [(0, 0, 4)]  # only the old one
-    assert sorted(f.again(3.0)) == [(0, 0, 4), (0, 8, 2)]  # all: the broker changed
-    assert f.on_chunk(0, 0, b"abcd") and f.on_chunk(0, 8, b"ij")
-    assert f.asks(4.0) == [(2, 0, 4), (2, 4, 1)]  # the empty file needs nothing
-    assert f.on_chunk(2, 4, b"5") and f.on_chunk(2, 0, b"1234")
-    assert f.done() and f.total == 15
-    copies = []
-    for i, staged in enumerate(f.inputs()):  # copied file to file, as the job runner does
-        out = tmp_path.parent / f"{tmp_path.name}-copy-{i}"
-        with open(out, "wb") as dst:
-            staged.copy_to(dst.fileno())
-        copies.append(out.read_bytes())
-        out.unlink()
-    assert copies == [b"abcdefghij", b"", b"12345"]
-    paths = list(f.paths)
-    f.close()
-    assert not any(os.path.exists(p) for p in paths)
-    assert os.listdir(tmp_path) == []
+    assert f.on_chunk(0, 0, b"abcd")
+    outs = [tmp_path / name for name in ("a", "b", "c")]
+    inputs = f.inputs()
+    # The job's thread writes file 0 as its chunks come; the loop asks for more as it does.
+    got: list[Exception] = []
+
+    def job_thread() -> None:
+        try:
+            for staged, out in zip(inputs, outs, strict=True):
+                with open(out, "wb") as dst:
+                    staged.copy_to(dst.fileno())
+        except Exception as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=job_thread)
+    t.start()
+    deadline = 50
+    while f.busy and deadline:
+        t.join(0.05)
+        deadline -= 1
+    assert f.busy == 0 and len(written) == 2
+    assert f.next_asks(4.0) == [(0, 8, 2), (2, 0, 4)]  # the empty file needs nothing
+    assert f.on_chunk(2, 0, b"1234")  # a later file's chunk first: kept until its file is written
+    assert f.on_chunk(0, 8, b"ij")
+    assert f.next_asks(5.0) in ([(2, 4, 1)], [])
+    while not f.done():
+        for index, offset, n in f.next_asks(6.0):
+            assert (index, offset, n) == (2, 4, 1)
+            assert f.on_chunk(2, 4, b"5")
+        t.join(0.01)
+    t.join(5)
+    assert not t.is_alive() and got == []
+    assert [o.read_bytes() for o in outs] == [b"abcdefghij", b"", b"12345"]
+    assert f.total == 15
+
+
+def test_an_abandoned_fetch_ends_the_job_thread_waiting_for_its_chunks(tmp_path: Path) -> None:
+
+    f = Fetch(JOB, [8], lambda: None, chunk=4, window=2)
+    f.next_asks(0.0)
+    assert f.on_chunk(0, 0, b"abcd")
+    got: list[BaseException] = []
+
+    def job_thread() -> None:
+        with open(tmp_path / "a", "wb") as dst:
+            try:
+                f.inputs()[0].copy_to(dst.fileno())
+            except FetchAbandoned as exc:
+                got.append(exc)
+
+    t = threading.Thread(target=job_thread)
+    t.start()
+    t.join(0.2)
+    assert t.is_alive()  # it waits for the second chunk
+    f.abandon()
+    t.join(5)
+    assert not t.is_alive() and len(got) == 1
+    assert (tmp_path / "a").read_bytes() == b"abcd"
 
 
 def test_writes_go_to_disk_on_a_thread_and_a_chunk_not_written_yet_is_read_from_its_own_buffer(tmp_path: Path) -> None:

@@ -1,18 +1,22 @@
-"""Fetching a staged job's inputs from the broker (PROTOCOL.md §11.3), chunk by chunk, into
-staging files of the worker's own.
+"""Fetching a staged job's inputs from the broker (PROTOCOL.md §11.3), chunk by chunk, straight
+into the job's own input files.
 
 A ``Fetch`` is the state of one job's inputs: its window (``gpud.transfer.ChunkWindow``: which
-chunks are asked for, at most ``window`` at once, which have come) and the files they are
-written to. It has no sockets and no clock of its own: the worker loop sends the FETCHes it names, hands it each CHUNK and passes the time. Once
-complete, ``inputs`` hands the files to the job runner, which copies each into the job's own
-directory file to file in the kernel (``StagedFile.copy_to``), not through the worker's memory.
+chunks are asked for, at most ``window`` at once, which have come) and the chunks that came and
+wait to be written. It has no sockets and no clock of its own: the worker loop sends the FETCHes
+it names, hands it each CHUNK and passes the time. The job's thread meanwhile sets the job up and
+writes each input file from the chunks as they come (``StagedFile.copy_to``, called by the job
+runner where it writes inline inputs), so the worker's loop never touches the disk and each byte
+is written once. A chunk taken counts against the window until it is written: the loop asks for
+more only as the job's thread keeps up (``busy``), which bounds the memory held.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
+import queue
+from collections.abc import Callable
 from typing import Any
 
 from gpud.protocol import id_text
@@ -20,71 +24,96 @@ from gpud.transfer import CHUNK_BYTES, WINDOW, ChunkWindow
 
 log = logging.getLogger(__name__)
 
+ABANDON_WAIT_S = 600.0  # a job thread waits at most this long for its next chunk
 
-class StagedFile:
-    """A complete staged input in its staging file, ``size`` bytes from offset 0 of ``fd``."""
 
-    __slots__ = ("fd", "size")
-
-    def __init__(self, fd: int, size: int) -> None:
-        self.fd = fd
-        self.size = size
-
-    def copy_to(self, out: int) -> None:
-        """Write the whole file to ``out`` (a new, empty file), in the kernel."""
-        done = 0
-        while done < self.size:
-            n = os.sendfile(out, self.fd, done, self.size - done)
-            if n == 0:
-                raise OSError(errno.EIO, "the staging file is shorter than its input")
-            done += n
+class FetchAbandoned(Exception):
+    """The fetch ended before every chunk came (the broker dropped the job, or the worker stops)."""
 
 
 class Fetch(ChunkWindow):
-    """One staged job's inputs, ``sizes`` bytes each, fetched into files under ``directory``."""
+    """One staged job's inputs, ``sizes`` bytes each. ``on_written`` is called (from the job's
+    thread) after each chunk is written: room in the window for the loop to ask for more."""
 
-    def __init__(self, job: bytes, sizes: list[int], directory: str, chunk: int = CHUNK_BYTES,
+    def __init__(self, job: bytes, sizes: list[int], on_written: Callable[[], None], chunk: int = CHUNK_BYTES,
                  window: int = WINDOW) -> None:
         super().__init__(sizes, chunk, window)
         self.job = job
-        self.paths: list[str] = []
-        self.fds: list[int] = []
-        try:
-            for i in range(len(sizes)):
-                path = os.path.join(directory, f"{job.hex()}-{i}")
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-                self.paths.append(path)
-                self.fds.append(fd)
-        except OSError:
-            self.close()
-            raise
+        self.taken = 0  # chunks handed to the job's thread (the loop's count)
+        self.written = 0  # chunks it wrote (the job thread's count)
+        self._chunks: queue.SimpleQueue[tuple[int, int, memoryview] | None] = queue.SimpleQueue()
+        self._early: dict[int, list[tuple[int, memoryview]]] = {}  # (job thread) chunks of later files that came first
+        self._on_written = on_written
+
+    @property
+    def busy(self) -> int:
+        """Chunks taken and not written yet."""
+        return self.taken - self.written
+
+    def next_asks(self, now: float) -> list[tuple[int, int, int]]:
+        return self.asks(now, self.busy)
 
     def on_chunk(self, index: Any, offset: Any, data: Any) -> bool:
-        """Write a CHUNK's bytes; False (dropped) for a chunk not asked for or of the wrong size."""
+        """Take a CHUNK's bytes; False (dropped) for a chunk not asked for or of the wrong size."""
         view = memoryview(data.buffer if hasattr(data, "buffer") else data)
         if not self.expects(index, offset, len(view)):
             if (index, offset) in self.asked:
                 log.warning("job %s: chunk %s@%s has %d bytes, not those asked for; asked again",
                             id_text(self.job), index, offset, len(view))
             return False
-        done = 0
-        while done < len(view):
-            done += os.pwrite(self.fds[index], view[done:], offset + done)
         self.took(index, offset)
+        self.taken += 1
+        self._chunks.put((index, offset, view))
         return True
 
     def inputs(self) -> list[StagedFile]:
-        """The complete inputs, in order (valid until ``close``)."""
-        return [StagedFile(fd, size) for fd, size in zip(self.fds, self.sizes, strict=True)]
+        """The inputs, in order, for the job runner (each written as its chunks come)."""
+        return [StagedFile(self, i, size) for i, size in enumerate(self.sizes)]
 
-    def close(self) -> None:
-        """Remove the staging files (idempotent)."""
-        for fd in self.fds:
-            os.close(fd)
-        self.fds.clear()
-        for path in self.paths:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self.paths.clear()
+    def abandon(self) -> None:
+        """End the fetch: a job thread waiting for a chunk raises FetchAbandoned."""
+        self._chunks.put(None)
+
+    def write_file(self, out: int, index: int) -> None:
+        """(Job thread) Write file ``index`` to ``out`` from its chunks as they come (files in
+        order); raises FetchAbandoned when the fetch ends first."""
+        need = self.sizes[index]
+        early = self._early
+        pending = early.pop(index, [])
+        while need > 0:
+            if pending:
+                offset, view = pending.pop()
+            else:
+                try:
+                    item = self._chunks.get(timeout=ABANDON_WAIT_S)
+                except queue.Empty:
+                    raise FetchAbandoned(f"no chunk came for {ABANDON_WAIT_S:.0f}s") from None
+                if item is None:
+                    self._chunks.put(None)  # for the next file's wait too
+                    raise FetchAbandoned("the fetch ended")
+                i, offset, view = item
+                if i != index:
+                    early.setdefault(i, []).append((offset, view))
+                    continue
+            done = 0
+            while done < len(view):
+                done += os.pwrite(out, view[done:], offset + done)
+            need -= len(view)
+            self.written += 1
+            self._on_written()
+
+
+class StagedFile:
+    """Input ``index`` of a fetch, written into the job's file by ``copy_to`` as its chunks come."""
+
+    __slots__ = ("fetch", "index", "size")
+
+    def __init__(self, fetch: Fetch, index: int, size: int) -> None:
+        self.fetch = fetch
+        self.index = index
+        self.size = size
+
+    def copy_to(self, out: int) -> None:
+        """Write the whole file to ``out`` (a new, empty file); raises FetchAbandoned when the
+        fetch ends first."""
+        self.fetch.write_file(out, self.index)

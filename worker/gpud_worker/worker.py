@@ -15,10 +15,8 @@ import os
 import queue
 import random
 import select
-import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +46,7 @@ from gpud.security import HANDSHAKE_FAILURES, CurveKeys, HandshakeLog, apply_cli
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
 from gpud_worker.data import DataSocket, SessionSocket
 from gpud_worker.device import Device, DeviceSession
-from gpud_worker.fetch import Fetch, StagedFile
+from gpud_worker.fetch import Fetch, FetchAbandoned, StagedFile
 from gpud_worker.gpu import GpuProbe
 from gpud_worker.jobs import JobGrant, JobRunner
 from gpud_worker.session_host import HostedDevice
@@ -259,8 +257,8 @@ class Worker:
                      if config.data_bind else None)
         # Staged jobs whose inputs are being fetched from the broker (PROTOCOL.md §11.3), by id,
         # with what their job thread needs once complete: (fetch, link index, DISPATCH header, gpus, tenant).
-        self.fetches: dict[bytes, tuple[Fetch, int, dict[str, Any], list[str], str]] = {}
-        self._fetch_dir = ""  # made on the first staged job; removed at the end
+        self.fetches: dict[bytes, Fetch] = {}
+        self._fetch_room = False  # a job thread wrote a fetched chunk: the loop may ask for more
         # Staged outputs of finished jobs, held until their RESULT is ACKed: id -> (files, when made).
         self.staged_out: dict[bytes, tuple[list[bytes], float]] = {}
 
@@ -373,6 +371,10 @@ class Worker:
             if not self.results.empty():
                 self._flush_results()
                 busy = True
+            if self._fetch_room:
+                self._fetch_room = False
+                for rid in list(self.fetches):
+                    self._fetch_more(rid, time.monotonic())
             if not self._start_asks.empty():
                 self._ask_starts(now, fresh=True)
             for i, link in enumerate(self.links):
@@ -431,8 +433,6 @@ class Worker:
         self.jobs.shutdown(wait=False, cancel_futures=True)
         for rid in list(self.fetches):
             self._end_fetch(rid)
-        if self._fetch_dir:
-            shutil.rmtree(self._fetch_dir, ignore_errors=True)
         self.close_wake_pipe()
         if self.data is not None:
             self.data.close()
@@ -627,6 +627,8 @@ class Worker:
         self.running.pop(rid, None)
         self.calls.discard(rid)
         self.owner.pop(rid, None)
+        if rid in self.fetches:  # it failed while its inputs came (its job thread gave up)
+            self._end_fetch(rid)
         to = self.active_idx if self.active_idx is not None else idx
         link = self.links[to]
         if link.acks or self.active_idx is None:  # no active broker known: keep it for the next one
@@ -658,6 +660,7 @@ class Worker:
             else:  # a job that never started (its START refused): no longer ours, and no RESULT
                 self.running.pop(rid, None)
                 self.owner.pop(rid, None)
+                self._end_fetch(rid)
 
     # ---------------------------------------------------------------- work
 
@@ -781,7 +784,7 @@ class Worker:
             if staged:
                 self.staged_out[rid] = (files, time.monotonic())
             self._result(idx, rid, header, result)
-        except JobNotStarted:
+        except (JobNotStarted, FetchAbandoned):
             log.info("job %s: not started (%s)", P.id_text(rid), "the worker is stopping" if self._stop.is_set() else "START refused")
             self.results.put((idx, rid, []))  # no RESULT: the loop only forgets it
             self._wake()
@@ -796,36 +799,34 @@ class Worker:
     # ---------------------------------------------------------------- staged inputs (PROTOCOL.md §11.3)
 
     def _start_fetch(self, idx: int, rid: bytes, h: dict[str, Any], uuids: list[str], tenant: str, now: float) -> None:
-        """Begin fetching a staged job's inputs; its job thread starts once they are all here."""
+        """Begin fetching a staged job's inputs; its job thread sets it up meanwhile and writes
+        them into its directory as they come (``gpud_worker.fetch``)."""
         try:
             spec = P.parse_job(h, 0)
-            sizes = list(spec.staged or ())
-            if not self._fetch_dir:
-                self._fetch_dir = tempfile.mkdtemp(prefix="gpud-fetch-")
-            fetch = Fetch(rid, sizes, self._fetch_dir)
+            fetch = Fetch(rid, list(spec.staged or ()), self._fetch_written)
         except GpudError as exc:
             self.running.pop(rid, None)
             self._send_now(idx, rid, P.error_header(rid, exc))
             return
-        except OSError as exc:
-            self.running.pop(rid, None)
-            self._send_now(idx, rid, P.error_header(rid, RemoteError(f"cannot stage the job's inputs: {exc}")))
-            return
         inline = {k: v for k, v in h.items() if k != "staged"}  # what the job thread sees: inline inputs
-        self.fetches[rid] = (fetch, idx, inline, uuids, tenant)
+        self.fetches[rid] = fetch
         log.debug("job %s: fetching %d staged bytes", P.id_text(rid), fetch.total)
+        self.jobs.submit(self._run_job, idx, rid, inline, fetch.inputs(), uuids, tenant)
         self._fetch_more(rid, now)
 
+    def _fetch_written(self) -> None:
+        """(Job thread) A fetched chunk is written: the loop may ask for more."""
+        self._fetch_room = True
+        self._wake()
+
     def _fetch_more(self, rid: bytes, now: float) -> None:
-        entry = self.fetches.get(rid)
-        if entry is None:
+        fetch = self.fetches.get(rid)
+        if fetch is None:
             return
-        fetch, idx, h, uuids, tenant = entry
-        if fetch.done():
+        if fetch.done():  # every chunk came: the job thread writes what is left
             del self.fetches[rid]
-            self.jobs.submit(self._run_fetched, idx, rid, h, fetch, uuids, tenant)
             return
-        self._send_fetches(rid, fetch.asks(now))
+        self._send_fetches(rid, fetch.next_asks(now))
 
     def _send_fetches(self, rid: bytes, asks: list[tuple[int, int, int]]) -> None:
         link = self.links[self.active_idx] if self.active_idx is not None else None
@@ -841,20 +842,15 @@ class Worker:
         if idx is None:
             return
         older = None if again else now - 2 * self.links[idx].liveness.policy.interval
-        for rid, (fetch, *_rest) in list(self.fetches.items()):
+        for rid, fetch in list(self.fetches.items()):
             self._send_fetches(rid, fetch.again(now, older))
 
     def _on_chunk(self, idx: int, h: dict[str, Any], frames: list[Any], now: float) -> None:
         rid = h.get("id")
-        entry = self.fetches.get(rid) if type(rid) is bytes else None
-        if entry is None or type(rid) is not bytes or len(frames) != 1:
+        fetch = self.fetches.get(rid) if type(rid) is bytes else None
+        if fetch is None or type(rid) is not bytes or len(frames) != 1:
             return  # a late or repeated chunk of a job that has all its inputs, or is gone
-        try:
-            wrote = entry[0].on_chunk(h.get("file"), h.get("offset"), frames[0])
-        except OSError as exc:
-            self._fetch_failed(rid, RemoteError(f"cannot write the job's staged inputs: {exc}"))
-            return
-        if wrote:
+        if fetch.on_chunk(h.get("file"), h.get("offset"), frames[0]):
             self._fetch_more(rid, now)
 
     def _on_output_fetch(self, link: BrokerLink, h: dict[str, Any]) -> None:
@@ -868,27 +864,12 @@ class Worker:
         data = memoryview(held[0][index])[offset : offset + nbytes]
         self._send(link, Command.CHUNK, {"id": rid, "file": index, "offset": offset}, [data])
 
-    def _fetch_failed(self, rid: bytes, exc: GpudError) -> None:
-        entry = self.fetches.get(rid)
-        if entry is None:
-            return
-        log.warning("job %s: fetching its inputs failed: %s", P.id_text(rid), exc.message)
-        self._end_fetch(rid)
-        self._send_now(entry[1], rid, P.error_header(rid, exc))
-
     def _end_fetch(self, rid: bytes) -> None:
-        entry = self.fetches.pop(rid, None)
-        if entry is not None:
-            entry[0].close()
-
-    def _run_fetched(self, idx: int, rid: bytes, h: dict[str, Any], fetch: Fetch, uuids: list[str], tenant: str) -> None:
-        """(Job thread) Run a job whose staged inputs are all here, then remove them."""
-        try:
-            self._run_job(idx, rid, h, fetch.inputs(), uuids, tenant)
-        except OSError as exc:
-            self._error(idx, rid, RemoteError(f"cannot read the job's staged inputs: {exc}"))
-        finally:
-            fetch.close()
+        """Stop fetching (the job ended, was dropped, or the worker stops): its job thread, if
+        still waiting for chunks, ends without starting it."""
+        fetch = self.fetches.pop(rid, None)
+        if fetch is not None:
+            fetch.abandon()
 
     def _await_go(self, rid: bytes, cancel: threading.Event) -> None:
         """(Job thread) Ask the active broker whether job ``rid`` may start and wait for its

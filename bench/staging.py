@@ -15,6 +15,9 @@ during the upload as a ratio to idle, in one run.
   DEALER worker that answers each chunk; ``copy=False`` everywhere), the same bytes sent in
   chunks of gpud's staging chunk size (``gpud.transfer.CHUNK_BYTES``), its window outstanding.
 
+Each round also gives the CPU seconds per GiB the broker and the worker spent during the upload
+(from /proc: robust to the machine's load, unlike the rates).
+
 Targets (issue 19): gpud at least 0.7x bare, echo p99 during the upload at most 3x idle.
 
 Usage::
@@ -83,9 +86,17 @@ class Echoes:
         self.client.close()
 
 
-def gpud_round(c: Client, echoes: Echoes, data: bytes, idle_s: float) -> tuple[float, float, float, float]:
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) of process ``pid`` so far, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def gpud_round(c: Client, echoes: Echoes, data: bytes, idle_s: float,
+               pids: list[int]) -> tuple[float, float, float, float, list[float]]:
     """(net seconds to the job's end, seconds staging to the broker's spool, echo p99 idle, echo
-    p99 during the upload)."""
+    p99 during the upload, CPU seconds of each of ``pids`` during the upload)."""
     echoes.phase = "idle"
     echoes.lat["idle"].clear()
     echoes.lat["upload"].clear()
@@ -97,15 +108,17 @@ def gpud_round(c: Client, echoes: Echoes, data: bytes, idle_s: float) -> tuple[f
         c.run(["true"], gpu_milli=100)
         empty.append(time.perf_counter() - t)
     echoes.phase = "upload"
+    cpu0 = [cpu_s(pid) for pid in pids]
     t = time.perf_counter()
     job = c.submit(["true"], files={"a": data}, gpu_milli=100, time_limit=300, timeout=300)
     staged = time.perf_counter() - t  # submit returns once the input is in the broker's spool
     out = job.wait()
     took = time.perf_counter() - t
+    cpu = [cpu_s(pid) - c0 for pid, c0 in zip(pids, cpu0, strict=True)]
     echoes.phase = "off"
     if out.exit_code != 0:
         raise RuntimeError(f"the job failed: {out.stderr!r}")
-    return took - statistics.median(empty), staged, p99(echoes.lat["idle"]), p99(echoes.lat["upload"])
+    return took - statistics.median(empty), staged, p99(echoes.lat["idle"]), p99(echoes.lat["upload"]), cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with Client(cluster.frontends, timeout=60) as c:
                     view = memoryview(data)
+                    broker = cluster.brokers["primary" if args.pair else "broker"]
+                    pids = [broker.pid, next(iter(cluster.worker_procs.values())).pid]
                     for i in range(args.rounds):
-                        net, staged, idle, busy = gpud_round(c, echoes, data, args.idle)
+                        net, staged, idle, busy, cpu = gpud_round(c, echoes, data, args.idle, pids)
                         t = time.perf_counter()
                         bare.htod_chunked(view, CHUNK_BYTES, WINDOW)
                         bare_s = time.perf_counter() - t
@@ -139,12 +154,15 @@ def main(argv: list[str] | None = None) -> int:
                              "bare_gbps": nbytes / bare_s / 1e9,
                              "echo_p99_idle_ms": idle * 1e3, "echo_p99_upload_ms": busy * 1e3}
                         r["ratio"] = r["gpud_gbps"] / r["bare_gbps"]
+                        r["broker_cpu_s_per_gib"] = cpu[0] / (nbytes / (1 << 30))
+                        r["worker_cpu_s_per_gib"] = cpu[1] / (nbytes / (1 << 30))
                         r["p99_ratio"] = busy / idle
                         rounds.append(r)
                         print(f"round {i + 1}: gpud {r['gpud_gbps']:.2f} GB/s (client to spool "
                               f"{r['stage_gbps']:.2f}), bare {r['bare_gbps']:.2f} GB/s "
                               f"(ratio {r['ratio']:.2f}); echo p99 {r['echo_p99_idle_ms']:.2f} ms idle, "
-                              f"{r['echo_p99_upload_ms']:.2f} ms during the upload ({r['p99_ratio']:.2f}x)",
+                              f"{r['echo_p99_upload_ms']:.2f} ms during the upload ({r['p99_ratio']:.2f}x); CPU s "
+                              f"per GiB: broker {r['broker_cpu_s_per_gib']:.2f}, worker {r['worker_cpu_s_per_gib']:.2f}",
                               flush=True)
             finally:
                 echoes.stop()

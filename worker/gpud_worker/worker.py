@@ -754,7 +754,10 @@ class Worker:
         try:
             spec = P.parse_job(h, len(frames))
             visible = ",".join(self._visible_name(u) for u in uuids)
-            out = self.runner.run(rid, spec, [f if isinstance(f, StagedFile) else memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames], visible, tenant, cancel,
+            # Inputs as buffers; a fetched staged one as the StagedFile that writes itself (copy_to).
+            inputs: list[Any] = [f if isinstance(f, StagedFile) else memoryview(f.buffer if hasattr(f, "buffer") else f)
+                                 for f in frames]
+            out = self.runner.run(rid, spec, inputs, visible, tenant, cancel,
                                   JobGrant.from_wire(h.get("grant")), lambda: self._await_go(rid, cancel),
                                   gpus=uuids)
             if cancel.is_set():

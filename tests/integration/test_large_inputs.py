@@ -16,6 +16,7 @@ import mmap
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,18 @@ class Rss:
         self._thread.join()
 
 
+def ran_once(thread: threading.Thread, result: dict[str, Any], data: bytes, logs: list[Path],
+             before: Counter[str]) -> Counter[str]:
+    """Wait for the uploading ``thread``: its job must have seen ``data`` (``result["sum"]``) and
+    started exactly once, by the worker ``logs`` (counted since ``before``); the starts by id."""
+    thread.join(timeout=240)
+    assert not thread.is_alive()
+    assert result.get("sum") == hashlib.md5(data).hexdigest(), result
+    started = executions(logs)[1] - before
+    assert sum(started.values()) == 1, f"the job started {dict(started)}"
+    return started
+
+
 def checksum_job(c: Client, data: bytes, timeout: float = 180.0) -> str:
     out = c.run(["md5sum", "a"], files={"a": data}, gpu_milli=100, time_limit=timeout, timeout=timeout)
     assert out.exit_code == 0, out.stderr
@@ -210,10 +223,5 @@ def test_sigkill_of_the_active_broker_mid_upload_runs_the_job_exactly_once(pair:
         time.sleep(0.01)
     pair.kill_broker(active)
     assert stored < len(data), "the upload was over before the kill"
-    thread.join(timeout=240)
-    assert not thread.is_alive()
-    assert result.get("sum") == hashlib.md5(data).hexdigest(), result
-    _, jobs_after = executions(worker_logs)
-    started = jobs_after - jobs_before
-    assert sum(started.values()) == 1, f"the job started {dict(started)}"
+    ran_once(thread, result, data, worker_logs, jobs_before)
     assert pair.wait_active() != active

@@ -87,3 +87,19 @@ def test_a_worker_stopped_mid_fetch_loses_the_job_to_the_other_which_runs_it_onc
     text = (Path(str(cluster.rundir)) / f"{first}.log").read_text(errors="replace")
     assert f"job {short}: dropped" in text
     assert short not in executions([Path(str(cluster.rundir)) / f"{first}.log"])[1]  # it ran on the other one
+
+
+def test_a_staged_job_refused_at_once_stops_its_upload(cluster: LocalCluster) -> None:
+    from gpud.errors import NoCapacity
+
+    log = Path(str(cluster.rundir)) / "broker.log"
+    before = len(log.read_text(errors="replace"))
+    with Client(cluster.frontends, timeout=30) as c:
+        with pytest.raises(NoCapacity):  # refused when its REQUEST comes, right after the opening PUT
+            c.run(["true"], files={"a": bytes(256 * MiB)}, gpu_milli=100, models=["no-such-gpu"])
+    spool = admin_call(cluster.admin, "status")["spool"]
+    assert (spool["uploads"], spool["reserved"]) == (0, 0)
+    new = log.read_text(errors="replace")[before:]
+    # The chunks in flight when the refusal came are refused; the client then stops, and never
+    # opens the upload again (which would send the whole input once more for nothing).
+    assert 1 <= new.count("refused PUT") <= 8, new

@@ -18,7 +18,7 @@ during the upload as a ratio to idle, in one run.
 Each round also gives the CPU seconds per GiB the broker and the worker spent during the upload
 (from /proc: robust to the machine's load, unlike the rates).
 
-Targets (issue 19): gpud at least 0.7x bare, echo p99 during the upload at most 3x idle.
+Targets: gpud at least 0.7x bare, echo p99 during the upload at most 3x idle.
 
 Usage::
 

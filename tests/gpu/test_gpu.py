@@ -1,4 +1,4 @@
-"""GPU checks on a real NVIDIA GPU (issue 3): NVML, sessions through pycuda, jobs, isolation.
+"""GPU checks on a real NVIDIA GPU: NVML, sessions through pycuda, jobs, isolation.
 
 Each test talks to real daemons (the ``cluster`` fixture: a broker and a worker serving this
 machine's GPUs) through the real client library, and checks results against numpy.

@@ -46,7 +46,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpud.clock import Clock
 from gpud.errors import GpudError, InvalidRequest, OutOfMemory, RemoteError, SessionLost
@@ -84,6 +84,9 @@ from gpud_worker.modules import (
     wrap_extern_c,
 )
 from gpud_worker.nvcc import NvccCompiler
+
+if TYPE_CHECKING:
+    from gpud_worker.jobs import JobGrant
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +292,8 @@ class CudaDevice(_BaseDevice):
         self._builtin = builtin
         self.inline = inline
 
-    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None, tenant: str = "default") -> CudaSession:
+    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None, tenant: str = "default",
+                     grant: JobGrant | None = None) -> CudaSession:
         _check_grant(mem_grant)
         return CudaSession(self, mem_grant, mps)
 

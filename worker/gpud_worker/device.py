@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -55,6 +55,9 @@ from gpud_worker.modules import (
     wrap_extern_c,
 )
 from gpud_worker.nvcc import NvccCompiler
+
+if TYPE_CHECKING:
+    from gpud_worker.jobs import JobGrant
 
 log = logging.getLogger(__name__)
 
@@ -168,10 +171,13 @@ class Device(Protocol):
     gpu: GpuInfo
     simulated: bool
 
-    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None, tenant: str = "default") -> DeviceSession:
+    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None, tenant: str = "default",
+                     grant: JobGrant | None = None) -> DeviceSession:
         """A new session that may hold at most ``mem_grant`` bytes at once; ``mps``: its CUDA MPS
         client variables (active thread percentage, pinned memory limit) where MPS runs;
-        ``tenant``: whom it is for (a device that runs sessions as pool users picks one by it)."""
+        ``tenant``: whom it is for (a device that runs sessions as pool users picks one by it);
+        ``grant``: the DISPATCH's (a device that runs sessions in processes of their own limits
+        each process by its host memory and CPU)."""
         ...
 
     def mem_used(self) -> int:
@@ -323,7 +329,8 @@ class SimulatedDevice(_BaseDevice):
                 self._compiled.popitem(last=False)
         return True
 
-    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None, tenant: str = "default") -> SimulatedSession:
+    def open_session(self, mem_grant: int, mps: Mapping[str, str] | None = None, tenant: str = "default",
+                     grant: JobGrant | None = None) -> SimulatedSession:
         _check_grant(mem_grant)
         log.debug("%s: session opened with a grant of %d bytes", self.gpu.uuid, mem_grant)
         return SimulatedSession(self, mem_grant, mps)

@@ -49,7 +49,6 @@ from gpud_worker.device import Device, DeviceSession
 from gpud_worker.fetch import Fetch, FetchAbandoned, StagedFile
 from gpud_worker.gpu import GpuProbe
 from gpud_worker.jobs import JobGrant, JobRunner
-from gpud_worker.session_host import HostedDevice
 
 log = logging.getLogger(__name__)
 
@@ -950,11 +949,11 @@ class Worker:
             self.running.pop(rid, None)
             self._send_now(idx, rid, P.error_header(rid, RemoteError("sessions on this GPU need the pycuda device backend (extra 'cuda'), which this worker lacks or could not start on it (its log says why)")))
             return
-        mps = self.runner.mps  # where MPS runs, a session gets its grant's MPS limits as a job does
-        env = None if mps is None else mps.environment(JobGrant.from_wire(grant).gpu_milli, [mem])
         s = SessionRunner(rid, None, self.gpus[uuid], tenant)
         s.direct, s.client_key, s.relay = direct, client_key, relay
         s.grant = JobGrant.from_wire(grant)
+        mps = self.runner.mps  # where MPS runs, a session gets its grant's MPS limits as a job does
+        env = None if mps is None else mps.environment(s.grant.gpu_milli, [mem])
         s.thread = threading.Thread(target=self._session_thread, args=(s, idx, device, mem, env), name=f"session-{rid.hex()[:8]}", daemon=True)
         self.sessions[rid] = s
         self._session_threads = [t for t in self._session_threads if t.is_alive()]
@@ -965,10 +964,7 @@ class Worker:
         """(Session thread) Open the device session of ``s`` and answer the DISPATCH."""
         rid = s.id
         try:
-            if isinstance(device, HostedDevice):  # its process's cgroup: the grant's host memory and CPU
-                s.dev = device.open_session(mem, mps=env, tenant=s.tenant, grant=s.grant)
-            else:
-                s.dev = device.open_session(mem, mps=env, tenant=s.tenant)
+            s.dev = device.open_session(mem, mps=env, tenant=s.tenant, grant=s.grant)
             s.last_used = time.monotonic()  # idle from when it is open: a session process may take a while
         except GpudError as exc:
             self._close_session(s)

@@ -21,7 +21,8 @@ import queue
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,6 +229,7 @@ class Spool:
     def __init__(self, directory: str = "", ram_bytes: int = DEFAULT_RAM_BYTES,
                  ram_file_bytes: int = DEFAULT_RAM_FILE_BYTES) -> None:
         self._own_dir = not directory
+        self._rmdir: Callable[[], object] = lambda: None  # removes a directory of our own
         self.directory = directory  # "": made on the first spooled file
         if directory:
             os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -260,6 +262,9 @@ class Spool:
                 else:
                     if not self.directory:
                         self.directory = tempfile.mkdtemp(prefix="gpud-spool-")
+                        # removed with the spool even when nobody closes it (a core dropped by a
+                        # test, a broker leaving on an exception): at collection or at exit
+                        self._rmdir = weakref.finalize(self, shutil.rmtree, self.directory, True)
                     up.stores.append(_FileStore(os.path.join(self.directory, f"{job.hex()}-{i}"), self.io))
         except OSError:
             self._close(up)
@@ -370,7 +375,7 @@ class Spool:
         self.clear()
         self.io.close()
         if self._own_dir and self.directory:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            self._rmdir()
             self.directory = ""
 
     def _close(self, up: Upload) -> None:

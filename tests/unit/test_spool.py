@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from pathlib import Path
@@ -86,6 +87,19 @@ def test_a_spool_without_a_directory_makes_one_only_when_needed_and_removes_it(t
     assert made and os.path.isdir(made)
     spool.close()
     assert not os.path.exists(made) and len(spool) == 0
+
+
+def test_a_spool_nobody_closes_still_removes_its_own_directory() -> None:
+    """A core dropped without ``close`` (a test's, or a broker leaving on an exception) must not
+    leave its temporary directory and the files in it behind in /tmp."""
+    spool = Spool("", ram_bytes=100, ram_file_bytes=100)
+    spool.open(b"c" * 16, "acme", None, (500,), now=0.0)
+    spool.io.close()  # its thread holds no reference to the spool; only ours is left
+    made = spool.directory
+    assert made and os.path.isdir(made)
+    del spool
+    gc.collect()
+    assert not os.path.exists(made)
 
 
 def test_fetch_keeps_a_window_asks_again_and_drops_what_it_did_not_ask_for(tmp_path: Path) -> None:

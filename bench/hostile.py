@@ -43,7 +43,7 @@ from bench.dispatch import seconds_each  # noqa: E402
 from gpud import protocol as P  # noqa: E402
 from gpud.protocol import Command, Peer  # noqa: E402
 from gpud.security import CurveKeys, apply_client_keys  # noqa: E402
-from gpud_broker.core import DEFAULT_MAX_ECHO_BYTES  # noqa: E402
+from gpud_broker.config import DEFAULT_MAX_ECHO_BYTES  # noqa: E402
 from gpud_cli.cluster import LocalCluster  # noqa: E402
 from gpud_client import Client  # noqa: E402
 

@@ -532,9 +532,8 @@ def decisions(args: argparse.Namespace) -> int:
     from gpud.heartbeat import HeartbeatPolicy
     from gpud.resources import GpuInfo, Need
     from gpud_broker import ledger
-    from gpud_broker.core import SAMPLE_ABOVE, SAMPLE_K
     from gpud_broker.mix import TaskMix
-    from gpud_broker.policies import make_policy
+    from gpud_broker.policies import SAMPLE_ABOVE, SAMPLE_K, make_policy
     from gpud_broker.registry import WorkerRegistry
 
     needs = [Need(gpu_milli=1)] * 6 + [

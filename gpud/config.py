@@ -13,7 +13,7 @@ comma-separated (``GPUD_WORKER_BROKERS=tcp://a:5556,tcp://b:5556``), tables are 
 booleans are true/false/1/0/yes/no, and tenants can only be set in the file.
 
 The ``[broker]`` and ``[worker]`` dataclasses are called sections: the daemons build their runtime
-configs (``gpud_broker.core.BrokerConfig``, ``gpud_worker.worker.WorkerConfig``) from them.
+configs (``gpud_broker.config.BrokerConfig``, ``gpud_worker.worker.WorkerConfig``) from them.
 """
 
 from __future__ import annotations

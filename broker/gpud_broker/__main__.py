@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from gpud.resources import TenantLimits
     from gpud_broker.accounts import Budgets
     from gpud_broker.broker import Endpoints
-    from gpud_broker.core import BrokerConfig
+    from gpud_broker.config import BrokerConfig
     from gpud_broker.gate import ConnectionLimits
     from gpud_standby.pair import PairConfig
 
@@ -135,7 +135,7 @@ def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | Non
                   limits: dict[str, dict[str, int]] | None = None) -> BrokerConfig:
     """The broker's runtime config from [broker]; ``tenant_weights`` and ``limits`` (from flags)
     override the file's."""
-    from gpud_broker.core import DEFAULT_RESULT_BYTES, BrokerConfig, default_max_message_bytes
+    from gpud_broker.config import DEFAULT_RESULT_BYTES, BrokerConfig, default_max_message_bytes
 
     b = cfg.broker
     own = budgets(b)
@@ -197,7 +197,7 @@ def budgets(b: config.BrokerSection) -> Budgets:
     """Every tenant's budgets: ``[broker] tenant_*`` over the defaults sized from the machine, and
     each ``[broker.tenants.NAME]``'s own over those (0: not set)."""
     from gpud_broker.accounts import Budgets, default_budget, default_held_bytes, with_overrides
-    from gpud_broker.core import DEFAULT_RESULT_BYTES
+    from gpud_broker.config import DEFAULT_RESULT_BYTES
 
     base = default_budget(b.max_queue, result_bytes=b.result_bytes or DEFAULT_RESULT_BYTES)
     if b.tenant_max_queued and not b.tenant_max_outstanding:

@@ -161,7 +161,7 @@ def status(target: Any, args: dict[str, Any]) -> dict[str, Any]:
         "spool": {"uploads": len(core.staging.spool), "reserved": core.staging.spool.reserved,
                   "stored": core.staging.spool.stored, "ram": core.staging.spool.ram_used},
         # How long placement decisions take: count and max since start, p50/p99 of recent ones.
-        "placement": core.placement_times.summary(),
+        "placement": core.dispatcher.placement_times.summary(),
         "workers": worker_rows,
         "gpus": gpu_rows,
     }
@@ -213,7 +213,7 @@ def _wait_facts(core: BrokerCore, t: Task, ahead: list[tuple[float, str]], reser
     places wherever any policy could (feasibility does not depend on the policy)."""
     need = t.need
     held = ("it is passive, or settling after a takeover" if core.hold
-            else "no connected worker has a free slot" if core.open_workers <= 0 else None)
+            else "no connected worker has a free slot" if core.dispatcher.open_workers <= 0 else None)
     effective = core.queue.effective_priority(t, core.now)
     workers = list(core.registry.by_identity.values())
     others = {name for name, holder in reserved.items() if holder is not t}
@@ -316,7 +316,7 @@ def drain(target: Any, args: dict[str, Any]) -> dict[str, Any]:
     core = _active_core(target)
     w = _worker(core, args["worker"])
     was = w.draining
-    core.mark_drained(w.name, True)
+    core.workers.mark_drained(w.name, True)
     n = len(w.assigned)
     if was:
         message = f"worker {w.name} was already draining; {n} request(s) still running there"
@@ -330,12 +330,12 @@ def undrain(target: Any, args: dict[str, Any]) -> dict[str, Any]:
     core = _active_core(target)
     name = args["worker"]
     if name not in core.registry.by_name and name in core.registry.drained:
-        core.mark_drained(name, False)
+        core.workers.mark_drained(name, False)
         return {"worker": name, "draining": False, "placed": 0,
                 "message": f"worker {name} is not connected; it takes work when it connects"}
     _worker(core, name)
-    core.mark_drained(name, False)
-    placed = core.place_queued()
+    core.workers.mark_drained(name, False)
+    placed = core.dispatcher.place_queued()
     return {"worker": name, "draining": False, "placed": placed,
             "message": f"worker {name} takes new work again; {placed} queued request(s) placed"}
 
@@ -371,7 +371,7 @@ def _set_cordoned(target: Any, args: dict[str, Any], cordoned: bool) -> tuple[Br
         core.registry.cordoned.add(g.uuid)
     else:
         core.registry.cordoned.discard(g.uuid)
-    core.marks_changed()
+    core.workers.marks_changed()
     return core, g
 
 
@@ -385,7 +385,7 @@ def cordon(target: Any, args: dict[str, Any]) -> dict[str, Any]:
 @ADMIN.command("uncordon")
 def uncordon(target: Any, args: dict[str, Any]) -> dict[str, Any]:
     core, g = _set_cordoned(target, args, False)
-    placed = core.place_queued()
+    placed = core.dispatcher.place_queued()
     return {"gpu": g.uuid, "name": _gpu_name(g), "cordoned": False, "placed": placed,
             "message": f"GPU {_gpu_name(g)} ({g.uuid}) takes new work again; {placed} queued request(s) placed"}
 

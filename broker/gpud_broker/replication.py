@@ -243,7 +243,7 @@ def load(core: BrokerCore, snap: Any) -> None:
         s = session_from_wire(raw, now)
         core.sessions[s.id] = s
     drained, cordoned = _fields(snap.get("marks", [[], []]), 2, "set of marks")
-    core.set_marks(drained, cordoned)
+    core.workers.set_marks(drained, cordoned)
     core.staging.load(core, snap.get("uploads", []))
     expired = snap.get("expired", [])
     if type(expired) is not list:
@@ -293,7 +293,7 @@ def apply(core: BrokerCore, update: Any) -> None:
         return
     if tag == MARKS:
         _, drained, cordoned = _fields(update, 3, "marks update")
-        core.set_marks(drained, cordoned)
+        core.workers.set_marks(drained, cordoned)
         return
     if tag == EXPIRED:
         _expire(core, update[1:])

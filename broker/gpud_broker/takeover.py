@@ -78,21 +78,21 @@ class Takeover:
         for task in sorted(queued, key=lambda t: t.created):
             if not core.queue.push(task):
                 core.fail(task, Busy("the queue is full"))
-        core.open_workers = core.count_open_workers()
+        core.dispatcher.open_workers = core.dispatcher.count_open_workers()
         core.hold = True
         self.waiting = {w.name for w in registry.by_identity.values()}
         self.settling_until = now + settle
         log.warning("broker %s is active at epoch %d: %d queued, %d running, %d session(s); settling with %d worker(s)",
                     core.config.name, epoch, len(queued), sum(len(w.assigned) for w in registry.by_identity.values()),
                     len(leases.sessions), len(self.waiting))
-        core.beat_workers()
+        core.workers.beat_all()
         for task in lost:
             name = task.worker or "?"
             loss = on_loss(core.starts, task)
             if loss is Loss.SESSION_LOST:
                 core.fail(task, SessionLost(f"the session's worker {name} is gone"))
             elif loss is Loss.REPLACE:
-                core.place_again(task, name, "not connected after the failover")
+                core.dispatcher.place_again(task, name, "not connected after the failover")
             else:
                 core.fail(task, WorkerLost(f"worker {name} was lost during a broker failover while running it"))
         if not self.waiting:
@@ -162,10 +162,10 @@ class Takeover:
         for worker in core.registry.by_identity.values():
             for task in list(worker.assigned.values()):
                 if task.state is State.RUNNING and task.dispatched_at <= self.at:
-                    core.send_worker(worker.identity, core.dispatch_message(task))
+                    core.send_worker(worker.identity, core.dispatcher.message(task))
                     again += 1
         log.info("settled: %d dispatch(es) repeated for the workers to confirm; placing the queue", again)
-        core.place_queued()
+        core.dispatcher.place_queued()
 
     def step_down(self) -> int:
         """Stop being active (another broker is): clients of unfinished work are told NOT_ACTIVE
@@ -185,6 +185,6 @@ class Takeover:
         self.waiting = set()
         core.journal = NULL_JOURNAL
         core.clear_work()
-        core.beat_workers()
+        core.workers.beat_all()
         log.warning("broker %s stepped down to passive; %d client(s) sent to the peer", core.config.name, told)
         return told

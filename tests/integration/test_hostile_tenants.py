@@ -17,7 +17,7 @@ import zmq
 from gpud import protocol as P
 from gpud.protocol import Command, Peer
 from gpud.security import CurveKeys
-from gpud_broker.core import DEFAULT_MAX_ECHO_BYTES
+from gpud_broker.config import DEFAULT_MAX_ECHO_BYTES
 from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
 from tests.integration import test_hostile

@@ -110,7 +110,7 @@ def test_drain_and_cordon_outlast_a_reconnection(c: Core) -> None:
     c.admin("cordon", gpu="w2/0")
     c.ready(W1B, "w1", ngpus=2)
     assert c.core.registry.by_name["w1"].draining
-    c.core.worker_lost(c.core.registry.by_name["w2"], "test")
+    c.core.workers.lost(c.core.registry.by_name["w2"], "test")
     c.ready(W2, "w2")
     assert c.core.registry.gpus["GPU-w2-0"].cordoned
     c.admin("undrain", worker="w1")
@@ -308,7 +308,7 @@ def test_queue_says_what_each_request_needs_and_why_it_waits() -> None:
     assert "limits" in rows[rid(8).hex()]["why"]
     task_rows = c.admin("tasks", state="running")["tasks"]
     assert len(task_rows) == 4 and all(t["gpu_names"] and t["gpu_names"][0] in ("w1/0", "w1/1") for t in task_rows)
-    c.core.worker_lost(c.core.registry.by_name["w1"], "test")  # the only worker goes
+    c.core.workers.lost(c.core.registry.by_name["w1"], "test")  # the only worker goes
     rows = c.admin("queue")
     assert rows and {q["wait"] for q in rows} == {"held"} and "no connected worker" in rows[0]["why"]
 

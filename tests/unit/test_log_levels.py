@@ -41,7 +41,7 @@ def test_a_clean_worker_stop_is_routine_a_lost_worker_is_not(caplog: pytest.LogC
         core.on_worker(ident, P.decode(enc, Peer.WORKER), enc[2])
     enc = P.encode(Peer.WORKER, Command.DISCONNECT, {"reason": "stopping"})
     core.on_worker(b"c1", P.decode(enc, Peer.WORKER), enc[2])
-    core.worker_lost(core.registry.by_name["w2"], "silent")
+    core.workers.lost(core.registry.by_name["w2"], "silent")
     assert levels(caplog, "w1 said goodbye") == [logging.INFO]
     assert levels(caplog, "w1 lost (disconnected)") == [logging.INFO]
     assert levels(caplog, "w2 lost (silent)") == [logging.WARNING]

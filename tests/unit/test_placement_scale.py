@@ -14,7 +14,8 @@ from gpud import protocol as P
 from gpud.clock import FakeClock
 from gpud.protocol import Command, Peer
 from gpud_broker.commands import ADMIN
-from gpud_broker.core import SAMPLE_ABOVE, SAMPLE_K, BrokerConfig, BrokerCore
+from gpud_broker.core import BrokerConfig, BrokerCore
+from gpud_broker.policies import SAMPLE_ABOVE, SAMPLE_K
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
 from gpud_broker.stats import PlacementTimes
 
@@ -40,20 +41,20 @@ class Cluster:
             lambda ident, frames: self.to_client.append((ident, list(frames))),
             lambda ident, frames: self.to_worker.append((ident, list(frames))),
         )
-        self.core.rng.seed(7)
+        self.core.dispatcher.rng.seed(7)
         self.offered: list[int] = []
         self.spy()
 
     def spy(self) -> None:
         """Wrap the core's current policy so that each call's offer is counted."""
-        inner = self.core.policy
+        inner = self.core.dispatcher.policy
 
         def spy(need: Any, workers: Iterable[WorkerRecord], avoid: Any) -> Any:
             workers = list(workers)
             self.offered.append(len(workers))
             return inner(need, workers, avoid)
 
-        self.core.policy = spy
+        self.core.dispatcher.policy = spy
 
     def now(self) -> None:
         self.core.now = self.clock.monotonic()
@@ -87,7 +88,7 @@ class Cluster:
         return out
 
     def check_open(self) -> None:
-        assert self.core.open_workers == self.core.count_open_workers()
+        assert self.core.dispatcher.open_workers == self.core.dispatcher.count_open_workers()
 
 
 @pytest.fixture(autouse=True)
@@ -115,7 +116,7 @@ def test_large_balanced_cluster_places_from_a_sample() -> None:
     assert {ident for ident, _ in sent} <= feasible
     assert c.offered.count(SAMPLE_K) >= 190  # nearly always decided on the sample alone
     assert max(c.offered) in (SAMPLE_K, n)
-    assert c.core.placement_times.count == 200  # one decision each (a fallback is part of it)
+    assert c.core.dispatcher.placement_times.count == 200  # one decision each (a fallback is part of it)
 
 
 def test_sample_without_a_fit_falls_back_to_every_worker() -> None:
@@ -171,16 +172,16 @@ def test_no_free_slot_returns_without_asking_the_policy() -> None:
     for k in range(3):
         c.request(rid(k))
     sent = c.dispatches()
-    assert len(sent) == 3 and c.core.open_workers == 0
+    assert len(sent) == 3 and c.core.dispatcher.open_workers == 0
     on_b = next(r for ident, r in sent if ident == b)
     asked = len(c.offered)
     for k in range(3, 10):
         c.request(rid(k))
     assert len(c.offered) == asked and len(c.core.queue) == 7  # queued, the policy never asked
-    c.core.place_queued()
+    c.core.dispatcher.place_queued()
     assert len(c.offered) == asked
     c.worker(b, Command.RESULT, {"id": on_b, "ok": True})  # w2's slot frees: one queued is placed
-    assert c.dispatches() == [(b, rid(3))] and c.core.open_workers == 0
+    assert c.dispatches() == [(b, rid(3))] and c.core.dispatcher.open_workers == 0
     c.check_open()
     c.worker(a, Command.DISCONNECT, {"reason": "bye"})
     c.check_open()
@@ -245,7 +246,7 @@ def test_open_worker_count_matches_a_recount_through_random_operations() -> None
         c.check_open()
         assert len(c.core.registry.workers) == len(c.core.registry.by_identity)
         assert all(c.core.registry.workers[w.pos] is w for w in c.core.registry.workers)
-    assert c.core.placement_times.count > 500
+    assert c.core.dispatcher.placement_times.count > 500
     assert max(c.offered) > SAMPLE_K and SAMPLE_K in c.offered
 
 

@@ -231,7 +231,7 @@ def test_work_of_a_lost_worker_goes_to_its_replica_first() -> None:
     h.ready(W3, "w3")
     h.core.registry.by_name["w2"].gpus[0].granted_milli = 900  # w3 looks far better to the policy
     h.take_worker()
-    h.core.worker_lost(h.core.registry.get(W1), "test")  # type: ignore[arg-type]
+    h.core.workers.lost(h.core.registry.get(W1), "test")  # type: ignore[arg-type]
     again = sorted((m.header["id"], i) for i, m, _ in h.take_worker())
     assert again == [(rid(1), W2), (rid(2), W2)]
     # Without a replica (or when it is full), anywhere else: w3 now.
@@ -244,7 +244,7 @@ def test_a_session_replacing_a_lost_one_opens_on_the_replica() -> None:
     h = session_on_w1()
     h.result(W1, rid(1), session=rid(1))
     h.take_client()
-    h.core.worker_lost(h.core.registry.get(W1), "test")  # type: ignore[arg-type]
+    h.core.workers.lost(h.core.registry.get(W1), "test")  # type: ignore[arg-type]
     h.request(C1, rid(2), kind="session", need={"gpu_milli": 100}, replaces=rid(1))
     assert h.one_dispatch(W2).header["id"] == rid(2)
     h.request(C1, rid(3), kind="session", need={"gpu_milli": 100})  # no replaces: the policy's choice

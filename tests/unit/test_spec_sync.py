@@ -313,7 +313,7 @@ def updates_of_every_kind() -> list[list[Any]]:
         h.worker(W1, Command.DISCONNECT, {})  # end (the session), queue (the idempotent job: it fills the queue)
         h.request(C1, rid(4), kind="job", argv=["x"])  # task, then forget: no room in the queue
         h.ready(W2, "w2")
-        h.core.marks_changed()  # marks
+        h.core.workers.marks_changed()  # marks
         h.client(C1, Command.PUT, {"id": rid(20), "job": rid(21), "sizes": [3]})  # stage
         h.client(C1, Command.PUT, {"id": rid(22), "job": rid(21), "file": 0, "offset": 0}, [b"abc"])  # chunk
         h.tick(0.01)  # unstage: no job claimed it

@@ -27,7 +27,7 @@ def gos(h: Harness) -> list[tuple[bytes, list[bytes], list[bytes]]]:
 def lose(h: Harness, ident: bytes) -> None:
     worker = h.core.registry.get(ident)
     assert worker is not None
-    h.core.worker_lost(worker, "killed")
+    h.core.workers.lost(worker, "killed")
 
 
 # --------------------------------------------------------------------------- standalone
@@ -188,7 +188,7 @@ def test_after_a_failover_marked_jobs_may_have_begun_the_others_never_did() -> N
     start(a, W1, rid(2))  # marked, but the active dies before it reaches the peer: no GO was sent
     a.core.take_updates()
     take_over(b)
-    b.core.worker_lost(b.core.registry.by_name["w1"], "not connected after the failover")
+    b.core.workers.lost(b.core.registry.by_name["w1"], "not connected after the failover")
     done = b.core.tasks.tasks[rid(1)]  # kept for the client's retry (routes do not travel)
     assert done.state is State.DONE and done.reply is not None
     assert P.unpackb(done.reply[2])["code"] == "WORKER_LOST"

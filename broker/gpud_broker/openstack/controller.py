@@ -131,9 +131,9 @@ class Controller:
             elif op.kind == "drain":
                 if op.name not in core.registry.drained:
                     log.warning("openstack: worker %s drained: its server is to be deleted (action %d)", op.name, op.action)
-                core.mark_drained(op.name, True)
+                core.workers.mark_drained(op.name, True)
             elif op.kind == "forget":
-                core.mark_drained(op.name, False)
+                core.workers.mark_drained(op.name, False)
 
     def admin(self, core: Any, args: Mapping[str, Any]) -> dict[str, Any]:
         """``gpudctl openstack ACTION``: list and actions read; boot, replace and retire start actions

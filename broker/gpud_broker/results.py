@@ -1,0 +1,292 @@
+"""What workers report about the work they were given: a job's START (answered GO once its mark
+is durable), a RESULT (the client answered, the work placed again, or the session opened or
+ended), and the ACKs of results once what they changed is durable. Pure: no sockets.
+
+A RESULT is judged by its wire code: NOT_ACTIVE fences this broker, SHUTTING_DOWN and a GPU fault
+place the work again elsewhere, a staged job that failed before it began is placed again; any
+other answer goes to the client (a job's staged outputs are pulled into the spool first).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from gpud import protocol
+from gpud.errors import (
+    GpudError,
+    GpuFault,
+    NotActive,
+    ProtocolError,
+    RemoteError,
+    SessionLost,
+    ShuttingDown,
+)
+from gpud.protocol import Command, Message, Peer
+from gpud_broker.accounts import Accounts
+from gpud_broker.dispatcher import Dispatcher
+from gpud_broker.leases import SessionLeases
+from gpud_broker.queue import PendingQueue
+from gpud_broker.registry import WorkerRecord, WorkerRegistry
+from gpud_broker.replication import Journal
+from gpud_broker.sessions import SessionEnds
+from gpud_broker.staging import Staging
+from gpud_broker.starts import StartGate
+from gpud_broker.stats import RequestStats
+from gpud_broker.tasks import Session, State, Task, TaskTable
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[bytes, list[Any]], object]
+
+# Wire codes a worker's RESULT is judged by.
+_NOT_ACTIVE = NotActive.code
+_SHUTTING_DOWN = ShuttingDown.code
+_GPU_FAULT = GpuFault.code
+_SESSION_LOST = SessionLost.code
+_REMOTE_ERROR = RemoteError.code
+
+
+class ResultCore(Protocol):
+    """What the results read of the broker's core (``BrokerCore``): the time, its role in a pair,
+    the tables a takeover replaces, how work ends, and where a job's staged outputs go."""
+
+    now: float
+    active: bool
+    acking: bool  # in a pair: workers keep results until ACKed (standalone: no ACKs)
+    fenced: bool
+    journal: Journal
+    queue: PendingQueue[Task]
+    tasks: TaskTable
+    counters: dict[str, int]
+
+    def finish(self, task: Task, reply: list[Any]) -> None: ...
+    def fail(self, task: Task, exc: GpudError) -> None: ...
+    def pull_outputs(self, worker: WorkerRecord, task: Task, raw_header: bytes, frames: list[Any],
+                     staged: Any) -> bool: ...
+
+
+class Results:
+    """Workers' STARTs and RESULTs, and the GOs and ACKs they are owed."""
+
+    def __init__(self, core: ResultCore, registry: WorkerRegistry, accounts: Accounts, leases: SessionLeases,
+                 session_ends: SessionEnds, dispatcher: Dispatcher, staging: Staging, stats: RequestStats, send_worker: Send) -> None:
+        self.core = core
+        self.registry = registry
+        self.accounts = accounts
+        self.leases = leases
+        self.session_ends = session_ends
+        self.dispatcher = dispatcher
+        self.staging = staging
+        self.stats = stats
+        self.send_worker = send_worker
+        self.starts = StartGate()  # jobs' STARTs: which may have begun, and the GOs waiting to be durable
+        self.unacked: deque[tuple[int, bytes, bytes]] = deque()  # (seq, worker, RESULT id) to ACK once durable
+
+    def clear(self) -> None:
+        """Forget the GOs and ACKs owed (the tables they were about are gone)."""
+        self.unacked.clear()
+        self.starts.clear()
+
+    # ------------------------------------------------------------------ START and GO
+
+    def on_start(self, worker: WorkerRecord, header: dict[str, Any]) -> None:
+        """A START (PROTOCOL.md §4.4): GO at once without a peer; with one, once the marks are
+        durable (``take_go``). Refusals go at once: not starting is always safe."""
+        core = self.core
+        go, refused = self.starts.on_start(worker, header.get("ids"), self._mark_started, core.journal.seq, not core.acking)
+        if go or refused:
+            self._log_go(worker.name, go, refused)
+            self.send_worker(worker.identity, self._go_message(go, refused))
+
+    @staticmethod
+    def _log_go(name: str, go: list[bytes], refused: list[bytes] | None = None) -> None:
+        """One line per job told GO (it may have begun from here on: chaos tests read these)."""
+        if log.isEnabledFor(logging.DEBUG):
+            for rid in go:
+                log.debug("GO %s to %s", rid.hex(), name)
+        for rid in refused or ():
+            log.info("START of %s refused to %s: it does not run there", protocol.id_text(rid), name)
+
+    def _mark_started(self, task: Task) -> int:
+        journal = self.core.journal
+        journal.start(task.id)
+        return journal.seq
+
+    @staticmethod
+    def _go_message(go: list[bytes], refused: list[bytes] | None = None) -> list[Any]:
+        header: dict[str, Any] = {"ids": go}
+        if refused:
+            header["refused"] = refused
+        return protocol.encode(Peer.WORKER, Command.GO, header)
+
+    def take_go(self) -> dict[bytes, list[Any]]:
+        """The GO messages due now (their START marks are held by the peer, ``journal.durable``),
+        by worker identity."""
+        due = self.starts.due(self.core.journal.durable, self.registry)
+        by_identity = self.registry.by_identity
+        for ident, ids in due.items():
+            self._log_go(by_identity[ident].name, ids)
+        return {ident: self._go_message(ids) for ident, ids in due.items()}
+
+    def take_acks(self) -> dict[bytes, list[bytes]]:
+        """The ACKs due now (their RESULTs' updates are held by the peer, ``journal.durable``), by
+        worker identity: the shell sends one ACK message per worker."""
+        pending, durable = self.unacked, self.core.journal.durable
+        acks: dict[bytes, list[bytes]] = {}
+        while pending and pending[0][0] <= durable:
+            _, ident, rid = pending.popleft()
+            acks.setdefault(ident, []).append(rid)
+        return acks
+
+    # ------------------------------------------------------------------ RESULT
+
+    def on_result(self, worker: WorkerRecord, msg: Message, raw_header: bytes) -> None:
+        """A RESULT. A passive broker leaves results unacknowledged: the active one takes them.
+        The ACK waits for what the result changed to be durable (its updates are journalled now)."""
+        core = self.core
+        if core.active and self._take(worker, msg, raw_header) and core.acking:
+            self.unacked.append((core.journal.seq, worker.identity, protocol.get_id(msg.header)))
+
+    def _take(self, worker: WorkerRecord, msg: Message, raw_header: bytes) -> bool:
+        """Take a RESULT; returns whether to ACK it (False: the worker must keep it)."""
+        header = msg.header
+        rid = protocol.get_id(header)
+        task = worker.assigned.pop(rid, None)
+        if task is None or task.state is not State.RUNNING:
+            self._on_other_result(worker, rid, msg, raw_header)
+            return True
+        code = header.get("code")
+        if code == _NOT_ACTIVE:
+            log.error("worker %s refused %s: a broker with a later epoch is active", worker.name, protocol.id_text(rid))
+            worker.assigned[rid] = task
+            self.core.fenced = True
+            return False
+        ok = header.get("ok")
+        if ok is not True and (ok is not False or type(code) is not str or type(header.get("message")) is not str):
+            log.warning("malformed RESULT %s from %s", protocol.id_text(rid), worker.name)
+            ok = False
+            raw_header = protocol.packb(protocol.error_header(rid, ProtocolError(f"worker {worker.name} sent a malformed result")))
+        if task.grant is not None:
+            self.dispatcher.freed(worker)
+        if ok is False and self._placed_again(worker, task, code, header):
+            return True
+        return self._answer(worker, task, ok is True, code, header, raw_header, msg.frames)
+
+    def _placed_again(self, worker: WorkerRecord, task: Task, code: Any, header: dict[str, Any]) -> bool:
+        """A failed RESULT that means the work never ran as asked there: placed again elsewhere
+        (returns whether it was)."""
+        kind = task.kind
+        if code == _SHUTTING_DOWN and kind != "call":
+            # The worker is stopping and did not start it: place it elsewhere.
+            self.dispatcher.set_draining(worker, True)
+            why = "the worker is shutting down"
+        elif code == _REMOTE_ERROR and kind == "job" and not task.started and self.staging.holds_inputs(task):
+            # A staged job its worker could not fetch or set up: it never began (PROTOCOL.md §11.3).
+            why = f"it failed there before it began: {header.get('message')}"
+        elif code == _GPU_FAULT and kind not in ("call", "session") and task.retryable:
+            why = "its GPU failed"  # it failed under it: place it again, never on this worker
+        else:
+            return False
+        self.release(worker, task)
+        self.dispatcher.place_again(task, worker.name, why)
+        return True
+
+    def _answer(self, worker: WorkerRecord, task: Task, ok: bool, code: Any, header: dict[str, Any],
+                raw_header: bytes, frames: list[Any]) -> bool:
+        """Answer ``task``'s client with its RESULT; returns whether to ACK it now (a job's staged
+        outputs are pulled first: ACKed once they are here, ``outputs_here``)."""
+        core = self.core
+        if ok:
+            reply = protocol.reply(raw_header, frames)
+        else:
+            reply = protocol.reply(raw_header)
+            self.stats.error(code, task.tenant)
+        if header.get("timed_out") is True:
+            core.counters["job_timeouts"] += 1
+        kind = task.kind
+        if kind == "session":
+            self._session_answered(worker, task, ok)
+        elif kind == "call":
+            sid = task.session
+            if sid is not None and (task.body.get("op") == "close" or code == _SESSION_LOST or code == _GPU_FAULT):
+                if code is not None:  # lost: its replacement goes to the replica first
+                    self.session_ends.lost(sid, worker.name)
+                else:
+                    self.session_ends.end(sid)
+        else:
+            self.release(worker, task)
+            if ok and kind == "job" and "staged" in header:  # its outputs first (PROTOCOL.md §11.5)
+                pulling = core.pull_outputs(worker, task, raw_header, list(frames), header["staged"])
+                self.dispatcher.place_queued()
+                return not pulling
+        core.finish(task, reply)
+        self.dispatcher.place_queued()
+        return True
+
+    def _session_answered(self, worker: WorkerRecord, task: Task, ok: bool) -> None:
+        """A session's open was answered: it is open on ``worker`` from now on, or its grant is let go."""
+        if not ok:
+            self.release(worker, task)
+            return
+        grant = task.grant
+        assert grant is not None  # a session is placed: it has a grant
+        now = self.core.now
+        s = self.leases.sessions[task.id] = Session(
+            id=task.id, worker=worker.name, gpu=grant.gpus[0], grant=grant,
+            tenant=task.tenant, route=task.route or b"", last_seen=now, opened=now,
+        )
+        self.core.journal.session(s)
+
+    def _on_other_result(self, worker: WorkerRecord, rid: bytes, msg: Message, raw_header: bytes) -> None:
+        """A RESULT for a task not running on this worker: after a failover, the answer to work
+        the old active broker dispatched. Kept (never lost); a duplicate is dropped."""
+        core = self.core
+        task = core.tasks.tasks.get(rid)
+        ok = msg.header.get("ok") is True
+        reply = protocol.reply(raw_header, msg.frames) if ok else protocol.reply(raw_header)
+        if task is None:
+            tenant = msg.header.get("tenant")
+            task = Task(id=rid, kind="echo", need=None, body={}, frames=[], route=None, created=core.now,
+                        deadline=core.now, tenant=tenant if type(tenant) is str else "default")
+            core.tasks.add(task)
+            self.stats.take_over(task.kind)  # the other broker of the pair accepted it
+            log.info("RESULT %s from %s for work this broker did not dispatch: kept for its client", protocol.id_text(rid), worker.name)
+            core.finish(task, reply)
+        elif task.state is State.QUEUED:
+            log.info("RESULT %s from %s for a queued request: it ran already; answered", protocol.id_text(rid), worker.name)
+            core.queue.remove(task)
+            core.finish(task, reply)
+        else:
+            log.debug("stale RESULT %s from %s dropped", protocol.id_text(rid), worker.name)
+
+    def outputs_here(self, task: Task, reply: list[Any], identity: bytes) -> None:
+        """A job's staged outputs are in the spool: answer its client, and ACK its RESULT once
+        that is durable (a standalone broker ACKs it too: the worker holds the outputs until then)."""
+        core = self.core
+        core.finish(task, reply)
+        if core.acking:
+            self.unacked.append((core.journal.seq, identity, task.id))
+        else:
+            self.send_worker(identity, protocol.encode(Peer.WORKER, Command.ACK, {"ids": [task.id]}))
+
+    def release(self, worker: WorkerRecord, task: Task) -> None:
+        """Refund ``task``'s grant on ``worker``."""
+        grant = task.grant
+        if grant is not None:
+            self.accounts.refund(grant, task.tenant, task.kind == "session", self.core.now, worker)
+
+    def abort_staged(self, task: Task, exc: GpudError) -> None:
+        """End a staged job that has not begun and whose inputs will not all come (its upload
+        stalled, or the spool lost it): out of the queue, or off its worker, which is told to
+        drop it (ERROR, PROTOCOL.md §11.3) and whose slot is freed."""
+        worker = self.registry.by_name.get(task.worker) if task.state is State.RUNNING and task.worker else None
+        if worker is not None and worker.assigned.pop(task.id, None) is not None:
+            if task.grant is not None:
+                self.dispatcher.freed(worker)
+            self.release(worker, task)
+            self.send_worker(worker.identity, protocol.encode(Peer.WORKER, Command.ERROR,
+                                                              {"code": exc.code, "message": exc.message, "id": task.id}))
+        self.core.fail(task, exc)

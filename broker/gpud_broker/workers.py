@@ -1,0 +1,285 @@
+"""The broker's side of a worker's membership: its READY (admitted or refused), its heartbeats
+(GPU state, what it runs, the epochs it has seen), the broker's heartbeats to it, its loss, and the
+operator's drain marks. Pure: no sockets.
+
+What a worker reports about the work it was given (RESULT, START) is ``results``'; placing that
+work is the ``dispatcher``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from gpud import protocol
+from gpud.errors import GpudError, ProtocolError, SessionLost, WorkerLost
+from gpud.protocol import Command, Peer, Ready
+from gpud_broker.accounts import Accounts
+from gpud_broker.config import BrokerConfig
+from gpud_broker.direct import renew_leases
+from gpud_broker.dispatcher import Dispatcher
+from gpud_broker.leases import SessionLeases
+from gpud_broker.queue import PendingQueue
+from gpud_broker.registry import WorkerRecord, WorkerRegistry
+from gpud_broker.replication import Journal
+from gpud_broker.sessions import SessionEnds
+from gpud_broker.starts import Loss, StartGate, on_loss
+from gpud_broker.tasks import State, Task, TaskTable
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[bytes, list[Any]], object]
+Settle = Callable[[WorkerRecord, Any, Any], None]  # a heartbeat's worker, epoch and running list (unchecked)
+
+MAX_RUNNING_KEPT = 1000  # entries of a heartbeat's running list kept (more: it may be cut short)
+MAX_GPU_STATES = 64  # entries of a heartbeat's GPU list looked at
+
+
+class WorkerCore(Protocol):
+    """What the worker dialog reads of the broker's core (``BrokerCore``): the time, its role in a
+    pair, the tables a takeover or a reload replaces, how work ends, and who else tracks workers."""
+
+    now: float
+    active: bool
+    hold: bool
+    epoch: int
+    acking: bool
+    fenced: bool
+    max_epoch_seen: int
+    worker_names_bound: bool  # CURVE: a worker's name must be its key's name
+    config: BrokerConfig
+    journal: Journal
+    queue: PendingQueue[Task]
+    tasks: TaskTable
+    counters: dict[str, int]
+
+    def fail(self, task: Task, exc: GpudError) -> None: ...
+    def worker_gone(self, name: str) -> None: ...
+
+
+class WorkerDialog:
+    """Which workers are connected and alive, as the broker learns it from their messages."""
+
+    def __init__(self, core: WorkerCore, registry: WorkerRegistry, accounts: Accounts, leases: SessionLeases,
+                 session_ends: SessionEnds, dispatcher: Dispatcher, settle: Settle, starts: StartGate,
+                 send_worker: Send) -> None:
+        self.core = core
+        self.registry = registry
+        self.accounts = accounts
+        self.leases = leases
+        self.session_ends = session_ends
+        self.dispatcher = dispatcher
+        self.settle = settle  # the takeover's (``Takeover.heard``): a heartbeat may end its settling
+        self.starts = starts
+        self.send_worker = send_worker
+
+    # ------------------------------------------------------------------ READY
+
+    def on_ready(self, identity: bytes, current: WorkerRecord | None, header: dict[str, Any],
+                 user: str | None = None) -> None:
+        """A worker's READY. Under CURVE (``worker_names_bound``) ``user`` is its key's name (the
+        ZAP User-Id): the allow-list file ``workers/NAME.key`` admits worker NAME and no other."""
+        try:
+            ready = protocol.parse_ready(header)
+        except ProtocolError as exc:
+            self.core.counters["bad_messages"] += 1
+            log.warning("bad message from worker %s: %s bad READY: %s", identity.hex()[:16], exc.code, exc.message)
+            self.send_worker(identity, protocol.encode(Peer.WORKER, Command.ERROR, {"code": exc.code, "message": exc.message}))
+            return
+        # Refuse before tearing anything down: a refused READY must not cost a live worker.
+        previous = self.registry.by_name.get(ready.name)
+        why = self._refusal(ready, current, previous, user)
+        if why is not None:
+            self.refuse(identity, ready.name, why)
+            return
+        if current is not None:
+            self.lost(current, "sent READY again")
+        if previous is not None and previous is not current:
+            self.lost(previous, "silent past its liveness, and a new connection of the same name came")
+        self._admit(identity, ready)
+
+    def _refusal(self, ready: Ready, current: WorkerRecord | None, previous: WorkerRecord | None,
+                 user: str | None) -> str | None:
+        """Why ``ready`` is refused (None: it is admitted). ``previous``: the worker of its name."""
+        name, now = ready.name, self.core.now
+        if self.core.worker_names_bound and user != name:
+            return (f"refused: this worker's key is workers/{user}.key, which admits "
+                    f"worker {user} only, not {name}: start it with --name {user}")
+        if previous is not None and previous is not current and not previous.liveness.expired(now):
+            return (f"refused: worker {name} is already connected from host {previous.hostname} (for "
+                    f"{now - previous.connected_at:.0f}s); give each worker a name of its own (--name)")
+        replaced = {w.name for w in (current, previous) if w is not None}
+        for gpu in ready.gpus:
+            holder = self.registry.gpus.get(gpu.uuid)
+            if holder is not None and holder.worker.name not in replaced:
+                return f"refused: GPU {gpu.uuid} is already registered by worker {holder.worker.name}"
+        return None
+
+    def _admit(self, identity: bytes, ready: Ready) -> None:
+        """Register the worker ``ready`` describes, welcome it, and place what waits."""
+        core = self.core
+        policy = core.config.heartbeat.negotiate(ready.heartbeat_ms / 1000.0, ready.liveness)
+        worker = self.registry.add(
+            name=ready.name, identity=identity, hostname=ready.hostname, gpus=ready.gpus,
+            cpu_milli=ready.cpu_milli, host_mem=ready.host_mem, slots=ready.slots, policy=policy,
+            now=core.now, simulated=ready.simulated, instance_id=ready.instance_id, replica_of=ready.replica_of,
+        )
+        worker.isolation, worker.job_network, worker.pool_users, worker.pool_kinds = ready.isolation
+        self.registry.pool_index.file(worker)
+        if worker.has_slot:
+            self.dispatcher.open_workers += 1
+        self.dispatcher.workers_changed()
+        log.info(
+            "worker %s ready: %d GPU(s)%s, %d slots, heartbeat %.3fs x %d", ready.name, len(ready.gpus),
+            " (simulated)" if worker.simulated else "", ready.slots, policy.interval, policy.liveness,
+        )
+        self.send_worker(identity, protocol.encode(Peer.WORKER, Command.WELCOME, {
+            "heartbeat_ms": round(policy.interval * 1000), "liveness": policy.liveness, "broker": core.config.name,
+            "active": core.active, "epoch": core.epoch, "acks": core.acking,
+            "max_message_bytes": core.config.max_message_bytes}))
+        self.dispatcher.place_queued()
+
+    def refuse(self, identity: bytes, name: str, reason: str) -> None:
+        """Refuse a READY: logged here, and the worker is told why (DISCONNECT: it retries later)."""
+        self.core.counters["refused_workers"] += 1
+        log.error("worker %s %s", name, reason)
+        self.send_worker(identity, protocol.encode(Peer.WORKER, Command.DISCONNECT, {"reason": reason}))
+
+    # ------------------------------------------------------------------ HEARTBEAT
+
+    def on_heartbeat(self, worker: WorkerRecord, header: dict[str, Any]) -> None:
+        """A worker's HEARTBEAT (every field unchecked until read here)."""
+        seq = header.get("seq")
+        if type(seq) is int:
+            worker.liveness.seq_heard = max(worker.liveness.seq_heard, seq)
+        gpus = header.get("gpus")
+        if type(gpus) is list:
+            self._gpu_states(worker, gpus)
+        running = header.get("running")
+        if type(running) is list:
+            self._running(worker, running)
+        if header.get("draining") is True and not worker.draining:
+            log.info("worker %s is draining: no new work goes to it", worker.name)
+            self.dispatcher.set_draining(worker, True)
+        age = header.get("active_age_ms")
+        if type(age) is int and age >= 0:
+            worker.other_active_at = self.core.now - age / 1000.0
+        epoch = header.get("epoch")
+        if type(epoch) is int:
+            self._saw_epoch(worker, epoch)
+        self.settle(worker, epoch, running)
+
+    def _gpu_states(self, worker: WorkerRecord, gpus: list[Any]) -> None:
+        states = {}
+        for raw in gpus[:MAX_GPU_STATES]:
+            try:
+                uuid, state = protocol.parse_gpu_state(raw)
+            except ProtocolError:
+                continue
+            states[uuid] = state
+        if self.registry.update_state(worker, states):
+            self.dispatcher.workers_changed()
+
+    def _running(self, worker: WorkerRecord, running: list[Any]) -> None:
+        """The work ``worker`` says it runs: its sessions' leases renewed, sessions it should not
+        hold closed there."""
+        core = self.core
+        worker.running = [r for r in running[:MAX_RUNNING_KEPT] if type(r) is dict]
+        worker.running_at = core.now if len(running) < MAX_RUNNING_KEPT else 0.0  # a full list: maybe cut short
+        if self.leases.sessions:
+            renew_leases(self.leases.sessions, worker.name, worker.running, core.now)
+        if core.active and not core.hold:
+            for sid, tenant in self.leases.strays(worker.name, worker.running, core.tasks.tasks):
+                self.session_ends.close_stray(worker, sid, tenant)
+
+    def _saw_epoch(self, worker: WorkerRecord, epoch: int) -> None:
+        core = self.core
+        if epoch > core.max_epoch_seen:
+            core.max_epoch_seen = epoch
+            if core.active and epoch > core.epoch:
+                log.error("worker %s has seen epoch %d, later than ours (%d): another broker is active",
+                          worker.name, epoch, core.epoch)
+                core.fenced = True
+
+    def beat_all(self) -> None:
+        """A HEARTBEAT to every worker now (our state changed: they must know at once)."""
+        for worker in self.registry:
+            self.beat(worker)
+
+    def beat(self, worker: WorkerRecord) -> None:
+        core = self.core
+        seq = worker.liveness.sent(core.now)
+        self.send_worker(worker.identity, protocol.encode(Peer.WORKER, Command.HEARTBEAT, {
+            "seq": seq, "active": core.active, "epoch": core.epoch, "acks": core.acking}))
+
+    # ------------------------------------------------------------------ loss
+
+    def lost(self, worker: WorkerRecord, why: str, graceful: bool = False) -> None:
+        """Remove a worker; place its retryable work again, fail the rest (PROTOCOL.md §4.3).
+        ``graceful``: it said goodbye (not counted in ``counters["worker_losses"]``)."""
+        core = self.core
+        if not graceful:
+            core.counters["worker_losses"] += 1
+        (log.info if graceful else log.warning)(
+            "worker %s lost (%s): %d task(s) were on it", worker.name, why, len(worker.assigned))
+        if worker.pos >= 0 and worker.has_slot:
+            self.dispatcher.open_workers -= 1
+        self.registry.remove(worker)
+        self.dispatcher.workers_changed()
+        core.worker_gone(worker.name)
+        if not core.active:  # the passive broker keeps the tables as replicated; the active one decides
+            return
+        core.queue.drop_reservations_on(worker.name)
+        for sid in self.leases.on_worker(worker.name):
+            self.session_ends.lost(sid, worker.name)  # its ledger went with the worker's record
+        retry: list[Task] = []
+        for task in worker.assigned.values():
+            if task.state is State.RUNNING and self._may_place_again(task, worker, why):
+                retry.append(task)
+        worker.assigned.clear()
+        for task in retry:
+            self.dispatcher.place_again(task, worker.name, why)
+
+    def _may_place_again(self, task: Task, worker: WorkerRecord, why: str) -> bool:
+        """``task`` ran on ``worker``, which is lost: its grant is refunded, and it is failed
+        unless it may be placed again (returns whether it may)."""
+        if task.grant is not None:  # its ledger went with the worker's record
+            self.accounts.refund(task.grant, task.tenant, task.kind == "session", self.core.now, None)
+        loss = on_loss(self.starts, task)
+        if loss is Loss.REPLACE:
+            return True
+        if loss is Loss.SESSION_LOST:
+            self.core.fail(task, SessionLost(f"the session's worker {worker.name} was lost ({why})"))
+        else:
+            self.core.fail(task, WorkerLost(f"worker {worker.name} was lost ({why}) while running it"))
+        return False
+
+    # ------------------------------------------------------------------ the operator's marks
+
+    def mark_drained(self, name: str, drained: bool) -> None:
+        """The operator's (or the OpenStack controller's) drain mark on worker ``name``: kept
+        across its reconnects, applied to it now if connected, and replicated."""
+        registry = self.registry
+        if drained:
+            registry.drained.add(name)
+        else:
+            registry.drained.discard(name)
+        w = registry.by_name.get(name)
+        if w is not None and w.draining != drained:
+            self.dispatcher.set_draining(w, drained)
+        self.marks_changed()
+
+    def marks_changed(self) -> None:
+        """The operator drained or cordoned something (or undid it): replicate the marks."""
+        self.core.journal.marks(self.registry.drained, self.registry.cordoned)
+
+    def set_marks(self, drained: list[str], cordoned: list[str]) -> None:
+        """Take the operator's marks as replicated (drained workers, cordoned GPUs)."""
+        registry = self.registry
+        registry.drained, registry.cordoned = set(drained), set(cordoned)
+        for w in registry.by_identity.values():
+            if w.draining != (w.name in registry.drained):
+                self.dispatcher.set_draining(w, w.name in registry.drained)
+            for gpu in w.gpus:
+                gpu.cordoned = gpu.uuid in registry.cordoned

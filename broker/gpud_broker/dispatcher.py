@@ -89,8 +89,9 @@ class Dispatcher:
         self._tenant_needs: dict[tuple[Need, str], Need] = {}
 
     def set_policy(self, name: str) -> None:
-        """Place by policy ``name`` from now on (a reload); the task mix is kept."""
-        self.policy = make_policy(name, mix=self.mix)
+        """Place by policy ``name`` from now on (a reload); the task mix is kept, and its random
+        choices are seeded from ``rng``."""
+        self.policy = make_policy(name, seed=self.rng.getrandbits(32), mix=self.mix)
         self.observe = self.mix.observe if name.startswith("fgd") else None
 
     # ------------------------------------------------------------------ placing

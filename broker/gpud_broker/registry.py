@@ -230,13 +230,13 @@ class WorkerRegistry:
                 last.pos = pos
         worker.pos = -1
 
-    def sample(self, k: int, rng: random.Random | None = None) -> list[WorkerRecord]:
-        """``k`` distinct workers drawn uniformly at random (all of them when there are no more
-        than ``k``); O(k), the registry is not copied."""
+    def sample(self, k: int, rng: random.Random) -> list[WorkerRecord]:
+        """``k`` distinct workers drawn uniformly at random by ``rng`` (all of them when there are
+        no more than ``k``); O(k), the registry is not copied."""
         workers = self.workers
         if len(workers) <= k:
             return list(workers)
-        return rng.sample(workers, k) if rng is not None else random.sample(workers, k)
+        return rng.sample(workers, k)
 
     def update_state(self, worker: WorkerRecord, states: dict[str, GpuState]) -> bool:
         """Apply a heartbeat's measurements; grants since the previous beat are now visible.

@@ -90,7 +90,7 @@ class Core:
 class Parts:
     """The parts wired as ``BrokerCore._parts`` wires them, around a ``Core`` stand-in."""
 
-    def __init__(self, spool_dir: Path, **config: Any) -> None:
+    def __init__(self, spool_dir: Path, seed: int = 0, **config: Any) -> None:
         self.core = Core(config=BrokerConfig(**config))
         self.sent: list[tuple[bytes, Message]] = []
         self.heard_epochs: list[Any] = []
@@ -101,7 +101,7 @@ class Parts:
         self.staging = Staging(Spool(str(spool_dir), 1 << 20), 1 << 20, 60.0)
         self.stats = RequestStats()
         self.admission = Admission(self.accounts, self.staging, self.leases)
-        self.dispatcher = Dispatcher(self.core, self.registry, self.accounts, self.stats, self.send, random.Random(0))
+        self.dispatcher = Dispatcher(self.core, self.registry, self.accounts, self.stats, self.send, random.Random(seed))
         self.session_ends = SessionEnds(self.core, self.leases, self.accounts, self.registry, self.dispatcher)
         self.results = Results(self.core, self.registry, self.accounts, self.leases, self.session_ends,
                                self.dispatcher, self.staging, self.stats, self.send)
@@ -213,6 +213,24 @@ def test_placed_again_it_avoids_the_worker_that_failed_it_and_fails_after_its_at
     parts.dispatcher.place_again(task, "w2", "test")
     [(failed, exc)] = parts.core.failed
     assert failed is task and isinstance(exc, WorkerLost) and "after 3 attempts" in exc.message
+
+
+@pytest.mark.parametrize("policy", ["random", "fgd-balanced"])
+def test_the_dispatcher_seeds_its_policy_so_the_same_events_place_the_same_way(tmp_path: Path, policy: str) -> None:
+    def placements(seed: int) -> list[str | None]:
+        p = Parts(tmp_path / f"{seed}", seed=seed, policy=policy)
+        for n in range(80):
+            p.ready(b"conn-%d" % n, f"w{n}", slots=1)
+        tasks = [p.task(n) for n in range(60)]
+        for task in tasks:
+            assert p.dispatcher.try_dispatch(task)
+        p.staging.spool.close()
+        return [task.worker for task in tasks]
+
+    first = placements(1)
+    assert placements(1) == first
+    if policy == "random":
+        assert placements(2) != first
 
 
 # --------------------------------------------------------------------------- workers

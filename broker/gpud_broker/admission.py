@@ -30,23 +30,25 @@ class Admission:
                 config: BrokerConfig) -> GpudError | None:
         """Why ``request`` (id ``rid``, for tenant ``need.tenant``, ``nbytes`` of payload, sent by
         ``owner``) is refused before it is kept; None: it is taken."""
-        kind, tenant = request.kind, need.tenant
+        tenant = need.tenant
         accounts = self.accounts
         budget = accounts.budgets.of(tenant)
         if request.deadline_ms > budget.max_deadline_ms:
             return TooLarge(f"deadline_ms {request.deadline_ms} is over tenant {tenant}'s "
                             f"budget max_deadline_ms ({budget.max_deadline_ms})")
+        kind = request.kind
         if nbytes and (kind == "echo" or kind == "job"):
             most = config.max_echo_bytes if kind == "echo" else config.max_job_input_bytes
             if nbytes > most:
                 return TooLarge(f"the {kind}'s payload is {nbytes} bytes, over the broker's "
                                 f"max_{kind}_{'bytes' if kind == 'echo' else 'input_bytes'} ({most})")
-        staged = request.body.get("staged") if kind == "job" else None
-        if staged is not None:
-            try:
-                self.staging.check(rid, tenant, owner, tuple(staged))
-            except GpudError as exc:
-                return exc
+        if kind == "job":
+            staged = request.body.get("staged")
+            if staged is not None:
+                try:
+                    self.staging.check(rid, tenant, owner, tuple(staged))
+                except GpudError as exc:
+                    return exc
         why = accounts.over_budget(tenant, nbytes, self.sessions_of(tenant) if kind == "session" else -1)
         if why is not None:
             return Busy(why)

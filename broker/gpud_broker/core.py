@@ -259,7 +259,7 @@ class BrokerCore:
         need = request.need
         if tenant is not None and need.tenant != tenant:
             need = self.dispatcher.as_tenant(need, tenant)
-        nbytes = sum([len(f) for f in msg.frames]) if msg.frames else 0
+        nbytes = sum(map(len, msg.frames)) if msg.frames else 0
         refusal = self.admission.refusal(rid, request, need, nbytes, owner, self.config)
         if refusal is not None:
             self._refuse(identity, rid, refusal, need.tenant)
@@ -284,8 +284,9 @@ class BrokerCore:
               owner: str | None) -> Task:
         """Keep an admitted request: its task in the tables, its payload held, its update journalled."""
         kind, now = request.kind, self.now
-        if self.dispatcher.observe is not None:
-            self.dispatcher.observe(need)
+        observe = self.dispatcher.observe
+        if observe is not None:
+            observe(need)
         body = session_body(self.config.data_path, protocol.user_key(owner)) if kind == "session" else request.body
         task = Task(id=rid, kind=kind, need=need, body=body, frames=msg.frames, route=identity, created=now,
                     deadline=now + request.deadline_ms / 1000.0, priority=need.priority, tenant=need.tenant,
@@ -367,7 +368,7 @@ class BrokerCore:
         except GpudError as exc:
             self._refuse(identity, rid, exc)
             return
-        nbytes = sum([len(f) for f in msg.frames]) if msg.frames else 0
+        nbytes = sum(map(len, msg.frames)) if msg.frames else 0
         why = self.accounts.over_budget(session.tenant, nbytes)
         if why is not None:
             self._refuse(identity, rid, Busy(why), session.tenant)

@@ -169,8 +169,11 @@ class Results:
             log.warning("malformed RESULT %s from %s", protocol.id_text(rid), worker.name)
             ok = False
             raw_header = protocol.packb(protocol.error_header(rid, ProtocolError(f"worker {worker.name} sent a malformed result")))
-        if task.grant is not None:
-            self.dispatcher.freed(worker)
+        if task.grant is not None:  # its slot is free again (``Dispatcher.freed``, inline: every result passes here)
+            had = worker.has_slot
+            worker.inflight -= 1
+            if not had:
+                self.dispatcher.open_changed(worker, had)
         if ok is False and self._placed_again(worker, task, code, header):
             return True
         return self._answer(worker, task, ok is True, code, header, raw_header, msg.frames)

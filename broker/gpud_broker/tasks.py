@@ -108,7 +108,7 @@ class TaskTable:
         task.reply = reply
         # Frames (bytes or zmq.Frame) plus the entry's own bookkeeping, which dominates for small
         # replies (an echo's task and its table slots cost about 1.5 KiB).
-        task.reply_bytes = size = ENTRY_OVERHEAD + sum([len(f) for f in reply])
+        task.reply_bytes = size = ENTRY_OVERHEAD + sum(map(len, reply))
         task.frames = []
         task.body = {}
         self.finished_total += 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -42,7 +42,7 @@ from gpud_broker.accounts import Accounts
 from gpud_broker.admission import Admission
 from gpud_broker.config import BrokerConfig
 from gpud_broker.direct import RELAY_REFUSED, refuses_relay, session_body, silent_worker
-from gpud_broker.dispatcher import Dispatcher
+from gpud_broker.dispatcher import Dispatcher, Send
 from gpud_broker.leases import SessionLeases
 from gpud_broker.queue import PendingQueue
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
@@ -60,7 +60,6 @@ __all__ = ["ID_IN_USE", "BrokerConfig", "BrokerCore"]
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[bytes, list[Any]], object]
 
 COUNTERS = ("requests", "retries", "errors", "bad_messages", "bad_routes", "worker_losses", "takeovers",
             "job_timeouts", "session_replays", "refused_workers", "fd_pauses", "refused_connections")

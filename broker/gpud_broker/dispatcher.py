@@ -47,7 +47,7 @@ from gpud_broker.tasks import State, Task
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[bytes, list[Any]], object]
+Send = Callable[[bytes, list[Any]], object]  # the shell's send function to one socket: (routing id, frames)
 
 
 class DispatchCore(Protocol):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from gpud import protocol
@@ -26,7 +25,7 @@ from gpud.errors import (
 )
 from gpud.protocol import Command, Message, Peer
 from gpud_broker.accounts import Accounts
-from gpud_broker.dispatcher import Dispatcher
+from gpud_broker.dispatcher import Dispatcher, Send
 from gpud_broker.leases import SessionLeases
 from gpud_broker.queue import PendingQueue
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
@@ -39,7 +38,6 @@ from gpud_broker.tasks import Session, State, Task, TaskTable
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[bytes, list[Any]], object]
 
 # Wire codes a worker's RESULT is judged by.
 _NOT_ACTIVE = NotActive.code

@@ -18,7 +18,7 @@ from gpud.protocol import Command, Peer, Ready
 from gpud_broker.accounts import Accounts
 from gpud_broker.config import BrokerConfig
 from gpud_broker.direct import renew_leases
-from gpud_broker.dispatcher import Dispatcher
+from gpud_broker.dispatcher import Dispatcher, Send
 from gpud_broker.leases import SessionLeases
 from gpud_broker.queue import PendingQueue
 from gpud_broker.registry import WorkerRecord, WorkerRegistry
@@ -29,7 +29,6 @@ from gpud_broker.tasks import State, Task, TaskTable
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[bytes, list[Any]], object]
 Settle = Callable[[WorkerRecord, Any, Any], None]  # a heartbeat's worker, epoch and running list (unchecked)
 
 MAX_RUNNING_KEPT = 1000  # entries of a heartbeat's running list kept (more: it may be cut short)

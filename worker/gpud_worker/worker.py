@@ -55,9 +55,6 @@ log = logging.getLogger(__name__)
 HOUSEKEEPING_S = 0.02  # how often liveness, heartbeats and idle sessions are looked at
 UNACKED_TTL_S = 600.0  # seconds a RESULT is kept for a broker that never ACKs it
 STAGE_OUTPUTS_ABOVE = 8 << 20  # output files larger together are staged: fetched by the broker (PROTOCOL.md §11.5)
-_SIG = Peer.WORKER.value
-_RESULT = P.CMD_BYTES[Command.RESULT]
-_START = P.CMD_BYTES[Command.START]
 
 # Where a session call's answer goes: an int is the index of the broker link it came on; bytes are
 # the routing id of the client that sent it on the session's own socket.
@@ -667,7 +664,7 @@ class Worker:
         """Queue a RESULT from any thread; the loop sends it."""
         header["id"] = rid
         self._stamp(rid, header)
-        self.results.put((idx, rid, [_SIG, _RESULT, P.packb(header), *frames]))
+        self.results.put((idx, rid, P.encode(Peer.WORKER, Command.RESULT, header, frames)))
         self._wake()
 
     def _error(self, idx: int, rid: bytes, exc: GpudError) -> None:
@@ -915,7 +912,7 @@ class Worker:
                 wait.asked_at = now
                 asked.append(rid)
         if asked:
-            link.send([_SIG, _START, P.packb({"ids": asked})])
+            link.send(P.encode(Peer.WORKER, Command.START, {"ids": asked}))
 
     def _on_go(self, idx: int, link: BrokerLink, h: dict[str, Any]) -> None:
         """The active broker's answer to STARTs: each job named in ``ids`` may start, none named

@@ -59,30 +59,30 @@ def _gpu_work(core: BrokerCore) -> dict[str, dict[str, int]]:
     return work
 
 
-def _gpu_row(g: GpuRecord, work: dict[str, dict[str, int]]) -> dict[str, Any]:
-    s = g.state
+def _gpu_row(gpu: GpuRecord, work: dict[str, dict[str, int]]) -> dict[str, Any]:
+    state = gpu.state
     return {
-        "worker": g.worker.name,
-        "name": _gpu_name(g),
-        "uuid": g.uuid,
-        "index": g.info.index,
-        "model": g.info.model,
-        "mem": g.info.mem,
-        "cc": list(g.info.cc),
-        "simulated": g.info.simulated,
-        "util": s.util,
-        "mem_used": s.mem_used,
-        "temp": s.temp,
-        "power": s.power,
-        "health": "cordoned" if g.cordoned else s.health,
-        "measured_health": s.health,
-        "health_reason": s.health_reason,  # why the worker counts it failed; empty when ok
-        "probation_left_s": s.probation_left_s,  # failed, passing its checks: seconds until it serves
-        "cordoned": g.cordoned,
-        "granted_milli": g.granted_milli,
-        "granted_mem": g.granted_mem,
-        "tasks": g.tasks,
-        "work": dict(work.get(g.uuid, {})),
+        "worker": gpu.worker.name,
+        "name": _gpu_name(gpu),
+        "uuid": gpu.uuid,
+        "index": gpu.info.index,
+        "model": gpu.info.model,
+        "mem": gpu.info.mem,
+        "cc": list(gpu.info.cc),
+        "simulated": gpu.info.simulated,
+        "util": state.util,
+        "mem_used": state.mem_used,
+        "temp": state.temp,
+        "power": state.power,
+        "health": "cordoned" if gpu.cordoned else state.health,
+        "measured_health": state.health,
+        "health_reason": state.health_reason,  # why the worker counts it failed; empty when ok
+        "probation_left_s": state.probation_left_s,  # failed, passing its checks: seconds until it serves
+        "cordoned": gpu.cordoned,
+        "granted_milli": gpu.granted_milli,
+        "granted_mem": gpu.granted_mem,
+        "tasks": gpu.tasks,
+        "work": dict(work.get(gpu.uuid, {})),
     }
 
 
@@ -125,7 +125,7 @@ def status(target: Any, args: dict[str, Any]) -> dict[str, Any]:
     for w in core.registry:
         running += len(w.assigned)
         worker_rows.append(_worker_row(core, w))
-        gpu_rows.extend(_gpu_row(g, work) for g in w.gpus)
+        gpu_rows.extend(_gpu_row(gpu, work) for gpu in w.gpus)
     pair = getattr(target, "pair", None)
     return {
         "broker": {

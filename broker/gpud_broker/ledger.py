@@ -18,18 +18,18 @@ def grant(worker: WorkerRecord, gpus: list[GpuRecord], need: Need, pool: bool = 
     """Record a grant of ``need`` on ``gpus`` of ``worker`` and return it; with ``pool``, the work
     also holds one of the worker's pool users for ``need.tenant`` until it is released."""
     milli = need.milli_per_gpu
-    for g in gpus:
-        if g.worker is not worker:
-            raise LedgerError(f"GPU {g.uuid} is not on worker {worker.name}")
-        if g.free_milli < milli or g.free_mem < need.mem or g.exclusive:
-            raise LedgerError(f"GPU {g.uuid} cannot take {milli} milli / {need.mem} bytes")
-        if need.exclusive and g.tasks:
-            raise LedgerError(f"GPU {g.uuid} is in use; no exclusive grant")
+    for gpu in gpus:
+        if gpu.worker is not worker:
+            raise LedgerError(f"GPU {gpu.uuid} is not on worker {worker.name}")
+        if gpu.free_milli < milli or gpu.free_mem < need.mem or gpu.exclusive:
+            raise LedgerError(f"GPU {gpu.uuid} cannot take {milli} milli / {need.mem} bytes")
+        if need.exclusive and gpu.tasks:
+            raise LedgerError(f"GPU {gpu.uuid} is in use; no exclusive grant")
     if worker.free_cpu < need.cpu_milli or worker.free_host_mem < need.host_mem:
         raise LedgerError(f"worker {worker.name} lacks CPU or memory for the grant")
     made = Grant(
         worker=worker.name,
-        gpus=tuple(g.uuid for g in gpus),
+        gpus=tuple(gpu.uuid for gpu in gpus),
         gpu_milli=milli,
         mem=need.mem,
         cpu_milli=need.cpu_milli,
@@ -37,9 +37,9 @@ def grant(worker: WorkerRecord, gpus: list[GpuRecord], need: Need, pool: bool = 
         exclusive=need.exclusive,
         pool_tenant=need.tenant if pool else "",
     )
-    for g in gpus:
-        g.milli_since_beat += milli
-        g.mem_since_beat += need.mem
+    for gpu in gpus:
+        gpu.milli_since_beat += milli
+        gpu.mem_since_beat += need.mem
     restore(worker, gpus, made)
     return made
 

@@ -101,18 +101,18 @@ class BrokerCollector(Collector):
             isolation.add_metric([w.name, w.isolation or "unknown", w.job_network or "unknown"], 1.0)
             if w.pool_users:
                 pool_free.add_metric([w.name], max(0, w.pool_users - sum(list(w.pool_held.values()))))
-            for g in list(w.gpus):
-                i, s = g.info, g.state
+            for gpu in list(w.gpus):
+                i, s = gpu.info, gpu.state
                 labels = [w.name, i.uuid, str(i.index), i.model, "true" if i.simulated else "false"]
                 util.add_metric(labels, s.util / 100.0)
                 used.add_metric(labels, s.mem_used)
                 total.add_metric(labels, i.mem)
                 temp.add_metric(labels, s.temp)
                 power.add_metric(labels, s.power)
-                granted.add_metric(labels, g.granted_milli / 1000.0)
-                granted_mem.add_metric(labels, g.granted_mem)
-                grants.add_metric(labels, g.tasks)
-                state = "cordoned" if g.cordoned else s.health
+                granted.add_metric(labels, gpu.granted_milli / 1000.0)
+                granted_mem.add_metric(labels, gpu.granted_mem)
+                grants.add_metric(labels, gpu.tasks)
+                state = "cordoned" if gpu.cordoned else s.health
                 for name in HEALTH_STATES:
                     health.add_metric([*labels, name], 1.0 if name == state else 0.0)
         out += [inflight, draining, heard, isolation, pool_free, util, used, total, temp, power, granted, granted_mem, grants, health]

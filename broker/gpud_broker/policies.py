@@ -170,12 +170,12 @@ def _place(
         if len(gpus) < count:
             continue
         if count == 1:  # the common case, on the broker's hot path: each GPU scored once
-            for g in gpus:
-                score = key(g, need)
+            for gpu in gpus:
+                score = key(gpu, need)
                 if best is None or score < best_score:
-                    best, best_gpus, best_score = w, [g], score
+                    best, best_gpus, best_score = w, [gpu], score
             continue
-        scored = sorted([(key(g, need), i) for i, g in enumerate(gpus)])[:count]
+        scored = sorted([(key(gpu, need), i) for i, gpu in enumerate(gpus)])[:count]
         score = sum(s for s, _ in scored) / count
         if best is None or score < best_score:
             best, best_gpus, best_score = w, [gpus[i] for _, i in scored], score

@@ -195,7 +195,7 @@ class WorkerRegistry:
             draining=name in self.drained,
             pool_index=self.pool_index,
         )
-        worker.gpus = [GpuRecord(info=g, worker=worker, cordoned=g.uuid in self.cordoned) for g in gpus]
+        worker.gpus = [GpuRecord(info=gpu, worker=worker, cordoned=gpu.uuid in self.cordoned) for gpu in gpus]
         stale = self.by_identity.get(identity)
         if stale is not None:  # a caller that did not remove it: its list entry goes too
             self._unlist(stale)
@@ -204,8 +204,8 @@ class WorkerRegistry:
         self.by_name[name] = worker
         worker.pos = len(self.workers)
         self.workers.append(worker)
-        for g in worker.gpus:
-            self.gpus[g.uuid] = g
+        for gpu in worker.gpus:
+            self.gpus[gpu.uuid] = gpu
         return worker
 
     def remove(self, worker: WorkerRecord) -> None:

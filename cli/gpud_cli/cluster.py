@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from gpud import protocol as P
+from gpud import protocol
 from gpud.errors import GpudError, Timeout, error_for
 from gpud.protocol import Command, Peer
 from gpud.security import CurveKeys, keygen
@@ -36,23 +36,23 @@ def admin_call(endpoint: str, cmd: str, args: dict[str, Any] | None = None, time
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(endpoint)
-        rid = P.new_id()
+        rid = protocol.new_id()
         header = {"id": rid, "cmd": cmd, "args": args or {}, "user": "gpud.cluster", "pid": os.getpid()}
-        sock.send_multipart(P.encode(Peer.ADMIN, Command.ADMIN, header))
+        sock.send_multipart(protocol.encode(Peer.ADMIN, Command.ADMIN, header))
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1):
                 raise Timeout(f"the broker's admin socket {endpoint} did not answer within {timeout:g}s")
-            msg = P.decode(sock.recv_multipart(), Peer.ADMIN)
-            h = msg.header
+            msg = protocol.decode(sock.recv_multipart(), Peer.ADMIN)
+            reply = msg.header
             if msg.command is Command.ERROR:
-                raise error_for(str(h.get("code")), str(h.get("message")))
-            if msg.command is not Command.REPLY or h.get("id") != rid:
+                raise error_for(str(reply.get("code")), str(reply.get("message")))
+            if msg.command is not Command.REPLY or reply.get("id") != rid:
                 continue
-            if h.get("ok") is not True:
-                raise error_for(str(h.get("code")), str(h.get("message")))
-            return h.get("result")
+            if reply.get("ok") is not True:
+                raise error_for(str(reply.get("code")), str(reply.get("message")))
+            return reply.get("result")
     finally:
         sock.close(0)
 

@@ -20,7 +20,7 @@ import zmq
 from gpud.errors import ConfigError, GpudError, InvalidRequest
 from gpud.protocol import id_text, new_id, parse_need
 from gpud.security import CurveKeys
-from gpud_client import _request as rq
+from gpud_client import _request
 from gpud_client._request import JobResult, Need, need_of
 from gpud_client.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_WINDOW
 from gpud_client.connection import (
@@ -272,13 +272,13 @@ class Client:
         """Send an echo request without waiting; ``Pending.wait()`` returns the payload."""
         limit = self._settings.timeout if timeout is None else timeout
         rid = new_id()
-        view = rq.as_view(payload, "payload")
-        frames = rq.request_frames(
-            rid, "echo", {"tenant": self.tenant}, rq.timeout_ms(limit), payload=[view]
+        view = _request.as_view(payload, "payload")
+        frames = _request.request_frames(
+            rid, "echo", {"tenant": self.tenant}, _request.timeout_ms(limit), payload=[view]
         )
         what = f"echo {id_text(rid)}"
         self._conn.submit(rid, frames, what, nbytes=2 * view.nbytes)
-        return Pending(self._conn, rid, rq.parse_echo, limit, what, cancellable=True)
+        return Pending(self._conn, rid, _request.parse_echo, limit, what, cancellable=True)
 
     def submit(
         self,
@@ -340,7 +340,7 @@ class Client:
         Job
             ``Job.wait()`` returns the :class:`JobResult`.
         """
-        body, payload = rq.job_body(argv, files, outputs, env, time_limit, output_cap, idempotent)
+        body, payload = _request.job_body(argv, files, outputs, env, time_limit, output_cap, idempotent)
         given = Need(gpu_milli, gpus, mem, models, min_cc, exclusive, priority, cpu_milli, host_mem)
         wire_need = need_of(need, given).wire("job", self.tenant)
         if timeout is None:
@@ -354,10 +354,10 @@ class Client:
         if sum([v.nbytes for v in payload]) > settings.chunk_bytes:
             # Large inputs go in chunks, the REQUEST right after their upload opens (PROTOCOL.md §11).
             body["staged"] = [v.nbytes for v in payload]
-            frames = rq.request_frames(rid, "job", wire_need, rq.timeout_ms(queue_wait), body, [])
+            frames = _request.request_frames(rid, "job", wire_need, _request.timeout_ms(queue_wait), body, [])
             stage(self._conn, rid, payload, self.tenant, settings.timeout, lambda: self._conn.submit(rid, frames, what))
         else:
-            self._conn.submit(rid, rq.request_frames(rid, "job", wire_need, rq.timeout_ms(queue_wait), body, payload),
+            self._conn.submit(rid, _request.request_frames(rid, "job", wire_need, _request.timeout_ms(queue_wait), body, payload),
                               what)
         convert = job_result(self._conn, self.tenant, settings.timeout)
         return Job(self._conn, rid, convert, overall, what, cancellable=True)

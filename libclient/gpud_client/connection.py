@@ -33,7 +33,7 @@ from gpud.errors import Busy, ConfigError, GpudError, InternalError, Timeout
 from gpud.protocol import Command, Message, Peer, decode, id_text, new_routing_id, unbatch
 from gpud.security import HANDSHAKE_FAILURES, CurveKeys, apply_client_keys
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
-from gpud_client import _request as rq
+from gpud_client import _request
 from gpud_client._request import JobResult
 from gpud_client.direct import DataLink, DataOffer
 
@@ -380,7 +380,7 @@ class Connection:
         self._enter()
         try:
             if not self._closed:
-                self.send(rq.cancel_frames(rid))
+                self.send(_request.cancel_frames(rid))
         except Busy:  # no connection (e.g. a refused CURVE handshake): nothing to cancel there
             log.debug("no connection to send CANCEL %s on", id_text(rid))
         finally:
@@ -446,7 +446,7 @@ class Connection:
         )
         self._read_handshakes()  # now and then, so that the monitor's queue never fills
         try:
-            self.send(rq.ping_frames(self._session_ids()))
+            self.send(_request.ping_frames(self._session_ids()))
         except Busy:
             # With unbounded queues this means no connection at all (a refused CURVE handshake
             # drops it): as good as a PING that goes unanswered.
@@ -727,7 +727,7 @@ class Connection:
                         "keepalive: %s silent; PINGing the other endpoints too",
                         self._endpoints[current],
                     )
-                frames = rq.ping_frames(ids)
+                frames = _request.ping_frames(ids)
                 for index in targets:
                     if index not in socks:
                         socks[index], _ = self._connect(self._endpoints[index], KEEPALIVE_HWM)

@@ -31,7 +31,7 @@ from gpud.admin_commands import COMMANDS
 from gpud.errors import GpudError, Timeout
 from gpud.log import setup_logging
 from gpud.protocol import Command, Peer, decode, id_text, new_id
-from gpud_client import _request as rq
+from gpud_client import _request
 
 __all__ = ["DEFAULT_ADMIN_ENDPOINT", "admin_call", "format_status", "main", "render", "render_result"]
 
@@ -89,7 +89,7 @@ def admin_call(
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)
         rid = new_id()
-        sock.send_multipart(rq.admin_frames(rid, cmd, args, _who() if who is None else who), flags=zmq.NOBLOCK)
+        sock.send_multipart(_request.admin_frames(rid, cmd, args, _who() if who is None else who), flags=zmq.NOBLOCK)
         deadline = monotonic() + timeout
         dropped = ""
         while True:
@@ -111,11 +111,11 @@ def admin_call(
             got = msg.header.get("id")
             if got != rid:
                 if msg.command is Command.ERROR and got is None:
-                    raise rq.error_from(msg.header)
+                    raise _request.error_from(msg.header)
                 log.debug("dropped a reply for another request %r", got)
                 continue
             log.debug("admin %s %s answered", cmd, id_text(rid))
-            header = rq.check_reply(msg)
+            header = _request.check_reply(msg)
             return header.get("result")
     finally:
         sock.close(linger=0)

@@ -26,7 +26,7 @@ from gpud.errors import (
     WorkerLost,
 )
 from gpud.protocol import Message, id_text, new_id, parse_dims
-from gpud_client import _request as rq
+from gpud_client import _request
 from gpud_client._request import DevicePtr
 from gpud_client.chunks import plan, run_windowed
 from gpud_client.connection import Connection, Converter, Pending, collect
@@ -77,10 +77,10 @@ def open_session(
     replica for it, PROTOCOL.md §9.4)."""
     rid = new_id()
     body = {"replaces": replaces} if replaces is not None else None
-    frames = rq.request_frames(rid, "session", need, rq.timeout_ms(limit), body)
+    frames = _request.request_frames(rid, "session", need, _request.timeout_ms(limit), body)
 
     def convert(msg: Message) -> tuple[bytes, str, dict[str, Any], Any]:
-        return rq.parse_session_open(msg, rid)
+        return _request.parse_session_open(msg, rid)
 
     what = f"session request {id_text(rid)}"
     conn.submit(rid, frames, what)
@@ -285,7 +285,7 @@ class Session:
         always through the broker, which ends the session (PROTOCOL.md §10.3)."""
         conn = self._conn if op == "close" else self._link
         rid = new_id()
-        frames = rq.call_frames(rid, self.id, op, args, payload, None if op == "close" else self._cap)
+        frames = _request.call_frames(rid, self.id, op, args, payload, None if op == "close" else self._cap)
         if isinstance(conn, DataLink):  # straight to the worker: one call alone, the short way
             sid = self.id
             return convert(conn.call(rid, frames, limit, lambda: f"session {id_text(sid)} {op} {id_text(rid)}", expect))
@@ -322,17 +322,17 @@ class Session:
             if op == "htod":
                 payload: Sequence[Any] = (part,)
                 expect = 0
-                convert: Converter[None] = rq.parse_empty
+                convert: Converter[None] = _request.parse_empty
             else:
                 wire["nbytes"] = size
                 payload, expect = (), size
 
                 def convert(msg: Message) -> None:
-                    part[:] = rq.parse_dtoh(msg, size)
+                    part[:] = _request.parse_dtoh(msg, size)
 
             rid = new_id()
             what = f"session {id_text(sid)} {op} {id_text(rid)} (bytes {start}..{start + size})"
-            conn.submit(rid, rq.call_frames(rid, sid, op, wire, payload, cap), what, expect)
+            conn.submit(rid, _request.call_frames(rid, sid, op, wire, payload, cap), what, expect)
             return Pending(conn, rid, convert, limit, what, cancellable=False)
 
         run_windowed(
@@ -433,17 +433,17 @@ class Session:
         """Send one journal entry to the current session; ``handles`` maps as it goes."""
         wire = self._wire(entry.op, entry.args, handles)
         if entry.op == "alloc":
-            handles[entry.handle] = self._send("alloc", wire, rq.parse_handle, limit)
+            handles[entry.handle] = self._send("alloc", wire, _request.parse_handle, limit)
         elif entry.op == "htod":
             data = memoryview(entry.data)
             if data.nbytes > self._settings.chunk_bytes:  # chunked as it was sent the first time
                 self._send_chunks("htod", wire, data, limit)
             else:
-                self._send("htod", wire, rq.parse_empty, limit, payload=[data])
+                self._send("htod", wire, _request.parse_empty, limit, payload=[data])
         elif entry.op == "load":
-            self._send("load", wire, rq.parse_empty, limit, payload=[entry.data])
+            self._send("load", wire, _request.parse_empty, limit, payload=[entry.data])
         else:
-            self._send(entry.op, wire, rq.parse_empty, limit)
+            self._send(entry.op, wire, _request.parse_empty, limit)
             if entry.op == "free":
                 del handles[entry.handle]
 
@@ -453,7 +453,7 @@ class Session:
         conn = self._conn
         conn.remove_session(self.id)
         try:
-            conn.send(rq.call_frames(new_id(), self.id, "close", {}))
+            conn.send(_request.call_frames(new_id(), self.id, "close", {}))
         except GpudError as exc:
             log.debug("could not send close for session %s: %s", id_text(self.id), exc)
 
@@ -489,7 +489,7 @@ class Session:
         """
         if type(nbytes) is not int or nbytes < 0:
             raise InvalidRequest("nbytes must be a non-negative int")
-        real = self._call("alloc", {"nbytes": nbytes}, rq.parse_handle, timeout)
+        real = self._call("alloc", {"nbytes": nbytes}, _request.parse_handle, timeout)
         handle = self._adopt(real)
         self._journal.alloc(handle, nbytes)
         return DevicePtr(handle, nbytes, self._key)
@@ -497,7 +497,7 @@ class Session:
     def mem_free(self, ptr: DevicePtr | int, *, timeout: float | None = None) -> None:
         """Free an allocation."""
         handle = self._handle_of(ptr)
-        self._call("free", {"handle": handle}, rq.parse_empty, timeout)
+        self._call("free", {"handle": handle}, _request.parse_empty, timeout)
         self._handles.pop(handle, None)
         self._journal.free(handle)
 
@@ -519,13 +519,13 @@ class Session:
         copy. If a chunk fails, the copy raises that chunk's error and the device range is
         partly written."""
         handle = self._handle_of(ptr)
-        view = rq.as_view(buffer, "buffer")
+        view = _request.as_view(buffer, "buffer")
         _check_range(ptr, offset, view.nbytes)
         args = {"handle": handle, "offset": offset}
         if view.nbytes > self._settings.chunk_bytes:
             self._copy("htod", args, view, timeout)
         else:
-            self._call("htod", args, rq.parse_empty, timeout, payload=[view])
+            self._call("htod", args, _request.parse_empty, timeout, payload=[view])
         if self._journal.usable:
             self._journal.htod(handle, offset, view)  # copied there only if it fits
 
@@ -566,7 +566,7 @@ class Session:
         handle = self._handle_of(ptr)
         target: memoryview | None = None
         if out is not None:
-            target = rq.as_view(out, "out")
+            target = _request.as_view(out, "out")
             if target.readonly:
                 raise InvalidRequest("out must be a writable buffer")
             if nbytes is None:
@@ -586,7 +586,7 @@ class Session:
             self._copy("dtoh", {"handle": handle, "offset": offset}, dest, timeout)
             return out if target is not None else bytes(dest)
         args = {"handle": handle, "offset": offset, "nbytes": size}
-        data = self._call("dtoh", args, lambda m: rq.parse_dtoh(m, size), timeout, expect=size)
+        data = self._call("dtoh", args, lambda m: _request.parse_dtoh(m, size), timeout, expect=size)
         if target is None:
             return bytes(data)
         target[:] = data
@@ -618,7 +618,7 @@ class Session:
         parse_dims(block_l, "block")
         if type(shared_mem) is not int or shared_mem < 0:
             raise InvalidRequest("shared_mem must be a non-negative int")
-        wire_args = [rq.encode_launch_arg(i, a, self._key) for i, a in enumerate(args)]
+        wire_args = [_request.encode_launch_arg(i, a, self._key) for i, a in enumerate(args)]
         body = {
             "module": module,
             "name": name,
@@ -627,7 +627,7 @@ class Session:
             "args": wire_args,
             "shared_mem": shared_mem,
         }
-        self._call("launch", body, rq.parse_empty, timeout)
+        self._call("launch", body, _request.parse_empty, timeout)
         self._journal.launch(module, name, grid_l, block_l, wire_args, shared_mem)
 
     def module_load(
@@ -677,7 +677,7 @@ class Session:
             name = f"module{n}"
         if type(name) is not str or not name:
             raise InvalidRequest("name must be a non-empty string")
-        data = source.encode("utf-8") if isinstance(source, str) else bytes(rq.as_view(source, "source"))
+        data = source.encode("utf-8") if isinstance(source, str) else bytes(_request.as_view(source, "source"))
         args = {"kind": kind, "name": name, "options": list(options)}
         functions = self._call("load", args, _parse_load, timeout, payload=[data])
         self._modules[name] = functions
@@ -693,12 +693,12 @@ class Session:
     def synchronize(self, *, timeout: float | None = None) -> None:
         """Wait until every launch of this session has finished (errors of kernels surface here
         or at the launch, as RemoteError)."""
-        self._call("sync", {}, rq.parse_empty, timeout)
+        self._call("sync", {}, _request.parse_empty, timeout)
 
     def device_info(self, *, timeout: float | None = None) -> dict[str, Any]:
         """The session's GPU and memory: ``gpu``, ``mem_granted``, ``mem_used``, ``simulated``;
         ``process`` (``pid``, ``uid``) where the worker runs the session in a process of its own."""
-        return self._call("info", {}, rq.parse_info, timeout)
+        return self._call("info", {}, _request.parse_info, timeout)
 
     def close(self, *, timeout: float | None = None) -> None:
         """End the session and release its grant. Idempotent; a session the broker already ended
@@ -707,7 +707,7 @@ class Session:
             return
         self._conn.remove_session(self.id)
         try:
-            self._call("close", {}, rq.parse_empty, timeout)
+            self._call("close", {}, _request.parse_empty, timeout)
         except (SessionLost, GpuFault):
             pass
         finally:
@@ -730,7 +730,7 @@ class Session:
             return None
         self._closed = True
         self._drop_link()
-        return rq.call_frames(new_id(), self.id, "close", {})
+        return _request.call_frames(new_id(), self.id, "close", {})
 
 
 # --------------------------------------------------------------------------- helpers
@@ -738,7 +738,7 @@ class Session:
 
 def _parse_load(msg: Message) -> list[str]:
     """The kernel names of a ``load`` CALL's REPLY (empty when the worker does not know them)."""
-    header = rq.check_reply(msg)
+    header = _request.check_reply(msg)
     functions = header.get("functions", [])
     if type(functions) is not list or not all(type(f) is str for f in functions):
         raise ProtocolError("load reply field 'functions' must be a list of strings")

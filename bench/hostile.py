@@ -13,9 +13,15 @@ and ``pinned``, the flood processes on the last CPU and the system under test (b
 on the others (``os.sched_setaffinity``). The flood is the same in both: it runs as fast as its CPU
 lets it.
 
-Usage::
+A's figures are p50, p99, p99.9 and the largest of ``--echoes`` echoes (2,000 by default: with
+300, p99 was the 3rd-worst sample and one scheduler hiccup moved it); each setup runs ``--runs``
+times (default 2), alternating, each run with a cluster and idle figures of its own. The broker's
+CPU during each flood is shown in all and for its loop (the main thread) and libzmq's I/O threads
+(TCP and CURVE) apart, and per flood unit (less what A's echoes cost it idle).
 
-    .venv/bin/python bench/hostile.py [--echoes 300] [--settle 1.5] [--setup both|raw|pinned]
+Usage (about 3.5 minutes on 2 quiet cores with the defaults)::
+
+    .venv/bin/python bench/hostile.py [--echoes 2000] [--runs 2] [--setup both|raw|pinned] [--only NAME]
 
 The last line is one JSON object; the tables before it are what BENCHMARKS.md shows.
 """
@@ -184,8 +190,31 @@ def pct(xs: list[float], q: float) -> float:
 
 def cpu_s(pid: int) -> float:
     """CPU seconds ``pid`` has used so far, all its threads (user and system)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return _cpu_of(Path(f"/proc/{pid}/stat"))
+
+
+def _cpu_of(stat: Path) -> float:
+    fields = stat.read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_thread(pid: int) -> dict[str, float]:
+    """CPU seconds so far of ``pid``'s main thread (``loop``: the broker's loop) and of its libzmq
+    I/O threads (``io``: TCP, CURVE), and of all its threads (``all``)."""
+    out = {"loop": 0.0, "io": 0.0, "all": cpu_s(pid)}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            if task.name == str(pid):
+                out["loop"] = _cpu_of(task / "stat")
+            elif (task / "comm").read_text().startswith("ZMQbg/IO"):
+                out["io"] += _cpu_of(task / "stat")
+        except OSError:
+            pass  # gone meanwhile
+    return out
+
+
+def _less(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
 
 
 def rss_mb(pid: int) -> float:
@@ -212,6 +241,11 @@ def _flood(fn: Callable[..., None], cpus: set[int] | None, *args: Any) -> None:
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
     fn(*args)
+
+
+def _figures(xs: list[float]) -> dict[str, float]:
+    """p50, p99, p99.9 and the largest of ``xs`` (seconds), in ms."""
+    return {"p50": pct(xs, 0.5) * 1e3, "p99": pct(xs, 0.99) * 1e3, "p999": pct(xs, 0.999) * 1e3, "max": max(xs) * 1e3}
 
 
 def measure(args: argparse.Namespace, pinned: bool) -> dict[str, Any]:
@@ -251,35 +285,46 @@ def measure(args: argparse.Namespace, pinned: bool) -> dict[str, Any]:
             with Client(c.frontend, timeout=60, curve=alice) as a:
                 if sut_cpus is not None:
                     pin_tree(os.getpid(), sut_cpus)
-                echo_latencies(a, 50)  # warm
-                t0, c0 = time.monotonic(), cpu_s(pid)
+                echo_latencies(a, 200)  # warm
+                t0, c0 = time.monotonic(), cpu_by_thread(pid)
                 idle = echo_latencies(a, args.echoes)
-                idle_share = (cpu_s(pid) - c0) / (time.monotonic() - t0)  # the broker's CPU for A's echoes alone
-                i50, i99 = pct(idle, 0.5), pct(idle, 0.99)
+                took = time.monotonic() - t0
+                # The broker's CPU for A's echoes alone, per thread kind.
+                idle_share = {k: v / took for k, v in _less(cpu_by_thread(pid), c0).items()}
+                base = _figures(idle)
                 rss_idle = rss_mb(pid)
                 for name, unit, fn, fargs in floods:
                     stop, sent = mp_ctx.Event(), mp_ctx.Value("d", 0.0, lock=False)
                     proc = mp_ctx.Process(target=_flood, args=(fn, flood_cpus, stop, sent, *fargs), daemon=True)
                     proc.start()
-                    time.sleep(args.settle)
-                    t0, n0, c0 = time.monotonic(), sent.value, cpu_s(pid)
+                    # The flood's own cost: the broker's CPU per flood unit over the last second of
+                    # the settling time, before A measures (A's echoes cost nothing then).
+                    time.sleep(max(0.0, args.settle - 1.0))
+                    t0, n0, c0 = time.monotonic(), sent.value, cpu_by_thread(pid)
+                    time.sleep(min(1.0, args.settle))
+                    alone_s, alone_n, alone = time.monotonic() - t0, sent.value - n0, _less(cpu_by_thread(pid), c0)
+                    t0, n0, c0 = time.monotonic(), sent.value, cpu_by_thread(pid)
                     during = echo_latencies(a, args.echoes)
                     took, n = time.monotonic() - t0, sent.value - n0
-                    broker_cpu = cpu_s(pid) - c0
-                    flood_cpu = max(0.0, broker_cpu - idle_share * took)  # less what A's own echoes cost it idle
+                    used = _less(cpu_by_thread(pid), c0)
                     rss = rss_mb(pid)
                     stop.set()
                     proc.join(20)
                     if proc.is_alive():
                         proc.kill()
-                    rows.append({"flood": name, "p50_ms": round(pct(during, 0.5) * 1e3, 2), "p99_ms": round(pct(during, 0.99) * 1e3, 2),
-                                 "p50_ratio": round(pct(during, 0.5) / i50, 2), "p99_ratio": round(pct(during, 0.99) / i99, 2),
-                                 "flood_rate": (f"{n / took:,.0f} {unit}/s" if unit not in ("jobs", "connections")
-                                                else f"{sent.value:,.0f} {unit} held"),
-                                 "broker_cpu_share": round(broker_cpu / took, 2),
-                                 "broker_cpu_us_each": (round(flood_cpu / n * 1e6, 1) if n > 0 and unit not in ("jobs", "connections")
-                                                        else None),
-                                 "broker_rss_mb": round(rss, 1), "alive": c.broker.poll() is None})
+                    fig = _figures(during)
+                    counted = n > 0 and unit not in ("jobs", "connections")
+                    rows.append({
+                        "flood": name, **{f"{k}_ms": round(v, 2) for k, v in fig.items()},
+                        **{f"{k}_ratio": round(fig[k] / base[k], 2) for k in fig},
+                        "flood_rate": f"{n / took:,.0f} {unit}/s" if unit not in ("jobs", "connections")
+                                      else f"{sent.value:,.0f} {unit} held",
+                        "broker_cpu": {k: round(v / took, 2) for k, v in used.items()},
+                        "broker_cpu_alone": {k: round(v / alone_s, 2) for k, v in alone.items()},
+                        # the flood alone: the broker's CPU per flood unit (messages, handshakes, echoes)
+                        "broker_cpu_us_each": ({k: round(v / alone_n * 1e6, 1) for k, v in alone.items()}
+                                               if counted and alone_n > 0 else None),
+                        "broker_rss_mb": round(rss, 1), "alive": c.broker.poll() is None})
                     time.sleep(1.0)
                     echo_latencies(a, 20)
         finally:
@@ -290,15 +335,34 @@ def measure(args: argparse.Namespace, pinned: bool) -> dict[str, Any]:
                 except OSError:
                     pass
         return {"setup": "pinned" if flood_cpus else "raw", "flood_cpus": sorted(flood_cpus or ()),
-                "sut_cpus": sorted(sut_cpus or mine), "idle_p50_ms": round(i50 * 1e3, 2),
-                "idle_p99_ms": round(i99 * 1e3, 2), "idle_rss_mb": round(rss_idle, 1),
-                "idle_broker_cpu_share": round(idle_share, 2),
+                "sut_cpus": sorted(sut_cpus or mine), **{f"idle_{k}_ms": round(v, 2) for k, v in base.items()},
+                "idle_rss_mb": round(rss_idle, 1), "idle_broker_cpu": {k: round(v, 2) for k, v in idle_share.items()},
+                "load": round(os.getloadavg()[0], 1),
                 "budgets": budgets["default"], "max_held_bytes": budgets["max_held_bytes"], "floods": rows}
+
+
+def show(r: dict[str, Any]) -> None:
+    where = (f"floods on CPU {r['flood_cpus']}, broker, worker and A on CPUs {r['sut_cpus']}" if r["flood_cpus"]
+             else f"everything on CPUs {r['sut_cpus']}")
+    cpu = r["idle_broker_cpu"]
+    print(f"\n{r['setup']} run {r['run']} ({where}; load {r['load']}). A's echo, idle: p50 {r['idle_p50_ms']} ms, "
+          f"p99 {r['idle_p99_ms']} ms, p99.9 {r['idle_p999_ms']} ms, max {r['idle_max_ms']} ms; broker RSS "
+          f"{r['idle_rss_mb']} MB, CPU {cpu['all']} cores (loop {cpu['loop']}, I/O threads {cpu['io']})")
+    print("| flood | its rate | broker CPU, cores: all (loop, I/O) | flood alone: cores; us each (loop, I/O) | A p50 ms | p99 ms "
+          "| p99.9 ms | max ms | p50 / idle | p99 / idle | p99.9 / idle | broker RSS MB | alive |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for f in r["floods"]:
+        c, e, al = f["broker_cpu"], f["broker_cpu_us_each"], f["broker_cpu_alone"]
+        each = f"{al['all']}; {e['all']} ({e['loop']}, {e['io']})" if e is not None else f"{al['all']}"
+        print(f"| {f['flood']} | {f['flood_rate']} | {c['all']} ({c['loop']}, {c['io']}) | {each} | {f['p50_ms']} "
+              f"| {f['p99_ms']} | {f['p999_ms']} | {f['max_ms']} | {f['p50_ratio']} | {f['p99_ratio']} "
+              f"| {f['p999_ratio']} | {f['broker_rss_mb']} | {f['alive']} |")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--echoes", type=int, default=300, help="A's sequential echoes per figure (default %(default)s)")
+    p.add_argument("--echoes", type=int, default=2000, help="A's sequential echoes per figure (default %(default)s)")
+    p.add_argument("--runs", type=int, default=2, help="runs of each setup, alternating (default %(default)s)")
     p.add_argument("--settle", type=float, default=1.5, help="seconds a flood runs before A measures (default %(default)s)")
     p.add_argument("--payload-bytes", type=int, default=DEFAULT_MAX_ECHO_BYTES,
                    help="size of B's echoes in the payload flood (default %(default)s: the broker's max_echo_bytes)")
@@ -307,19 +371,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--setup", choices=("both", "raw", "pinned"), default="both",
                    help="raw: all on all CPUs; pinned: floods on the last CPU, the rest on the others (default %(default)s)")
     args = p.parse_args(argv)
-    results = [measure(args, pinned) for pinned in ((False, True) if args.setup == "both" else (args.setup == "pinned",))]
-    for r in results:
-        where = (f"floods on CPU {r['flood_cpus']}, broker, worker and A on CPUs {r['sut_cpus']}" if r["flood_cpus"]
-                 else f"everything on CPUs {r['sut_cpus']}")
-        print(f"\n{r['setup']} ({where}). A's echo, idle: p50 {r['idle_p50_ms']} ms, p99 {r['idle_p99_ms']} ms; "
-              f"broker RSS {r['idle_rss_mb']} MB, CPU {r['idle_broker_cpu_share']} cores")
-        print("| flood | its rate | broker CPU (cores; us each, less A's) | A p50 ms | A p99 ms | p50 / idle | p99 / idle "
-              "| broker RSS MB | broker alive |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        for f in r["floods"]:
-            each = f"; {f['broker_cpu_us_each']}" if f["broker_cpu_us_each"] is not None else ""
-            print(f"| {f['flood']} | {f['flood_rate']} | {f['broker_cpu_share']}{each} | {f['p50_ms']} | {f['p99_ms']} "
-                  f"| {f['p50_ratio']} | {f['p99_ratio']} | {f['broker_rss_mb']} | {f['alive']} |")
+    setups = (False, True) if args.setup == "both" else (args.setup == "pinned",)
+    results = []
+    for run in range(1, args.runs + 1):
+        for pinned in setups:
+            r = measure(args, pinned)
+            r["run"] = run
+            show(r)
+            results.append(r)
+    print("\nA's echo p99 / idle (p99.9 / idle), every run:")
+    names = [f["flood"] for f in results[0]["floods"]]
+    print("| flood | " + " | ".join(f"{r['setup']} {r['run']}" for r in results) + " |")
+    print("| --- |" + " --- |" * len(results))
+    for i, name in enumerate(names):
+        print(f"| {name} | " + " | ".join(f"{r['floods'][i]['p99_ratio']} ({r['floods'][i]['p999_ratio']})"
+                                          for r in results) + " |")
+    print("| idle p99 ms (p99.9) | " + " | ".join(f"{r['idle_p99_ms']} ({r['idle_p999_ms']})" for r in results) + " |")
     print(json.dumps({"setups": results, "cpus": os.cpu_count(), "payload_bytes": args.payload_bytes}))
     return 0
 

@@ -30,7 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 from gpud import notify, protocol
 from gpud.errors import Busy, ConfigError, GpudError, InternalError, ShuttingDown, UnknownCommand
 from gpud.protocol import Command, Peer
-from gpud.ratelog import OTHERS, RateLimit
+from gpud.ratelog import OTHERS, Allowance, RateLimit
 from gpud.security import (
     ADMIN_DOMAIN,
     BACKEND_DOMAIN,
@@ -72,10 +72,11 @@ GATE_CHECK_S = 5.0  # at most this often, a refusal by the gate first checks the
 CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED  # what the frontend's monitor reports besides failed handshakes
 PASS_MESSAGES = 32  # messages of one sender read from the frontend in one pass at most (then the others' turn)
 PASS_BYTES = 1 << 20  # payload bytes read from the frontend in one pass at most (then the workers' turn)
-PASS_BAD = 8  # bad messages read from the frontend in one pass at most (each costs an ERROR: then the others' turn)
+PASS_BAD = 8  # bad messages answered in one frontend pass at most (each costs an ERROR: then the others' turn)
+BAD_ANSWERED = 1000  # per sender, bad messages answered per BAD_WINDOW_S at most (the rest: counted, PROTOCOL.md §7)
+BAD_WINDOW_S = 1.0
 SIDE_BATCH = 64  # ZAP requests, and events of each monitor, handled per call at most (then the sockets' turn)
 WAITING_SHARES = 16  # a sender's messages waiting behind its echoes in flight: this many shares of bytes at most
-_REQUEST = protocol.CMD_BYTES[Command.REQUEST]
 _NEW_WORK = (protocol.CMD_BYTES[Command.REQUEST], protocol.CMD_BYTES[Command.CALL], protocol.CMD_BYTES[Command.PUT])
 _WHO_WORKER = frozenset((protocol.CMD_BYTES[Command.READY], protocol.CMD_BYTES[Command.BATCH]))  # worker messages read with their key's name
 
@@ -114,6 +115,7 @@ class Broker:
         self._fd_check_at = 0.0
         self._gate_check_at = 0.0
         self._bad_log = RateLimit(BAD_LOG_S, time.monotonic, max_new=BAD_LOG_SOURCES)
+        self._bad_answers = Allowance(BAD_ANSWERED, BAD_WINDOW_S, time.monotonic)
         self.gate = ConnectionGate(config.connection_limits or default_limits(resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
         share = config.echo_bytes_in_flight or config.max_echo_bytes
         self.intake = EchoShare(share, WAITING_SHARES * share)
@@ -155,6 +157,7 @@ class Broker:
         to_client = _queue_in(self._to_clients)
         self.core = BrokerCore(config, time.monotonic(), send_client=to_client, send_worker=_queue_in(self._to_workers))
         self.core.worker_names_bound = self.security.curve
+        self.core.counters.setdefault("bad_unanswered", 0)  # bad messages past their sender's BAD_ANSWERED
         self.endpoints = Endpoints(
             frontend=bind(self.frontend, endpoints.frontend),
             backend=bind(self.backend, endpoints.backend),
@@ -188,11 +191,12 @@ class Broker:
         one table by (serving, draining): chosen when either changes, never tested per message."""
         self._on_client = MethodType(self._CLIENT_HANDLERS[(self._serving, self._refusing)], self)
 
-    def _serve_client(self, frames: list[bytes], tenant: str | None = None) -> None:
-        """Serving: the message goes to the core."""
+    def _serve_client(self, frames: list[bytes], tenant: str | None = None, msg: protocol.Message | None = None) -> None:
+        """Serving: the message goes to the core (``msg``: decoded already, by ``_take``)."""
         ident = frames[0]
         try:
-            msg = protocol.decode(frames[1:], Peer.CLIENT, self.config.max_message_bytes)
+            if msg is None:
+                msg = protocol.decode(frames[1:], Peer.CLIENT, self.config.max_message_bytes)
             self.core.on_client(ident, msg, tenant)
         except GpudError as exc:
             self._bad(self.frontend, Peer.CLIENT, ident, frames, exc, tenant.partition(" ")[0] if tenant else None)
@@ -200,18 +204,20 @@ class Broker:
             log.exception("bug while handling a client message")
             self._bad(self.frontend, Peer.CLIENT, ident, frames, InternalError("internal error in the broker"))
 
-    def _serve_client_draining(self, frames: list[bytes], tenant: str | None = None) -> None:
+    def _serve_client_draining(self, frames: list[bytes], tenant: str | None = None,
+                               msg: protocol.Message | None = None) -> None:
         """Serving while draining: new requests and session calls are answered SHUTTING_DOWN (the
         client may go to the other broker); retries of known ids, pings and cancels are served."""
         if not self._refused_as_new_work(frames):
-            self._serve_client(frames, tenant)
+            self._serve_client(frames, tenant, msg)
 
-    def _vote_client(self, frames: list[bytes], tenant: str | None = None) -> None:
+    def _vote_client(self, frames: list[bytes], tenant: str | None = None, msg: protocol.Message | None = None) -> None:
         """Not serving (the passive broker of a pair): the pair's vote decides."""
         assert self.pair is not None
         self.pair.on_client(frames, tenant)
 
-    def _vote_client_draining(self, frames: list[bytes], tenant: str | None = None) -> None:
+    def _vote_client_draining(self, frames: list[bytes], tenant: str | None = None,
+                              msg: protocol.Message | None = None) -> None:
         """Not serving while draining: new work is answered SHUTTING_DOWN, the rest is sent to the
         peer as a passive broker's answer is (a stopping broker never takes over on a vote)."""
         if not self._refused_as_new_work(frames):
@@ -418,16 +424,26 @@ class Broker:
 
     def _take(self, frames: list[Any], user: str | None) -> None:
         """A client message through the echo share (``intake.EchoShare``): to the core now, kept
-        waiting behind its sender's echoes in flight, or answered BUSY when too much waits."""
+        waiting behind its sender's echoes in flight, or answered BUSY when too much waits. It is
+        decoded here, once (a malformed one goes on undecoded: its handler answers the error)."""
         sender = user.partition(" ")[0] if user else frames[0]  # a tenant (CURVE), else a routing id
+        msg = echo = None
         try:
-            echo = _echo_of(frames) if len(frames) > 4 and frames[2] == _REQUEST else None
-            took = self.intake.take(sender, frames, user, echo, self.core.now)
+            try:
+                msg = protocol.decode(frames[1:], Peer.CLIENT, self.config.max_message_bytes)
+            except GpudError:
+                pass
+            else:
+                if msg.command is Command.REQUEST and msg.frames and msg.header.get("kind") == "echo":
+                    rid = msg.header.get("id")
+                    if type(rid) is bytes and len(rid) == protocol.ID_BYTES:
+                        echo = rid, sum([len(f) for f in msg.frames])
+            took = self.intake.take(sender, frames, user, echo, self.core.now, msg)
         except Exception:  # a bug here must cost the share, never the broker
             log.exception("bug in the echo share; the message goes to the core unshared")
             took = True
         if took:
-            self._on_client(frames, user)
+            self._on_client(frames, user, msg)
         elif took is None:
             rid = protocol.peek_id(frames[1:])
             shown = f"tenant {sender}" if isinstance(sender, str) else "this client"
@@ -443,7 +459,7 @@ class Broker:
     def _let_waiting_go(self) -> None:
         """Hand the core the waiting messages whose turn it is (their sender's echoes answered)."""
         for w in self.intake.ready(self.core.now):
-            self._on_client(w.frames, w.user)
+            self._on_client(w.frames, w.user, w.msg)
 
     def _dropped_route(self) -> None:
         """Count a message dropped for its routing id; log at most once per DROP_LOG_S. The id is
@@ -681,19 +697,22 @@ class Broker:
 
     def _flush(self) -> None:
         """Send what the core queued: each peer's messages in order, runs of small ones as BATCHes.
-        Replies to echoes in flight let their bytes go (``intake.EchoShare``)."""
-        if self.intake.in_flight and self._to_clients:
+        Replies to echoes in flight let their bytes go (``intake.EchoShare``): only the replies to
+        routing ids with echoes in flight are looked into."""
+        routes = self.intake.routes
+        if routes and self._to_clients:
             answered = self.intake.answered
-            for msgs in self._to_clients.values():
-                for frames in msgs:
-                    rid = protocol.peek_id(frames)
-                    if rid is not None:
-                        answered(rid)
+            for ident, msgs in self._to_clients.items():
+                if ident in routes:
+                    for frames in msgs:
+                        rid = protocol.peek_id(frames)
+                        if rid is not None:
+                            answered(rid)
         for sock, box in self._outboxes:
             for ident, msgs in box.items():
-                for frames in protocol.batched(msgs):
+                for out in protocol.batched(msgs):
                     sock.send(ident, SNDMORE)
-                    send_frames(sock, frames)
+                    send_frames(sock, out)
             box.clear()
 
     def _start_drain(self) -> None:
@@ -789,41 +808,32 @@ class Broker:
 
     def _bad(self, sock: zmq.Socket[bytes], peer: Peer, ident: bytes, frames: list[bytes], exc: GpudError,
              tenant: str | None = None) -> None:
-        """Log a message we could not use and answer it where the sender can be addressed. The
-        log is rate-limited per sender (a client's tenant under CURVE, else its routing id): its
-        first bad message of each BAD_LOG_S in full, the rest counted (``_report_held_back``)."""
-        self.core.counters["bad_messages"] += 1
-        self._bad_in_pass += 1
+        """Log a message we could not use and answer it where the sender can be addressed. Per
+        sender (a client's tenant under CURVE, else its routing id) the log is rate-limited, its
+        first bad message of each BAD_LOG_S in full, the rest counted (``_report_held_back``), and
+        so are the answers: past BAD_ANSWERED in a BAD_WINDOW_S, the rest of the window's bad
+        messages are counted (``bad_unanswered``) and not answered (PROTOCOL.md §7), so that a
+        flood of them costs no replies."""
+        counters = self.core.counters
+        counters["bad_messages"] += 1
         who = f"tenant {tenant}" if tenant is not None else ident.hex()[:16]
-        held = self._bad_log((peer.name.lower(), who))
+        source = (peer.name.lower(), who)
+        held = self._bad_log(source)
         if held is not None:
-            log.warning("bad message from %s %s: %s %s%s", peer.name.lower(), who, exc.code, exc.message,
+            log.warning("bad message from %s %s: %s %s%s", source[0], who, exc.code, exc.message,
                         f" ({held} more bad message(s) from it since its last line)" if held else "")
+        answer = self._bad_answers(source)
+        rid = protocol.peek_id(frames[1:]) if answer or ident in self.intake.routes else None
+        if rid is not None and self.intake.in_flight:
+            self.intake.answered(rid)
+        if not answer:
+            counters["bad_unanswered"] += 1
+            return
+        self._bad_in_pass += 1
         header: dict[str, Any] = {"code": exc.code, "message": exc.message}
-        rid = protocol.peek_id(frames[1:])
         if rid is not None:
             header["id"] = rid
-            if self.intake.in_flight:
-                self.intake.answered(rid)
-        sock.send_multipart([ident, *protocol.encode(peer, Command.ERROR, header)])
-
-
-def _echo_of(frames: list[Any]) -> tuple[bytes, int] | None:
-    """(id, payload bytes) of a REQUEST of kind echo (``frames``: with the routing id); None for
-    another kind or a header the core will refuse anyway."""
-    try:
-        raw = protocol.as_bytes(frames[3])
-        if len(raw) > protocol.MAX_HEADER_BYTES:
-            return None
-        header = protocol.unpackb(raw)
-    except Exception:  # garbage msgpack raises many types
-        return None
-    if type(header) is not dict or header.get("kind") != "echo":
-        return None
-    rid = header.get("id")
-    if type(rid) is not bytes or len(rid) != protocol.ID_BYTES:
-        return None
-    return rid, sum([len(f) for f in frames[4:]])
+        send_frames(sock, [ident, *protocol.encode(peer, Command.ERROR, header)])
 
 
 def _tcp_port(endpoint: str) -> int | None:

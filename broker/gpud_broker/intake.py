@@ -12,7 +12,9 @@ waiting, a sender's new messages are refused (the shell answers BUSY). Other sen
 never wait here.
 
 Pure: the socket shell (``broker.Broker``) says what it read and what it answered; the caller
-passes the time. A sender is a tenant under CURVE (its key's), else a routing id.
+passes the time. A sender is a tenant under CURVE (its key's), else a routing id. The routing ids
+that have echoes in flight are kept (``routes``), so that the shell looks for answered echoes only
+among the replies to those.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Waiting:
     user: str | None
     echo: tuple[bytes, int] | None  # (id, payload bytes) when it is an echo
     since: float
+    msg: Any = None  # the message decoded, when the shell decoded it already
 
 
 class EchoShare:
@@ -44,7 +47,8 @@ class EchoShare:
         self.max_waiting_bytes = max_waiting_bytes
         self.max_wait_s = max_wait_s
         self.max_waiting = max_waiting
-        self.in_flight: dict[bytes, tuple[Hashable, int, float]] = {}  # echo id -> (sender, bytes, since)
+        self.in_flight: dict[bytes, tuple[Hashable, int, float, bytes]] = {}  # echo id -> (sender, bytes, since, route)
+        self.routes: dict[bytes, int] = {}  # routing id -> echoes in flight whose reply goes to it
         self.bytes_of: dict[Hashable, int] = {}  # sender -> echo bytes in flight
         self.waiting: dict[Hashable, deque[Waiting]] = {}  # sender -> its messages waiting, in order
         self.waiting_bytes: dict[Hashable, int] = {}
@@ -52,14 +56,15 @@ class EchoShare:
         self.refused = 0  # messages refused for a sender waiting past its bounds, so far
 
     def take(self, sender: Hashable, frames: list[Any], user: str | None, echo: tuple[bytes, int] | None,
-             now: float) -> bool | None:
-        """A message read: True, hand it to the core now; False, it waits (``ready`` gives it back
-        later); None, refused (the sender has too much waiting)."""
+             now: float, msg: Any = None) -> bool | None:
+        """A message read (``frames[0]``: its routing id; ``msg``: decoded, if it was): True, hand
+        it to the core now; False, it waits (``ready`` gives it back later); None, refused (the
+        sender has too much waiting)."""
         queue = self.waiting.get(sender)
         if queue is None:
-            if echo is None or not self._over(sender, echo):
+            if echo is None or not self._over(sender, echo, now):
                 if echo is not None:
-                    self._fly(sender, echo, now)
+                    self._fly(sender, echo, now, frames[0])
                 return True
             queue = self.waiting[sender] = deque()
             self.waiting_bytes[sender] = 0
@@ -67,7 +72,7 @@ class EchoShare:
         if len(queue) >= self.max_waiting or self.waiting_bytes[sender] + nbytes > self.max_waiting_bytes:
             self.refused += 1
             return None
-        queue.append(Waiting(frames, user, echo, now))
+        queue.append(Waiting(frames, user, echo, now, msg))
         self.waiting_bytes[sender] += nbytes
         self.waited += 1
         return False
@@ -76,7 +81,7 @@ class EchoShare:
         """A reply to ``rid`` was sent: if it was an echo in flight, its bytes are let go."""
         entry = self.in_flight.pop(rid, None)
         if entry is not None:
-            self._land(entry[0], entry[1])
+            self._land(*entry)
 
     def ready(self, now: float) -> list[Waiting]:
         """The waiting messages that may go now, each sender's in order: those before its next
@@ -87,9 +92,9 @@ class EchoShare:
             while queue:
                 head = queue[0]
                 if head.echo is not None:
-                    if self._over(sender, head.echo) and now - head.since < self.max_wait_s:
+                    if self._over(sender, head.echo, now) and now - head.since < self.max_wait_s:
                         break
-                    self._fly(sender, head.echo, now)
+                    self._fly(sender, head.echo, now, head.frames[0])
                     self.waiting_bytes[sender] -= head.echo[1]
                 out.append(queue.popleft())
             if not queue:
@@ -99,29 +104,45 @@ class EchoShare:
     def forget_old(self, now: float) -> int:
         """Forget echoes in flight whose reply was never seen for FORGET_S (one answered in a way
         the shell did not see); returns how many."""
-        old = [rid for rid, (_, _, since) in self.in_flight.items() if now - since >= FORGET_S]
+        old = [rid for rid, (_, _, since, _) in self.in_flight.items() if now - since >= FORGET_S]
         for rid in old:
             self.answered(rid)
         return len(old)
 
-    def _over(self, sender: Hashable, echo: tuple[bytes, int]) -> bool:
+    def _over(self, sender: Hashable, echo: tuple[bytes, int], now: float) -> bool:
         """Would ``echo`` take ``sender`` past its share? (Never its first, nor a retry of one in flight.)"""
         held = self.bytes_of.get(sender, 0)
         return held > 0 and held + echo[1] > self.share and echo[0] not in self.in_flight
 
-    def _fly(self, sender: Hashable, echo: tuple[bytes, int], now: float) -> None:
+    def _fly(self, sender: Hashable, echo: tuple[bytes, int], now: float, route: bytes) -> None:
         rid, nbytes = echo
-        if rid in self.in_flight or nbytes <= 0:  # a retry of an echo in flight: counted once; no bytes: nothing
+        entry = self.in_flight.get(rid)
+        if entry is not None:  # a retry of an echo in flight: counted once, its reply goes to the retry's route
+            if entry[3] != route:
+                self._unroute(entry[3])
+                self.in_flight[rid] = (*entry[:3], route)
+                self.routes[route] = self.routes.get(route, 0) + 1
             return
-        self.in_flight[rid] = (sender, nbytes, now)
+        if nbytes <= 0:  # no bytes: nothing held
+            return
+        self.in_flight[rid] = (sender, nbytes, now, route)
         self.bytes_of[sender] = self.bytes_of.get(sender, 0) + nbytes
+        self.routes[route] = self.routes.get(route, 0) + 1
 
-    def _land(self, sender: Hashable, nbytes: int) -> None:
+    def _land(self, sender: Hashable, nbytes: int, since: float, route: bytes) -> None:
         left = self.bytes_of.get(sender, 0) - nbytes
         if left > 0:
             self.bytes_of[sender] = left
         else:
             del self.bytes_of[sender]
+        self._unroute(route)
+
+    def _unroute(self, route: bytes) -> None:
+        left = self.routes[route] - 1
+        if left:
+            self.routes[route] = left
+        else:
+            del self.routes[route]
 
     def shown(self) -> dict[str, Any]:
         """For admin ``status``: the share and what is held now."""

@@ -351,6 +351,39 @@ def test_random_frames(cluster: LocalCluster, ctx: zmq.Context[Any], side: str) 
     assert_alive(cluster)
 
 
+def test_a_flood_of_bad_messages_is_answered_up_to_its_senders_allowance(
+    cluster: LocalCluster, ctx: zmq.Context[Any]
+) -> None:
+    """PROTOCOL.md §7: of one sender's bad messages, BAD_ANSWERED per BAD_WINDOW_S are answered;
+    the rest of that window's are counted (``bad_unanswered``) and not answered, so that a flood
+    of them costs the broker no replies. Its well-formed messages are served all the while, and
+    in a later window its bad messages are answered again."""
+    from gpud_broker.broker import BAD_ANSWERED, BAD_WINDOW_S
+
+    n = 3 * BAD_ANSWERED
+    time.sleep(BAD_WINDOW_S)  # under CURVE the sender is the tenant: the earlier tests' window is over
+    before = cluster.status()["counters"]["bad_unanswered"]
+    with dealer(ctx, cluster.frontend) as sock:
+        for _ in range(n):
+            sock.send_multipart(client_msg(Command.REQUEST, b"\xc1"))
+        sock.send_multipart(client_msg(Command.PING, header()))
+        answers: list[P.Message] = []
+        while not answers or answers[-1].command is not Command.PONG:
+            answers += P.messages(P.decode(recv(sock), expect=Peer.CLIENT))
+        assert not sock.poll(200)
+        sent_bad[0] += n
+        errors = [m for m in answers if m.command is Command.ERROR]
+        assert len(answers) == len(errors) + 1 and {m.header["code"] for m in errors} == {"PROTOCOL"}
+        unanswered = cluster.status()["counters"]["bad_unanswered"] - before
+        # One window's allowance (two, were the burst read across a window's end under load).
+        assert BAD_ANSWERED <= len(errors) <= 2 * BAD_ANSWERED, len(errors)
+        assert len(errors) + unanswered == n, (len(errors), unanswered)
+        time.sleep(BAD_WINDOW_S)
+        expect_error(exchange(sock, client_msg(Command.REQUEST, b"\xc1")), Peer.CLIENT, "PROTOCOL")
+        sent_bad[0] += 1
+    assert_alive(cluster)
+
+
 # --------------------------------------------------------------------------- backend
 
 

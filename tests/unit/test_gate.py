@@ -12,7 +12,7 @@ import zmq
 import zmq.utils.z85
 
 from gpud.clock import FakeClock
-from gpud.ratelog import OTHERS, RateLimit
+from gpud.ratelog import OTHERS, Allowance, RateLimit
 from gpud.security import load_public_key
 from gpud_broker.gate import ConnectionGate, ConnectionLimits, default_limits, source_of
 
@@ -120,6 +120,19 @@ def test_rate_limit_logs_each_source_once_per_interval_and_reports_the_rest() ->
     clock.advance(11.0)
     assert limit("a") == 1  # or the count rides on the next full line, and is not reported twice
     assert limit.due() == []
+
+
+def test_an_allowance_answers_so_many_events_of_a_source_per_window_and_the_others_in_full() -> None:
+    clock = FakeClock(0.0)
+    allow = Allowance(3, 1.0, clock.monotonic)
+    assert [allow("b") for _ in range(5)] == [True, True, True, False, False]
+    assert allow("a") is True  # another source has its own allowance
+    assert allow.refused == 2
+    clock.advance(0.99)
+    assert allow("b") is False
+    clock.advance(0.01)  # b's window is over: a new one begins with its next event
+    assert [allow("b") for _ in range(4)] == [True, True, True, False]
+    assert allow.refused == 4
 
 
 def test_rate_limit_bounds_the_sources_logged_in_full_per_interval() -> None:

@@ -72,3 +72,19 @@ def test_empty_echoes_hold_no_share_and_every_reply_lands_cleanly() -> None:
     for i in (0, 1, 2, 9, 9, 42):  # empty ones, the full one twice, an unknown id
         s.answered(rid(i))
     assert s.bytes_of == {} and s.in_flight == {}
+
+
+def test_routes_with_echoes_in_flight_follow_a_retry_and_empty_when_answered() -> None:
+    s = EchoShare(share=100, max_waiting_bytes=1000)
+    assert s.take(B, [b"r1", b"e0"], None, (rid(0), 60), 0.0) is True
+    assert s.take(A, [b"r9", b"a0"], None, (rid(9), 60), 0.0) is True
+    assert s.routes == {b"r1": 1, b"r9": 1}
+    assert s.take(B, [b"r2", b"e0 again"], None, (rid(0), 60), 0.0) is True  # in flight: counted once, its reply goes to r2
+    assert s.routes == {b"r2": 1, b"r9": 1} and s.bytes_of == {B: 60, A: 60}
+    assert s.take(B, [b"r2", b"e1"], None, (rid(1), 60), 0.0) is False  # over bob's share: waits
+    s.answered(rid(0))
+    assert [w.frames[1] for w in s.ready(0.0)] == [b"e1"]
+    assert s.routes == {b"r2": 1, b"r9": 1}
+    s.answered(rid(1))
+    s.answered(rid(9))
+    assert s.routes == {} and s.bytes_of == {} and s.in_flight == {}

@@ -196,8 +196,9 @@ class BrokerSection:
     max_connections_per_source: int = _key(0, _at_least(0))  # of those from one address (0: sized likewise)
     io_threads: int = _key(0, _at_least(0))  # libzmq I/O threads (0: half the CPUs, 2 to 4)
     tenant_echo_bytes_in_flight: int = _key(0, _at_least(0))  # a tenant's echo payload in flight (0: max_echo_bytes)
+    tenant_echo_bytes_per_s: int = _key(8 << 20, _at_least(0))  # a tenant's echo payload a second (0: no bound)
     max_job_input_bytes: int = _key(4 << 30, _at_least(0))  # a job's input files together (staged, PROTOCOL.md §11)
-    max_echo_bytes: int = _key(256 << 10, _at_least(0))  # an echo's payload (a probe: small)
+    max_echo_bytes: int = _key(64 << 10, _at_least(0))  # an echo's payload (a probe: small)
     spool_dir: str = _key("", _absolute_or_empty)  # staged inputs over spool_ram_bytes (empty: a temporary directory)
     spool_ram_bytes: int = _key(64 << 20, _at_least(0))  # staged bytes of small files kept in memory
     spool_quota_bytes: int = _key(16 << 30, _at_least(0))  # staged bytes in the spool, all tenants together

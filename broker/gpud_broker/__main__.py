@@ -31,7 +31,7 @@ FLAGS = ("name", "frontend", "backend", "admin", "policy", "heartbeat_ms", "live
          "session_lease", "result_ttl", "aging", "reserve_after", "data_path", "max_message_bytes",
          "max_job_input_bytes", "max_echo_bytes", "spool_dir",
          "tenant_max_queued", "tenant_max_bytes", "max_held_bytes", "max_connections", "max_connections_per_source",
-         "io_threads", "tenant_echo_bytes_in_flight")
+         "io_threads", "tenant_echo_bytes_in_flight", "tenant_echo_bytes_per_s")
 """The [broker] keys that have a flag of the same name (--heartbeat-ms for heartbeat_ms)."""
 LIMIT_KEYS = ("max_milli", "max_mem", "max_sessions", "max_queued")
 STANDBY_FLAGS = ("role", "peer", "peer_bind", "peer_heartbeat_ms", "peer_expiry_ms")
@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-ttl", type=float, help=f"seconds finished replies are kept for retries (default {_D.result_ttl:g})")
     p.add_argument("--max-message-bytes", type=int, help="bytes of one message at most (default: 1 GiB, or memory/8 if less)")
     p.add_argument("--max-job-input-bytes", type=int, help="bytes of one job's input files together (default 4 GiB)")
-    p.add_argument("--max-echo-bytes", type=int, help="bytes of one echo's payload (default 256 KiB)")
+    p.add_argument("--max-echo-bytes", type=int, help="bytes of one echo's payload (default 64 KiB)")
     p.add_argument("--spool-dir", help="where staged job inputs are spooled (default: a temporary directory)")
     p.add_argument("--tenant-max-queued", type=int, help="requests of one tenant queued at once (default: max_queue/4)")
     p.add_argument("--tenant-max-bytes", type=int, help="payload bytes held for one tenant (default: memory/16, at most 4 GiB)")
@@ -72,6 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--io-threads", type=int, help="libzmq I/O threads (default: half the CPUs, 2 to 4)")
     p.add_argument("--tenant-echo-bytes-in-flight", type=int,
                    help="a tenant's echo payload bytes in flight; its later messages wait (default: max_echo_bytes)")
+    p.add_argument("--tenant-echo-bytes-per-s", type=int,
+                   help="a tenant's echo payload bytes a second; past it its later messages wait (default 8 MiB, 0: no bound)")
     p.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=W",
                    help="fair-share weight of a tenant (default 1); repeat for each tenant")
     p.add_argument("--aging", type=float, help=f"seconds of waiting worth one priority level (default {_D.aging:g})")
@@ -158,6 +160,7 @@ def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | Non
         connection_limits=connection_limits(b),
         io_threads=b.io_threads,
         echo_bytes_in_flight=b.tenant_echo_bytes_in_flight,
+        echo_bytes_per_s=b.tenant_echo_bytes_per_s,
         max_job_input_bytes=b.max_job_input_bytes,
         max_echo_bytes=b.max_echo_bytes,
         spool_dir=spool_directory(b.spool_dir, os.environ),

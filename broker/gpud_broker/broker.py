@@ -118,7 +118,7 @@ class Broker:
         self._bad_answers = Allowance(BAD_ANSWERED, BAD_WINDOW_S, time.monotonic)
         self.gate = ConnectionGate(config.connection_limits or default_limits(resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
         share = config.echo_bytes_in_flight or config.max_echo_bytes
-        self.intake = EchoShare(share, WAITING_SHARES * share)
+        self.intake = EchoShare(share, WAITING_SHARES * share, rate=config.echo_bytes_per_s)
         self._accepting = True  # the frontend is bound (it is unbound while descriptors run short)
         _seed_routing_ids()
         keys: CurveKeys | None = None
@@ -447,8 +447,8 @@ class Broker:
         elif took is None:
             rid = protocol.peek_id(frames[1:])
             shown = f"tenant {sender}" if isinstance(sender, str) else "this client"
-            exc = Busy(f"{shown} has too many messages waiting behind its echoes in flight "
-                       f"(tenant_echo_bytes_in_flight {self.intake.share}); try later")
+            exc = Busy(f"{shown} has too many messages waiting behind its echoes (tenant_echo_bytes_in_flight "
+                       f"{self.intake.share}, tenant_echo_bytes_per_s {self.intake.rate:g}); try later")
             held = self._bad_log(("intake", shown))
             if held is not None:
                 log.warning("refused a message of %s: %s%s", shown, exc.message,

@@ -16,7 +16,7 @@ from gpud_broker.spool import DEFAULT_RAM_BYTES, DEFAULT_STAGE_TTL_S
 
 DEFAULT_RESULT_BYTES = 256 << 20  # the reply store's default size
 DEFAULT_MAX_JOB_INPUT_BYTES = 4 << 30
-DEFAULT_MAX_ECHO_BYTES = 256 << 10  # an echo is a probe; big data travels as staged files or session copies
+DEFAULT_MAX_ECHO_BYTES = 64 << 10  # an echo is a probe; big data travels as staged files or session copies
 
 
 def default_max_message_bytes() -> int:
@@ -49,6 +49,7 @@ class BrokerConfig:
     connection_limits: ConnectionLimits | None = None
     io_threads: int = 0
     echo_bytes_in_flight: int = 0  # the shell's: each sender's echo payload in flight (0: max_echo_bytes; intake.EchoShare)
+    echo_bytes_per_s: int = 8 << 20  # the shell's: each sender's echo payload a second (0: no bound; intake.EchoShare)
     max_job_input_bytes: int = DEFAULT_MAX_JOB_INPUT_BYTES  # a job's input files together (PROTOCOL.md §11)
     max_echo_bytes: int = DEFAULT_MAX_ECHO_BYTES  # an echo's payload
     spool_dir: str = ""  # where staged inputs are spooled ("": a temporary directory of its own)

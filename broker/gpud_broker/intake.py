@@ -11,6 +11,12 @@ a sender is slowed, never stalled). Past ``max_waiting`` messages or ``max_waiti
 waiting, a sender's new messages are refused (the shell answers BUSY). Other senders' messages
 never wait here.
 
+The share bounds what one sender's echoes cost another's latency; a rate, ``rate`` bytes of echo
+payload a second per sender (a token bucket holding one second's bytes, at least one share),
+bounds what they cost the machine: every byte is encrypted and decrypted twice on the broker and
+twice on the worker, CPU the other tenants' messages wait for. An echo past its sender's rate
+waits as one past its share does.
+
 Pure: the socket shell (``broker.Broker``) says what it read and what it answered; the caller
 passes the time. A sender is a tenant under CURVE (its key's), else a routing id. The routing ids
 that have echoes in flight are kept (``routes``), so that the shell looks for answered echoes only
@@ -27,6 +33,7 @@ from typing import Any
 MAX_WAIT_S = 1.0  # a waiting message goes after this long, whatever is in flight
 MAX_WAITING = 1024  # messages of one sender waiting, at most
 FORGET_S = 600.0  # an echo in flight whose reply was never seen is forgotten after this long
+MAX_BUCKETS = 4096  # senders whose rate is tracked at once (then those with a full bucket are forgotten)
 
 
 @dataclass(slots=True)
@@ -42,8 +49,11 @@ class EchoShare:
     """Echo bytes in flight per sender, against ``share``; the messages waiting behind."""
 
     def __init__(self, share: int, max_waiting_bytes: int, max_wait_s: float = MAX_WAIT_S,
-                 max_waiting: int = MAX_WAITING) -> None:
+                 max_waiting: int = MAX_WAITING, rate: float = 0.0) -> None:
         self.share = share
+        self.rate = rate  # echo payload bytes a second per sender (0: no bound)
+        self.burst = max(rate, share)  # what a sender's bucket holds at most
+        self.buckets: dict[Hashable, tuple[float, float]] = {}  # sender -> (bytes it may send, as of when)
         self.max_waiting_bytes = max_waiting_bytes
         self.max_wait_s = max_wait_s
         self.max_waiting = max_waiting
@@ -110,9 +120,32 @@ class EchoShare:
         return len(old)
 
     def _over(self, sender: Hashable, echo: tuple[bytes, int], now: float) -> bool:
-        """Would ``echo`` take ``sender`` past its share? (Never its first, nor a retry of one in flight.)"""
+        """Would ``echo`` take ``sender`` past its share (never its first echo in flight), or is
+        its rate spent? Never for a retry of an echo in flight."""
+        if echo[0] in self.in_flight:
+            return False
         held = self.bytes_of.get(sender, 0)
-        return held > 0 and held + echo[1] > self.share and echo[0] not in self.in_flight
+        if held > 0 and held + echo[1] > self.share:
+            return True
+        return self.rate > 0 and echo[1] > 0 and self._tokens(sender, now) <= 0
+
+    def _tokens(self, sender: Hashable, now: float) -> float:
+        """The echo bytes ``sender`` may send now (below 0: it spent more than it had, for one echo
+        may be larger than what is left)."""
+        bucket = self.buckets.get(sender)
+        if bucket is None:
+            return self.burst
+        tokens, at = bucket
+        return min(self.burst, tokens + (now - at) * self.rate)
+
+    def _spend(self, sender: Hashable, nbytes: int, now: float) -> None:
+        if len(self.buckets) >= MAX_BUCKETS and sender not in self.buckets:
+            full = [s for s in self.buckets if self._tokens(s, now) >= self.burst]
+            for s in full:
+                del self.buckets[s]
+            if len(self.buckets) >= MAX_BUCKETS:
+                self.buckets.clear()
+        self.buckets[sender] = (self._tokens(sender, now) - nbytes, now)
 
     def _fly(self, sender: Hashable, echo: tuple[bytes, int], now: float, route: bytes) -> None:
         rid, nbytes = echo
@@ -127,6 +160,8 @@ class EchoShare:
             return
         self.in_flight[rid] = (sender, nbytes, now, route)
         self.bytes_of[sender] = self.bytes_of.get(sender, 0) + nbytes
+        if self.rate > 0:
+            self._spend(sender, nbytes, now)
         self.routes[route] = self.routes.get(route, 0) + 1
 
     def _land(self, sender: Hashable, nbytes: int, since: float, route: bytes) -> None:
@@ -146,6 +181,7 @@ class EchoShare:
 
     def shown(self) -> dict[str, Any]:
         """For admin ``status``: the share and what is held now."""
-        return {"echo_bytes_in_flight_share": self.share, "echo_bytes_in_flight": sum(self.bytes_of.values()),
+        return {"echo_bytes_in_flight_share": self.share, "echo_bytes_per_s": self.rate,
+                "echo_bytes_in_flight": sum(self.bytes_of.values()),
                 "senders_waiting": len(self.waiting), "messages_waiting": sum(len(q) for q in self.waiting.values()),
                 "waited": self.waited, "refused": self.refused}

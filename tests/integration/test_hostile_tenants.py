@@ -32,8 +32,10 @@ UIDS = 61184 + 16 * random.randrange(40, 200)
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
+    """No echo byte rate (``tenant_echo_bytes_per_s`` 0): the reply store's flood pushes hundreds
+    of MiB of echoes through it; the rate has a test and a cluster of its own."""
     with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, security="curve", log_level="INFO",
-                      dynamic_uid_base=UIDS) as c:
+                      dynamic_uid_base=UIDS, broker_args=["--tenant-echo-bytes-per-s", "0"]) as c:
         yield c
 
 
@@ -223,6 +225,34 @@ def test_bobs_echoes_past_his_share_wait_in_order_and_past_their_bound_get_busy(
     finally:
         b.close()
     assert_alice_served(cluster, alice)
+
+
+def test_bobs_echoes_past_his_rate_wait_and_alices_do_not() -> None:
+    """With ``tenant_echo_bytes_per_s`` 1 MiB, bob sends the largest echoes as fast as they come
+    back for 2 s: he gets about 1 MiB a second through (his bucket's second, then the rate), never
+    more, every one answered with its own payload; alice's echoes meanwhile are not held
+    (``waited`` counts bob's alone)."""
+    rate = 1 << 20
+    with LocalCluster(workers=1, gpus_per_worker=1, heartbeat_ms=200, security="curve", log_level="INFO",
+                      dynamic_uid_base=UIDS + 32, broker_args=["--tenant-echo-bytes-per-s", str(rate)]) as c:
+        assert c.status()["intake"]["echo_bytes_per_s"] == rate
+        with Client(c.frontend, timeout=20, curve=c.client_keys("bob")) as b, \
+                Client(c.frontend, timeout=20, curve=c.client_keys("alice")) as a:
+            chunk = os.urandom(DEFAULT_MAX_ECHO_BYTES)
+            t0 = time.monotonic()
+            sent = 0
+            while time.monotonic() - t0 < 2.0:
+                assert b.echo(chunk) == chunk
+                sent += len(chunk)
+            took = time.monotonic() - t0
+            waited = c.status()["intake"]["waited"]
+            for _ in range(20):
+                assert a.echo(b"alice") == b"alice"
+            after = c.status()["intake"]
+        # One second's burst plus the rate (and one echo's overdraft), however fast the machine.
+        assert sent <= rate + rate * took + len(chunk), (sent, took)
+        assert waited > 0 and after["waited"] == waited, after
+        assert after["echo_bytes_in_flight"] == 0 and after["messages_waiting"] == 0
 
 
 # ----------------------------------------------------------------------------- the reply store

@@ -88,3 +88,45 @@ def test_routes_with_echoes_in_flight_follow_a_retry_and_empty_when_answered() -
     s.answered(rid(1))
     s.answered(rid(9))
     assert s.routes == {} and s.bytes_of == {} and s.in_flight == {}
+
+
+def test_a_sender_past_its_rate_waits_for_its_bucket_and_another_sender_does_not() -> None:
+    # share 100 bytes in flight, 200 bytes a second: the bucket holds one second's (200).
+    s = EchoShare(share=100, max_waiting_bytes=1000, rate=200.0)
+    for i in range(2):
+        assert s.take(B, msg(f"e{i}"), None, (rid(i), 100), 0.0) is True
+        s.answered(rid(i))
+    assert s.take(B, msg("e2"), None, (rid(2), 100), 0.0) is False  # nothing in flight, but 200 of 200 spent
+    assert s.take(A, msg("a0"), None, (rid(9), 100), 0.0) is True  # alice's bucket is her own
+    assert s.ready(0.0) == []
+    assert [w.frames[1] for w in s.ready(0.01)] == [b"e2"]  # some bytes back: it goes (owing 98)
+    s.answered(rid(2))
+    assert s.take(B, msg("e3"), None, (rid(3), 100), 0.01) is False
+    assert s.ready(0.45) == []  # 88 of the 98 owed are back
+    assert [w.frames[1] for w in s.ready(0.52)] == [b"e3"]
+    assert s.shown()["echo_bytes_per_s"] == 200.0
+
+
+def test_past_its_rate_a_sender_is_slowed_never_stalled() -> None:
+    s = EchoShare(share=100, max_waiting_bytes=1000, max_wait_s=1.0, rate=1.0)  # the bucket: one share
+    assert s.take(B, msg("e0"), None, (rid(0), 100), 0.0) is True
+    s.answered(rid(0))
+    assert s.take(B, msg("e1"), None, (rid(1), 100), 0.0) is False
+    assert [w.frames[1] for w in s.ready(0.01)] == [b"e1"]  # owing 99.99 bytes: 100 s at this rate
+    s.answered(rid(1))
+    assert s.take(B, msg("e2"), None, (rid(2), 100), 0.01) is False
+    assert s.ready(0.9) == []
+    assert [w.frames[1] for w in s.ready(1.01)] == [b"e2"]  # waited max_wait_s: it goes anyway
+
+
+def test_an_echo_may_overdraw_the_bucket_and_an_empty_echo_costs_nothing() -> None:
+    s = EchoShare(share=1000, max_waiting_bytes=10_000, max_wait_s=60.0, rate=100.0)  # the bucket: one share
+    assert s.take(B, msg("big"), None, (rid(0), 1000), 0.0) is True
+    s.answered(rid(0))
+    assert s.take(B, msg("empty"), None, (rid(1), 0), 0.0) is True  # no payload: no rate
+    assert s.take(B, msg("big again"), None, (rid(2), 1000), 0.0) is False
+    assert [w.frames[1] for w in s.ready(0.001)] == [b"big again"]  # a little back: it goes, owing 999.9
+    s.answered(rid(2))
+    assert s.take(B, msg("next"), None, (rid(3), 10), 0.001) is False
+    assert s.ready(9.9) == []  # its debt: 10 s at this rate
+    assert [w.frames[1] for w in s.ready(10.1)] == [b"next"]

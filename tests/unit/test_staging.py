@@ -94,7 +94,7 @@ def test_too_large_comes_at_the_opening_put_naming_the_limit() -> None:
     assert len(h.core.staging.spool) == 0
     h.request(C1, rid(5), kind="echo", frames=[b"x" * (17 * MiB)])
     m = h.one_reply(C1)
-    assert m.header["code"] == "TOO_LARGE" and "max_echo_bytes (262144)" in m.header["message"]
+    assert m.header["code"] == "TOO_LARGE" and "max_echo_bytes (65536)" in m.header["message"]
 
 
 def test_a_job_is_placed_while_its_upload_still_comes_and_its_fetches_wait_for_the_bytes() -> None:

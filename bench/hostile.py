@@ -49,6 +49,7 @@ from bench.dispatch import seconds_each  # noqa: E402
 from gpud import protocol as P  # noqa: E402
 from gpud.protocol import Command, Peer  # noqa: E402
 from gpud.security import CurveKeys, apply_client_keys  # noqa: E402
+from gpud_broker.broker import BAD_CUT  # noqa: E402
 from gpud_broker.config import DEFAULT_MAX_ECHO_BYTES  # noqa: E402
 from gpud_cli.cluster import LocalCluster  # noqa: E402
 from gpud_client import Client  # noqa: E402
@@ -56,9 +57,11 @@ from gpud_client import Client  # noqa: E402
 OUTSIDER = "127.0.0.3"  # the outsiders' address (A and B connect from 127.0.0.1)
 
 
-def _dealer(ctx: zmq.Context[Any], endpoint: str, keys: CurveKeys | None) -> zmq.Socket[bytes]:
+def _dealer(ctx: zmq.Context[Any], endpoint: str, keys: CurveKeys | None, immediate: bool = False) -> zmq.Socket[bytes]:
     s: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    if immediate:
+        s.setsockopt(zmq.IMMEDIATE, 1)
     s.setsockopt(zmq.SNDHWM, 0)
     s.setsockopt(zmq.RCVHWM, 0)
     s.setsockopt(zmq.ROUTING_ID, os.urandom(16))
@@ -113,19 +116,32 @@ def flood_payload(stop: Any, sent: Any, endpoint: str, keys: CurveKeys, size: in
     ctx.term()
 
 
-def flood_garbage(stop: Any, sent: Any, endpoint: str, keys: CurveKeys) -> None:
-    """B: malformed messages (bad signature, bad msgpack, unknown commands), as fast as it can."""
+def flood_garbage(stop: Any, sent: Any, endpoint: str, keys: list[CurveKeys], rate: float = 0.0) -> None:
+    """B: malformed messages (bad signature, bad msgpack, unknown commands), as fast as it can
+    (``rate``: that many a second at most); when the broker closes its connection (and refuses
+    that key), it connects again at once with the next of its ``keys``."""
     ctx: zmq.Context[Any] = zmq.Context()
-    s = _dealer(ctx, endpoint, keys)
     junk = [[b"GPUDC1", b"\x01", b"\xc1"], [b"XXXXXX", b"\x01", b"\x80"], [b"GPUDC1", b"\x7f", b"\x80"], [b"GPUDC1"]]
-    i = 0
+    i = k = 0
+
+    def connect() -> zmq.Socket[bytes]:
+        s = _dealer(ctx, endpoint, keys[k % len(keys)], immediate=True)  # no connection: sends fail
+        s.poll(1000, zmq.POLLOUT)
+        return s
+
+    s = connect()
     while not stop.is_set():
-        for _ in range(100):
-            s.send_multipart(junk[i % len(junk)])
-            i += 1
+        try:
+            for _ in range(100):
+                s.send_multipart(junk[i % len(junk)], zmq.NOBLOCK)
+                i += 1
+        except zmq.Again:
+            s.close(0)
+            k += 1
+            s = connect()
         sent.value = i
         _drain(s)
-        time.sleep(0.001)
+        time.sleep(100 / rate if rate else 0.001)
     s.close(0)
     ctx.term()
 
@@ -273,7 +289,10 @@ def measure(args: argparse.Namespace, pinned: bool) -> dict[str, Any]:
             (f"queue flood ({queued + 2000} jobs, budget {queued})", "jobs", flood_queue, (c.frontend, bob, queued + 2000)),
             (f"payload flood ({args.payload_bytes >> 10} KiB echoes)", "echoes", flood_payload,
              (c.frontend, bob, args.payload_bytes)),
-            ("malformed messages", "messages", flood_garbage, (c.frontend, bob)),
+            ("malformed messages (B has 8 keys)", "messages", flood_garbage,
+             (c.frontend, [bob, *(c.client_keys("bob") for _ in range(7))])),
+            (f"malformed messages under the cut ({BAD_CUT - 200:,}/s)", "messages", flood_garbage,
+             (c.frontend, [c.client_keys("bob")], BAD_CUT - 200)),
             ("handshake spam (a fresh key each)", "handshakes", flood_handshakes, (c.frontend, server_key)),
             ("idle TCP connections (500)", "connections", flood_connections, (c.frontend, 500)),
         ]
@@ -304,9 +323,11 @@ def measure(args: argparse.Namespace, pinned: bool) -> dict[str, Any]:
                     time.sleep(min(1.0, args.settle))
                     alone_s, alone_n, alone = time.monotonic() - t0, sent.value - n0, _less(cpu_by_thread(pid), c0)
                     t0, n0, c0 = time.monotonic(), sent.value, cpu_by_thread(pid)
+                    k0 = c.status()["counters"]
                     during = echo_latencies(a, args.echoes)
                     took, n = time.monotonic() - t0, sent.value - n0
                     used = _less(cpu_by_thread(pid), c0)
+                    k1 = c.status()["counters"]
                     rss = rss_mb(pid)
                     stop.set()
                     proc.join(20)
@@ -319,6 +340,9 @@ def measure(args: argparse.Namespace, pinned: bool) -> dict[str, Any]:
                         **{f"{k}_ratio": round(fig[k] / base[k], 2) for k in fig},
                         "flood_rate": f"{n / took:,.0f} {unit}/s" if unit not in ("jobs", "connections")
                                       else f"{sent.value:,.0f} {unit} held",
+                        # what of it the broker saw: bad messages read, connections it closed or refused
+                        "broker_saw": {k: k1.get(k, 0) - k0.get(k, 0) for k in
+                                       ("bad_messages", "bad_unanswered", "cut_connections", "refused_connections")},
                         "broker_cpu": {k: round(v / took, 2) for k, v in used.items()},
                         "broker_cpu_alone": {k: round(v / alone_s, 2) for k, v in alone.items()},
                         # the flood alone: the broker's CPU per flood unit (messages, handshakes, echoes)
@@ -348,13 +372,15 @@ def show(r: dict[str, Any]) -> None:
     print(f"\n{r['setup']} run {r['run']} ({where}; load {r['load']}). A's echo, idle: p50 {r['idle_p50_ms']} ms, "
           f"p99 {r['idle_p99_ms']} ms, p99.9 {r['idle_p999_ms']} ms, max {r['idle_max_ms']} ms; broker RSS "
           f"{r['idle_rss_mb']} MB, CPU {cpu['all']} cores (loop {cpu['loop']}, I/O threads {cpu['io']})")
-    print("| flood | its rate | broker CPU, cores: all (loop, I/O) | flood alone: cores; us each (loop, I/O) | A p50 ms | p99 ms "
+    print("| flood | its rate (bad messages read, connections closed or refused by the broker) | broker CPU, cores: all (loop, I/O) | flood alone: cores; us each (loop, I/O) | A p50 ms | p99 ms "
           "| p99.9 ms | max ms | p50 / idle | p99 / idle | p99.9 / idle | broker RSS MB | alive |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for f in r["floods"]:
         c, e, al = f["broker_cpu"], f["broker_cpu_us_each"], f["broker_cpu_alone"]
         each = f"{al['all']}; {e['all']} ({e['loop']}, {e['io']})" if e is not None else f"{al['all']}"
-        print(f"| {f['flood']} | {f['flood_rate']} | {c['all']} ({c['loop']}, {c['io']}) | {each} | {f['p50_ms']} "
+        saw = f["broker_saw"]
+        rate = f"{f['flood_rate']} ({saw['bad_messages']:,}; {saw['cut_connections']}, {saw['refused_connections']:,})"
+        print(f"| {f['flood']} | {rate} | {c['all']} ({c['loop']}, {c['io']}) | {each} | {f['p50_ms']} "
               f"| {f['p99_ms']} | {f['p999_ms']} | {f['max_ms']} | {f['p50_ratio']} | {f['p99_ratio']} "
               f"| {f['p999_ratio']} | {f['broker_rss_mb']} | {f['alive']} |")
 

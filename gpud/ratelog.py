@@ -3,8 +3,8 @@
 ``RateLimit``, for log lines: per source, the first event of each interval is logged in full and
 the rest are counted; a count is reported with the source's next full line, or on its own once the
 interval is over (``due``), so a flood costs a few lines per interval and is never silent.
-``Allowance``, for answers: per source, at most so many events of each window are answered, the
-rest only counted. Pure: the caller passes the clock.
+``WindowCount``, for answers: per source, the events of each window counted, so that the first so
+many are answered and the rest only counted. Pure: the caller passes the clock.
 """
 
 from __future__ import annotations
@@ -59,28 +59,23 @@ class RateLimit:
         return out
 
 
-class Allowance:
-    """At most ``per_window`` events of each source allowed per ``window`` seconds; past them, none
-    until the source's window is over (a window begins at the source's first event after the last
-    one ended). ``refused`` counts the events past the allowance, all sources together."""
+class WindowCount:
+    """Each source's events counted in fixed windows of ``window`` seconds (a window begins at the
+    source's first event after its last one ended): the caller answers, say, the first so many of
+    each window and not the rest."""
 
-    def __init__(self, per_window: int, window: float, clock: Callable[[], float]) -> None:
-        self.per_window = per_window
+    def __init__(self, window: float, clock: Callable[[], float]) -> None:
         self.window = window
         self.clock = clock
         self.used: dict[Hashable, tuple[float, int]] = {}  # source -> (its window's start, events in it)
-        self.refused = 0
 
-    def __call__(self, source: Hashable) -> bool:
-        """Is this event of ``source`` within its allowance?"""
+    def __call__(self, source: Hashable) -> int:
+        """This event's number in its source's window (1 for the first)."""
         now = self.clock()
         start, n = self.used.get(source, (now, 0))
         if now - start >= self.window:
             start, n = now, 0
-        elif n >= self.per_window:
-            self.refused += 1
-            return False
         if len(self.used) >= MAX_SOURCES and source not in self.used:
             self.used.clear()
         self.used[source] = (start, n + 1)
-        return True
+        return n + 1

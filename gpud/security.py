@@ -54,6 +54,7 @@ PEER_DOMAIN = "gpud-peer"  # the broker pair's link: both brokers share one key 
 BROKER_KEY_NAME = "broker"
 WORKER_KEY_NAME = "worker"
 REFUSAL_LOG_INTERVAL_S = 60.0  # one WARNING per source address (or endpoint) and interval; the rest are counted
+MAX_HELD_KEYS = 4096  # client keys held off at once, at most (then the oldest go first)
 HANDSHAKE_IVL_MS = 5000  # a connection that has not finished its handshake by then is closed
 
 _NAME_OK = _TENANT_RE  # key names and tenant directory names: 1-64 of [A-Za-z0-9._@-]
@@ -496,7 +497,9 @@ class SourceGate(Protocol):
 class ZapHandler:
     """The broker's ZAP policy (RFC 27) over a ``KeyStore``. With a ``gate``, each refusal is
     counted against its source address; for a source held off for too many, the key directories
-    are not re-read: its known keys are admitted, its unknown ones refused at the cost of a look-up."""
+    are not re-read: its known keys are admitted, its unknown ones refused at the cost of a look-up.
+    A client key held off (``hold_off``: its connection was closed for flooding the broker) is
+    refused until its time is up."""
 
     def __init__(self, keys: KeyStore, clock: Callable[[], float] = time.monotonic,
                  log_interval: float = REFUSAL_LOG_INTERVAL_S, peer_key: bytes | None = None,
@@ -508,6 +511,15 @@ class ZapHandler:
         self._limit = RateLimit(log_interval, clock)
         self.refused = 0
         self.admitted = 0
+        self.held_keys: dict[bytes, float] = {}  # client key (raw 32 bytes) -> refused until (oldest first)
+
+    def hold_off(self, key: bytes, seconds: float) -> None:
+        """Refuse client ``key``'s handshakes for ``seconds``."""
+        held = self.held_keys
+        held.pop(key, None)
+        if len(held) >= MAX_HELD_KEYS:
+            del held[next(iter(held))]
+        held[key] = self.clock() + seconds
 
     def decide(self, domain: str, address: str, mechanism: str, credentials: list[bytes]) -> tuple[str, str, str]:
         """(status code, status text, user id) for one handshake. The user id of a client is its
@@ -520,6 +532,10 @@ class ZapHandler:
         if self.gate is None or not self.gate.is_held_off(address, self.clock()):
             self.keys.refresh()  # a source held off (its handshakes keep being refused) is judged by the keys as read
         if domain == FRONTEND_DOMAIN:
+            if key in self.held_keys:
+                if self.clock() < self.held_keys[key]:
+                    return self._refuse(domain, address, key, "400", "client key held off: it flooded the broker")
+                del self.held_keys[key]
             tenant = self.keys.clients.get(key)
             user = None if tenant is None else client_user(tenant, key)
             what = "client"

@@ -30,7 +30,7 @@ def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) ->
         send(f, more if i < last else flags, copy=small)
 
 
-def recv_frames(sock: zmq.Socket[Any], flags: int = 0, copy_first: int = 1 << 30) -> list[Any]:
+def recv_frames(sock: zmq.Socket[Any], flags: int = 0, copy_first: int = 1 << 30, first: list[Any] | None = None) -> list[Any]:
     """Receive one multipart message: the first ``copy_first`` frames as bytes (routing id,
     signature, command, header: always small), the rest as zmq.Frame without a copy (payload),
     except frames under ZERO_COPY_BYTES, which come as bytes too: a small zmq.Frame pins the
@@ -38,9 +38,13 @@ def recv_frames(sock: zmq.Socket[Any], flags: int = 0, copy_first: int = 1 << 30
     finished replies for a minute: about 8 KiB held per 64-byte echo before this).
 
     Frames are taken without a copy and their ``more`` flag read from the frame, which is
-    cheaper than ``getsockopt(RCVMORE)`` per frame even when the bytes are wanted."""
+    cheaper than ``getsockopt(RCVMORE)`` per frame even when the bytes are wanted. ``first``: a
+    one-item list that gets the first zmq.Frame (for its properties, such as the descriptor of the
+    connection it came on)."""
     recv = sock.recv
     f = recv(flags, copy=False)
+    if first is not None:
+        first[0] = f
     parts = [f.bytes if copy_first > 0 else f]
     while f.more:
         f = recv(flags, copy=False)
@@ -48,12 +52,15 @@ def recv_frames(sock: zmq.Socket[Any], flags: int = 0, copy_first: int = 1 << 30
     return parts
 
 
-def recv_frames_user(sock: zmq.Socket[Any], flags: int = 0, copy_first: int = 1 << 30) -> tuple[list[Any], str | None]:
+def recv_frames_user(sock: zmq.Socket[Any], flags: int = 0, copy_first: int = 1 << 30,
+                     first: list[Any] | None = None) -> tuple[list[Any], str | None]:
     """``recv_frames`` plus the message's ZAP User-Id (on a CURVE socket: who the ZAP handler
     said the peer is; None without one). A separate function, so that sockets without CURVE do
     not pay for the lookup (about 0.5 us a message)."""
     recv = sock.recv
     f = recv(flags, copy=False)
+    if first is not None:
+        first[0] = f
     try:
         uid = f.get("User-Id")
         user: str | None = uid if type(uid) is str else None
@@ -66,12 +73,13 @@ def recv_frames_user(sock: zmq.Socket[Any], flags: int = 0, copy_first: int = 1 
     return parts, user
 
 
-def recv_from(sock: zmq.Socket[Any], curve: bool, flags: int = 0, copy_first: int = 1 << 30) -> tuple[list[Any], str | None]:
+def recv_from(sock: zmq.Socket[Any], curve: bool, flags: int = 0, copy_first: int = 1 << 30,
+              first: list[Any] | None = None) -> tuple[list[Any], str | None]:
     """One message and who sent it: ``recv_frames_user`` on a CURVE socket (``curve``), else
     ``recv_frames`` and None (no User-Id to look up)."""
     if curve:
-        return recv_frames_user(sock, flags, copy_first)
-    return recv_frames(sock, flags, copy_first), None
+        return recv_frames_user(sock, flags, copy_first, first)
+    return recv_frames(sock, flags, copy_first, first), None
 
 
 def recv_frames_user_if(sock: zmq.Socket[Any], commands: frozenset[bytes], flags: int = 0,

@@ -30,7 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 from gpud import notify, protocol
 from gpud.errors import Busy, ConfigError, GpudError, InternalError, ShuttingDown, UnknownCommand
 from gpud.protocol import Command, Peer
-from gpud.ratelog import OTHERS, Allowance, RateLimit
+from gpud.ratelog import OTHERS, RateLimit, WindowCount
 from gpud.security import (
     ADMIN_DOMAIN,
     BACKEND_DOMAIN,
@@ -74,7 +74,9 @@ PASS_MESSAGES = 32  # messages of one sender read from the frontend in one pass 
 PASS_BYTES = 1 << 20  # payload bytes read from the frontend in one pass at most (then the workers' turn)
 PASS_BAD = 8  # bad messages answered in one frontend pass at most (each costs an ERROR: then the others' turn)
 BAD_ANSWERED = 1000  # per sender, bad messages answered per BAD_WINDOW_S at most (the rest: counted, PROTOCOL.md §7)
+BAD_CUT = 4000  # per sender, from this many bad messages in a BAD_WINDOW_S on, its connections are closed (PROTOCOL.md §7)
 BAD_WINDOW_S = 1.0
+BAD_HOLD_OFF_S = 10.0  # under CURVE, a closed connection's key is refused this long
 SIDE_BATCH = 64  # ZAP requests, and events of each monitor, handled per call at most (then the sockets' turn)
 WAITING_SHARES = 16  # a sender's messages waiting behind its echoes in flight: this many shares of bytes at most
 _NEW_WORK = (protocol.CMD_BYTES[Command.REQUEST], protocol.CMD_BYTES[Command.CALL], protocol.CMD_BYTES[Command.PUT])
@@ -115,7 +117,9 @@ class Broker:
         self._fd_check_at = 0.0
         self._gate_check_at = 0.0
         self._bad_log = RateLimit(BAD_LOG_S, time.monotonic, max_new=BAD_LOG_SOURCES)
-        self._bad_answers = Allowance(BAD_ANSWERED, BAD_WINDOW_S, time.monotonic)
+        self._bad_count = WindowCount(BAD_WINDOW_S, time.monotonic)
+        self._first: list[Any] = [None]  # the first frame of the client message being handled (its connection)
+        self._cut_at: dict[bytes, tuple[int, float]] = {}  # routing id -> (descriptor, when) of its connection closed last
         self.gate = ConnectionGate(config.connection_limits or default_limits(resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
         share = config.echo_bytes_in_flight or config.max_echo_bytes
         self.intake = EchoShare(share, WAITING_SHARES * share, rate=config.echo_bytes_per_s)
@@ -158,6 +162,7 @@ class Broker:
         self.core = BrokerCore(config, time.monotonic(), send_client=to_client, send_worker=_queue_in(self._to_workers))
         self.core.worker_names_bound = self.security.curve
         self.core.counters.setdefault("bad_unanswered", 0)  # bad messages past their sender's BAD_ANSWERED
+        self.core.counters.setdefault("cut_connections", 0)  # connections closed at their sender's BAD_CUT
         self.endpoints = Endpoints(
             frontend=bind(self.frontend, endpoints.frontend),
             backend=bind(self.backend, endpoints.backend),
@@ -199,7 +204,7 @@ class Broker:
                 msg = protocol.decode(frames[1:], Peer.CLIENT, self.config.max_message_bytes)
             self.core.on_client(ident, msg, tenant)
         except GpudError as exc:
-            self._bad(self.frontend, Peer.CLIENT, ident, frames, exc, tenant.partition(" ")[0] if tenant else None)
+            self._bad(self.frontend, Peer.CLIENT, ident, frames, exc, tenant.partition(" ")[0] if tenant else None, tenant)
         except Exception:
             log.exception("bug while handling a client message")
             self._bad(self.frontend, Peer.CLIENT, ident, frames, InternalError("internal error in the broker"))
@@ -321,34 +326,24 @@ class Broker:
     def _on_accepted(self, fd: int) -> None:
         """A frontend connection accepted on descriptor ``fd``: counted by the gate, or shut down
         (``shutdown(2)``: libzmq keeps the descriptor and closes it as for a peer that left)."""
-        try:
-            conn = socket.socket(fileno=fd)  # takes the descriptor over: ``detach`` gives it back unclosed
-        except OSError:
-            return  # gone already
-        try:
-            peer = _peer(conn, self._frontend_port)
-            if peer is None:  # the descriptor is another socket's by now
-                return
-            why = self.gate.accept(fd, peer, self.core.now)
-            if why is not None and self.core.now >= self._gate_check_at:
-                # Before refusing, forget what is counted but gone (a disconnect not seen: the
-                # monitor's pipe has no bound, so this should find nothing), at most once a while.
-                self._gate_check_at = self.core.now + GATE_CHECK_S
-                if self._check_gate():
-                    why = self.gate.accept(fd, peer, self.core.now)
-            if why is None:
-                return
-            self.core.counters["refused_connections"] += 1
-            held = self._bad_log(("connection", peer))
-            if held is not None:
-                log.warning("refused a frontend connection from %s: %s%s", peer, why,
-                            f"; {held} more refused since the last report" if held else "")
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        finally:
-            conn.detach()
+        peer = _peer_of(fd, self._frontend_port)
+        if peer is None:  # gone already, or the descriptor is another socket's by now
+            return
+        why = self.gate.accept(fd, peer, self.core.now)
+        if why is not None and self.core.now >= self._gate_check_at:
+            # Before refusing, forget what is counted but gone (a disconnect not seen: the
+            # monitor's pipe has no bound, so this should find nothing), at most once a while.
+            self._gate_check_at = self.core.now + GATE_CHECK_S
+            if self._check_gate():
+                why = self.gate.accept(fd, peer, self.core.now)
+        if why is None:
+            return
+        self.core.counters["refused_connections"] += 1
+        held = self._bad_log(("connection", peer))
+        if held is not None:
+            log.warning("refused a frontend connection from %s: %s%s", peer, why,
+                        f"; {held} more refused since the last report" if held else "")
+        _shut_down(fd, self._frontend_port)
 
     def _check_gate(self) -> int:
         """Forget connections counted whose descriptor is no longer theirs (a disconnect event
@@ -401,7 +396,7 @@ class Broker:
         nbytes = 0
         for n in range(BATCH):
             try:
-                frames, user = recv_from(sock, curve, NOBLOCK, copy_first=4)
+                frames, user = recv_from(sock, curve, NOBLOCK, copy_first=4, first=self._first)
             except zmq.Again:
                 return n
             if len(frames[0]) != protocol.ROUTING_ID_BYTES:
@@ -807,13 +802,14 @@ class Broker:
         self.admin.send_multipart([ident, *protocol.encode(Peer.ADMIN, Command.REPLY, header)])
 
     def _bad(self, sock: zmq.Socket[bytes], peer: Peer, ident: bytes, frames: list[bytes], exc: GpudError,
-             tenant: str | None = None) -> None:
+             tenant: str | None = None, user: str | None = None) -> None:
         """Log a message we could not use and answer it where the sender can be addressed. Per
         sender (a client's tenant under CURVE, else its routing id) the log is rate-limited, its
         first bad message of each BAD_LOG_S in full, the rest counted (``_report_held_back``), and
         so are the answers: past BAD_ANSWERED in a BAD_WINDOW_S, the rest of the window's bad
         messages are counted (``bad_unanswered``) and not answered (PROTOCOL.md §7), so that a
-        flood of them costs no replies."""
+        flood of them costs no replies; at BAD_CUT, a client's connection is closed (``_cut``).
+        ``user``: a client's ZAP User-Id (CURVE)."""
         counters = self.core.counters
         counters["bad_messages"] += 1
         who = f"tenant {tenant}" if tenant is not None else ident.hex()[:16]
@@ -822,7 +818,10 @@ class Broker:
         if held is not None:
             log.warning("bad message from %s %s: %s %s%s", source[0], who, exc.code, exc.message,
                         f" ({held} more bad message(s) from it since its last line)" if held else "")
-        answer = self._bad_answers(source)
+        n = self._bad_count(source)
+        if n >= BAD_CUT and sock is self.frontend:
+            self._cut(ident, who, user)
+        answer = n <= BAD_ANSWERED
         rid = protocol.peek_id(frames[1:]) if answer or ident in self.intake.routes else None
         if rid is not None and self.intake.in_flight:
             self.intake.answered(rid)
@@ -834,6 +833,46 @@ class Broker:
         if rid is not None:
             header["id"] = rid
         send_frames(sock, [ident, *protocol.encode(peer, Command.ERROR, header)])
+
+    def _cut(self, ident: bytes, who: str, user: str | None) -> None:
+        """Close the frontend connection of routing id ``ident``, whose sender ``who`` (a tenant
+        under CURVE: each of its connections) sent BAD_CUT bad messages or more within a
+        BAD_WINDOW_S (PROTOCOL.md §7), and under CURVE refuse its key's handshakes for
+        BAD_HOLD_OFF_S: reading the messages of a flood costs the broker's loop and libzmq's I/O
+        threads CPU that answering none of them does not save. The connection is that of the
+        message being handled, as its first frame tells (``_first``); the messages it had sent
+        before it was closed still come, and close it once only. The sender's work accepted so far
+        stays (replies are kept for retries)."""
+        first = self._first[0]
+        if first is None or first.bytes != ident:
+            return  # not the message just read (one that waited): its connection is not known
+        try:
+            fd = int(first.get(zmq.SRCFD))
+        except (zmq.ZMQError, TypeError, ValueError):
+            return
+        now = self.core.now
+        last = self._cut_at.get(ident)
+        if last is not None and last[0] == fd and now - last[1] < BAD_WINDOW_S:
+            return
+        if len(self._cut_at) >= 4096:
+            self._cut_at.clear()
+        self._cut_at[ident] = (fd, now)
+        peer = _shut_down(fd, self._frontend_port)
+        if peer is None:
+            return
+        self.core.counters["cut_connections"] += 1
+        held_off = False
+        if user is not None and self.zap_handler is not None:
+            try:
+                self.zap_handler.hold_off(zmq.utils.z85.decode(user.partition(" ")[2]), BAD_HOLD_OFF_S)
+                held_off = True
+            except ValueError:
+                pass
+        held = self._bad_log(("cut", peer))
+        if held is not None:
+            log.warning("closed the frontend connection of client %s from %s: %d bad messages within %gs%s%s", who, peer,
+                        BAD_CUT, BAD_WINDOW_S, f"; its key is refused for {BAD_HOLD_OFF_S:g}s" if held_off else "",
+                        f" ({held} more closed since the last report)" if held else "")
 
 
 def _tcp_port(endpoint: str) -> int | None:
@@ -867,6 +906,26 @@ def _peer_of(fd: int, port: int | None) -> str | None:
         return None
     try:
         return _peer(conn, port)
+    finally:
+        conn.detach()
+
+
+def _shut_down(fd: int, port: int | None) -> str | None:
+    """Shut down (``shutdown(2)``, never ``close``: the descriptor stays libzmq's, which then sees
+    the end of the stream and closes it as for a peer that left) the connection on ``fd`` if it is
+    one to local ``port``; its peer's address, or None when it was not (gone, or another socket's)."""
+    try:
+        conn = socket.socket(fileno=fd)  # takes the descriptor over: ``detach`` gives it back unclosed
+    except OSError:
+        return None
+    try:
+        peer = _peer(conn, port)
+        if peer is not None:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return peer
     finally:
         conn.detach()
 

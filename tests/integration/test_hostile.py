@@ -384,6 +384,46 @@ def test_a_flood_of_bad_messages_is_answered_up_to_its_senders_allowance(
     assert_alive(cluster)
 
 
+def test_a_sender_at_the_cut_has_its_connection_closed_and_its_key_held_off(
+    cluster: LocalCluster, ctx: zmq.Context[Any]
+) -> None:
+    """PROTOCOL.md §7: at BAD_CUT bad messages within a BAD_WINDOW_S the broker closes the
+    sender's connection (``cut_connections``) and, under CURVE, refuses its key's handshakes for
+    BAD_HOLD_OFF_S: libzmq's reconnects fail their handshake. Other senders are served."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    from gpud_broker.broker import BAD_CUT
+
+    before = cluster.status()["counters"]
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    curve = cluster.security == "curve"
+    if curve:  # a tenant of its own: "hostile"'s key must stay admitted for the tests after this one
+        apply_client_keys(sock, cluster.client_keys("flooder"))
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    try:
+        sock.connect(cluster.frontend)
+        for _ in range(2 * BAD_CUT):
+            sock.send_multipart(client_msg(Command.REQUEST, b"\xc1"))
+        seen: set[int] = set()
+        want = {zmq.EVENT_DISCONNECTED, zmq.EVENT_HANDSHAKE_FAILED_AUTH} if curve else {zmq.EVENT_DISCONNECTED}
+        deadline = time.monotonic() + 4 * ANSWER_TIMEOUT_S
+        while not want <= seen and time.monotonic() < deadline:
+            if monitor.poll(200):
+                seen.add(int(recv_monitor_message(monitor)["event"]))
+        assert want <= seen, seen
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+    after = cluster.status()["counters"]
+    assert after["cut_connections"] > before["cut_connections"]
+    sent_bad[0] += after["bad_messages"] - before["bad_messages"]  # those that reached the broker
+    assert_alive(cluster)
+
+
 # --------------------------------------------------------------------------- backend
 
 

@@ -12,7 +12,7 @@ import zmq
 import zmq.utils.z85
 
 from gpud.clock import FakeClock
-from gpud.ratelog import OTHERS, Allowance, RateLimit
+from gpud.ratelog import OTHERS, RateLimit, WindowCount
 from gpud.security import load_public_key
 from gpud_broker.gate import ConnectionGate, ConnectionLimits, default_limits, source_of
 
@@ -91,6 +91,22 @@ def test_a_held_off_source_keeps_its_known_keys_and_its_unknown_ones_cost_no_dir
     assert zap.decide(FRONTEND_DOMAIN, "192.0.2.9", "CURVE", [added])[0] == "200"
 
 
+def test_a_held_off_client_key_is_refused_until_its_time_is_up_and_other_keys_are_not(tmp_path: Path) -> None:
+    from gpud.security import FRONTEND_DOMAIN, KeyStore, ZapHandler, keygen
+
+    (tmp_path / "clients" / "bob").mkdir(parents=True)
+    keys = [zmq.utils.z85.decode(load_public_key(keygen(tmp_path / "clients" / "bob", f"b{i}")[0])) for i in (1, 2)]
+    clock = FakeClock(0.0)
+    zap = ZapHandler(KeyStore(tmp_path / "workers", tmp_path / "clients"), clock=clock.monotonic)
+    zap.hold_off(keys[0], 10.0)
+    code, why, user = zap.decide(FRONTEND_DOMAIN, "192.0.2.1", "CURVE", [keys[0]])
+    assert (code, user) == ("400", "") and "held off" in why
+    assert zap.decide(FRONTEND_DOMAIN, "192.0.2.1", "CURVE", [keys[1]])[0] == "200"  # the tenant's other key
+    clock.advance(10.0)
+    assert zap.decide(FRONTEND_DOMAIN, "192.0.2.1", "CURVE", [keys[0]])[0] == "200"
+    assert zap.held_keys == {}
+
+
 @pytest.mark.parametrize(("address", "source"), [
     ("192.0.2.1", "192.0.2.1"), ("::ffff:192.0.2.1", "192.0.2.1"),
     ("2001:db8:1:2:aaaa::1", "2001:db8:1:2::/64"), ("2001:db8:1:2:bbbb::2", "2001:db8:1:2::/64"),
@@ -122,17 +138,17 @@ def test_rate_limit_logs_each_source_once_per_interval_and_reports_the_rest() ->
     assert limit.due() == []
 
 
-def test_an_allowance_answers_so_many_events_of_a_source_per_window_and_the_others_in_full() -> None:
+def test_a_window_count_numbers_each_sources_events_within_its_window() -> None:
     clock = FakeClock(0.0)
-    allow = Allowance(3, 1.0, clock.monotonic)
-    assert [allow("b") for _ in range(5)] == [True, True, True, False, False]
-    assert allow("a") is True  # another source has its own allowance
-    assert allow.refused == 2
+    count = WindowCount(1.0, clock.monotonic)
+    assert [count("b") for _ in range(5)] == [1, 2, 3, 4, 5]
+    assert count("a") == 1  # another source counts apart
     clock.advance(0.99)
-    assert allow("b") is False
+    assert count("b") == 6
     clock.advance(0.01)  # b's window is over: a new one begins with its next event
-    assert [allow("b") for _ in range(4)] == [True, True, True, False]
-    assert allow.refused == 4
+    assert [count("b") for _ in range(2)] == [1, 2]
+    clock.advance(0.5)
+    assert count("b") == 3 and count("a") == 1
 
 
 def test_rate_limit_bounds_the_sources_logged_in_full_per_interval() -> None:

@@ -77,7 +77,8 @@ BAD_ANSWERED = 1000  # per sender, bad messages answered per BAD_WINDOW_S at mos
 BAD_CUT = 4000  # per sender, from this many bad messages in a BAD_WINDOW_S on, its connections are closed (PROTOCOL.md §7)
 BAD_WINDOW_S = 1.0
 BAD_HOLD_OFF_S = 10.0  # under CURVE, a closed connection's key is refused this long
-SIDE_BATCH = 64  # ZAP requests, and events of each monitor, handled per call at most (then the sockets' turn)
+SIDE_BATCH = 64  # ZAP requests, and events of each monitor, handled per tick at most (a catch-up while the loop is busy)
+SIDE_STEP = 8  # the same, per round of the loop that polled them readable (then the sockets' turn, and a poll again)
 WAITING_SHARES = 16  # a sender's messages waiting behind its echoes in flight: this many shares of bytes at most
 _NEW_WORK = (protocol.CMD_BYTES[Command.REQUEST], protocol.CMD_BYTES[Command.CALL], protocol.CMD_BYTES[Command.PUT])
 _WHO_WORKER = frozenset((protocol.CMD_BYTES[Command.READY], protocol.CMD_BYTES[Command.BATCH]))  # worker messages read with their key's name
@@ -295,14 +296,14 @@ class Broker:
             self._monitors.append((s, monitor, HandshakeLog(domain.removeprefix("gpud-"))))
         return s
 
-    def _serve_monitors(self, ready: set[Any] | None = None) -> None:
+    def _serve_monitors(self, ready: set[Any] | None = None, most: int = SIDE_BATCH) -> None:
         """Read the sockets' monitors (those in ``ready``; None: all): the frontend's connections
         go through the gate, failed handshakes are logged."""
         for sock, monitor, handshakes in self._monitors:
             if ready is not None and monitor not in ready:
                 continue
             front = sock is self.frontend
-            for _ in range(SIDE_BATCH):
+            for _ in range(most):
                 try:
                     msg = monitor.recv_multipart(NOBLOCK)
                 except zmq.Again:
@@ -356,17 +357,18 @@ class Broker:
             log.warning("%d frontend connection(s) counted were gone (their disconnect events were not seen)", len(gone))
         return len(gone)
 
-    def _serve_security(self, ready: set[Any] | None = None) -> None:
+    def _serve_security(self, ready: set[Any] | None = None, most: int = SIDE_BATCH) -> None:
         """Answer pending ZAP requests (handshakes of new connections) and read the monitors.
 
         ZAP is answered here, in the broker's loop, and is cheap: per handshake an inproc round
         trip, a dictionary look-up and, unless the source is held off, a check of the key
         directories' times (``KeyStore.refresh``). The CURVE cryptography of a handshake runs on
         libzmq's I/O threads, never here. A burst of handshakes (an outsider's spam) is served
-        SIDE_BATCH at a time, the clients' and workers' messages between."""
+        a few at a time (``most``: SIDE_STEP after a poll, SIDE_BATCH at a tick), the clients' and
+        workers' messages between: a burst of 20 refused handshakes costs the loop about 2 ms."""
         zap, handler = self.zap, self.zap_handler
         if zap is not None and handler is not None and (ready is None or zap in ready):
-            for _ in range(SIDE_BATCH):
+            for _ in range(most):
                 try:
                     frames = zap.recv_multipart(NOBLOCK)
                 except zmq.Again:
@@ -377,7 +379,7 @@ class Broker:
                     log.exception("bug in the ZAP handler; refusing the connection")
                     reply = [b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"internal error", b"", b""]
                 zap.send_multipart(reply)
-        self._serve_monitors(ready)
+        self._serve_monitors(ready, most)
 
     def _drain_clients(self, sock: zmq.Socket[bytes]) -> int:
         """``_drain`` for the frontend: under CURVE each message with its sender's ZAP User-Id
@@ -561,7 +563,7 @@ class Broker:
             if not busy:
                 ready = {s for s, _ in poller.poll(timeout_ms)}
                 if side and ready:
-                    self._serve_security(ready)
+                    self._serve_security(ready, SIDE_STEP)
             now = monotonic()
             core.now = now
             # Sent after each socket's batch: what results freed is dispatched before the clients'

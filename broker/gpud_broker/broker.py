@@ -3,7 +3,9 @@ backend (workers) and the admin socket. It only moves frames: decode, hand to ``
 what the core answers. Each ready socket is drained in a batch before polling again (the
 frontend's batch cut short when one sender fills it). New frontend connections pass the
 connection gate (``gate.ConnectionGate``) as libzmq's monitor reports them; a sender's messages
-wait behind its echoes in flight past its share (``intake.EchoShare``).
+wait behind its echoes in flight past its share or its rate (``intake.EchoShare``). A sender's bad
+messages are answered up to an allowance a second, and past a bound its connection is closed
+(``_bad``, ``_cut``).
 """
 
 from __future__ import annotations

@@ -127,25 +127,24 @@ class EchoShare:
         held = self.bytes_of.get(sender, 0)
         if held > 0 and held + echo[1] > self.share:
             return True
-        return self.rate > 0 and echo[1] > 0 and self._tokens(sender, now) <= 0
-
-    def _tokens(self, sender: Hashable, now: float) -> float:
-        """The echo bytes ``sender`` may send now (below 0: it spent more than it had, for one echo
-        may be larger than what is left)."""
-        bucket = self.buckets.get(sender)
-        if bucket is None:
-            return self.burst
-        tokens, at = bucket
-        return min(self.burst, tokens + (now - at) * self.rate)
+        bucket = self.buckets.get(sender) if self.rate > 0 and echo[1] > 0 else None
+        return bucket is not None and bucket[0] + (now - bucket[1]) * self.rate <= 0
 
     def _spend(self, sender: Hashable, nbytes: int, now: float) -> None:
-        if len(self.buckets) >= MAX_BUCKETS and sender not in self.buckets:
-            full = [s for s in self.buckets if self._tokens(s, now) >= self.burst]
-            for s in full:
-                del self.buckets[s]
-            if len(self.buckets) >= MAX_BUCKETS:
-                self.buckets.clear()
-        self.buckets[sender] = (self._tokens(sender, now) - nbytes, now)
+        """Take ``nbytes`` from ``sender``'s bucket (below 0: it spent more than it had, for one
+        echo may be larger than what is left; it waits until the bucket is above 0 again)."""
+        buckets, burst, rate = self.buckets, self.burst, self.rate
+        bucket = buckets.get(sender)
+        if bucket is None:
+            if len(buckets) >= MAX_BUCKETS:  # forget those full by now; or all
+                for s in [s for s, (t, at) in buckets.items() if t + (now - at) * rate >= burst]:
+                    del buckets[s]
+                if len(buckets) >= MAX_BUCKETS:
+                    buckets.clear()
+            tokens = burst
+        else:
+            tokens = min(burst, bucket[0] + (now - bucket[1]) * rate)
+        buckets[sender] = (tokens - nbytes, now)
 
     def _fly(self, sender: Hashable, echo: tuple[bytes, int], now: float, route: bytes) -> None:
         rid, nbytes = echo

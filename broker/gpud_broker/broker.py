@@ -852,6 +852,7 @@ class Broker:
             return  # not the message just read (one that waited): its connection is not known
         try:
             fd = int(first.get(zmq.SRCFD))
+            came_from = str(first.get("Peer-Address"))
         except (zmq.ZMQError, TypeError, ValueError):
             return
         now = self.core.now
@@ -861,7 +862,7 @@ class Broker:
         if len(self._cut_at) >= 4096:
             self._cut_at.clear()
         self._cut_at[ident] = (fd, now)
-        peer = _shut_down(fd, self._frontend_port)
+        peer = _shut_down(fd, self._frontend_port, came_from)
         if peer is None:
             return
         self.core.counters["cut_connections"] += 1
@@ -914,16 +915,21 @@ def _peer_of(fd: int, port: int | None) -> str | None:
         conn.detach()
 
 
-def _shut_down(fd: int, port: int | None) -> str | None:
+def _shut_down(fd: int, port: int | None, came_from: str | None = None) -> str | None:
     """Shut down (``shutdown(2)``, never ``close``: the descriptor stays libzmq's, which then sees
     the end of the stream and closes it as for a peer that left) the connection on ``fd`` if it is
-    one to local ``port``; its peer's address, or None when it was not (gone, or another socket's)."""
+    one to local ``port`` from the address ``came_from`` (the message's ``Peer-Address``; None:
+    any); its peer's address, or None when it was not (gone, another socket's, or another host's).
+    The address check is there because the descriptor may have been closed and reused for a new
+    connection since the message was read: a flooder's connection must never cut someone else's."""
     try:
         conn = socket.socket(fileno=fd)  # takes the descriptor over: ``detach`` gives it back unclosed
     except OSError:
         return None
     try:
         peer = _peer(conn, port)
+        if peer is not None and came_from is not None and peer != came_from:
+            return None
         if peer is not None:
             try:
                 conn.shutdown(socket.SHUT_RDWR)

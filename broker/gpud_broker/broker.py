@@ -164,8 +164,6 @@ class Broker:
         to_client = _queue_in(self._to_clients)
         self.core = BrokerCore(config, time.monotonic(), send_client=to_client, send_worker=_queue_in(self._to_workers))
         self.core.worker_names_bound = self.security.curve
-        self.core.counters.setdefault("bad_unanswered", 0)  # bad messages past their sender's BAD_ANSWERED
-        self.core.counters.setdefault("cut_connections", 0)  # connections closed at their sender's BAD_CUT
         self.endpoints = Endpoints(
             frontend=bind(self.frontend, endpoints.frontend),
             backend=bind(self.backend, endpoints.backend),

@@ -62,7 +62,8 @@ log = logging.getLogger(__name__)
 
 
 COUNTERS = ("requests", "retries", "errors", "bad_messages", "bad_routes", "worker_losses", "takeovers",
-            "job_timeouts", "session_replays", "refused_workers", "fd_pauses", "refused_connections")
+            "job_timeouts", "session_replays", "refused_workers", "fd_pauses", "refused_connections",
+            "bad_unanswered", "cut_connections")
 MAX_OWNERS = 1 << 18  # routing ids whose authenticated sender is remembered (oldest forgotten first)
 MAX_USERS = 4096  # ZAP User-Ids whose parse is remembered
 

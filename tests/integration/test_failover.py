@@ -25,7 +25,11 @@ CLIENTS, ECHOES, JOBS = 4, 500, 50  # 2,000 echo requests and 200 jobs in flight
 
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[LocalCluster]:
-    with LocalCluster(workers=2, gpus_per_worker=2, pair=True, heartbeat_ms=250, rundir=tmp_path,
+    # Beats every 0.25 s, but silence counts as a loss only after 3 s, as with the defaults
+    # (1 s x 3). Under load on a small machine a daemon's loop is starved for most of a second
+    # (broker turns of 0.8 s wall for 0.13 s of CPU measured on 2 shared cores); a liveness of
+    # 0.75 s made that a second failure (a worker judged lost: its started jobs WORKER_LOST).
+    with LocalCluster(workers=2, gpus_per_worker=2, pair=True, heartbeat_ms=250, liveness=12, rundir=tmp_path,
                       worker_args=["--log-level", "DEBUG", "--slots", "128"]) as c:
         c.wait_active()
         yield c

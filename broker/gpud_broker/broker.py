@@ -176,6 +176,7 @@ class Broker:
         self._stop = threading.Event()
         self._draining = False  # drain() was called (SIGTERM)
         self._refusing = False  # the drain has begun: new work is refused (``_start_drain``)
+        self._handed_over = False  # the drain began by handing the active role to the peer
         self._reload_requested = False
         self.pair: Pair | None = None
         if pair is not None:
@@ -225,10 +226,11 @@ class Broker:
     def _vote_client_draining(self, frames: list[bytes], tenant: str | None = None,
                               msg: protocol.Message | None = None) -> None:
         """Not serving while draining: new work is answered SHUTTING_DOWN, the rest is sent to the
-        peer as a passive broker's answer is (a stopping broker never takes over on a vote)."""
-        if not self._refused_as_new_work(frames):
-            assert self.pair is not None
-            self.pair.reject(frames)
+        peer as a passive broker's answer is (a stopping broker never takes over on a vote). Once
+        it has handed its work to the peer, everything is sent there."""
+        assert self.pair is not None
+        if self._handed_over or not self._refused_as_new_work(frames):
+            self.pair.reject(frames)  # handed over: everything goes to the peer, which holds the work
 
     _CLIENT_HANDLERS: dict[tuple[bool, bool], Callable[..., None]] = {
         (True, False): _serve_client,
@@ -641,7 +643,7 @@ class Broker:
                     elif len(core.queue):  # work of a worker lost meanwhile, queued again
                         core.fail_queued(ShuttingDown(f"broker {self.config.name} is stopping"))
                     left = core.dispatched()
-                    if not left:
+                    if not left and not (pair is not None and pair.handing_over(now)):
                         break
                     if now >= drain_until:
                         log.warning("stopping: %d dispatched request(s) still unanswered after %gs; leaving them",
@@ -713,13 +715,25 @@ class Broker:
             box.clear()
 
     def _start_drain(self) -> None:
-        """Answer the queue SHUTTING_DOWN and from now on refuse new work."""
+        """The active broker of a pair hands its role to an in-sync passive peer, which holds every
+        accepted request: its clients are told NOT_ACTIVE and go there, its workers' results
+        follow the new epoch. Otherwise (standalone, or no peer to take the work): answer the
+        queue SHUTTING_DOWN. Either way, from now on refuse new work."""
         core = self.core
+        if self.pair is not None and core.active:
+            try:
+                self.failover()
+                self._handed_over = True
+            except GpudError as exc:
+                log.warning("stopping: cannot hand the work to the peer (%s)", exc.message)
         failed = core.fail_queued(ShuttingDown(f"broker {self.config.name} is stopping"))
         self._refusing = True
         self._choose_client_handler()
-        log.info("stopping: %d queued request(s) answered SHUTTING_DOWN; waiting up to %gs for %d dispatched",
-                 failed, self.config.drain_timeout, core.dispatched())
+        if self._handed_over:
+            log.info("stopping: the active role and the work it holds handed to the peer")
+        else:
+            log.info("stopping: %d queued request(s) answered SHUTTING_DOWN; waiting up to %gs for %d dispatched",
+                     failed, self.config.drain_timeout, core.dispatched())
 
     def _drain(self, sock: zmq.Socket[bytes], handle: Any) -> int:
         """Handle up to BATCH queued messages of ``sock``; returns how many there were."""

@@ -347,6 +347,12 @@ class Pair:
                                 "and only to a passive peer that is connected and in sync")
         return {"state": self.state.value, "epoch": self.core.epoch}
 
+    def handing_over(self, now: float) -> bool:
+        """We handed the active role over (``failover``) and the peer, still heard, has not said
+        yet that it took it: our STATEs still ask it to (for HANDOVER_BEATS heartbeats at most)."""
+        return (self.handover_beats > 0 and self.peer_state is not State.ACTIVE
+                and now - self.peer_heard <= self.cfg.expiry)
+
     def status(self, now: float) -> dict[str, Any]:
         return {
             "role": self.cfg.role, "state": self.state.value, "epoch": self.core.epoch,

@@ -147,3 +147,14 @@ def test_a_hung_worker_is_lost_once_and_runs_nothing_twice_when_it_wakes(tmp_pat
         assert wait_for(lambda: c.status(role="primary")["counts"]["workers"] == 2, "w0 back")
         _alive(c)
 
+
+def test_stopping_the_active_broker_hands_its_work_to_the_passive_one(pair: LocalCluster) -> None:
+    """An operator stops the active broker of an in-sync pair under load (SIGTERM: systemctl stop
+    or restart). The passive one holds every accepted request; none may end in an error."""
+    assert wait_for(lambda: _synced(pair, "backup"), "the backup in sync")
+    out = run_load(pair.frontends, CLIENTS, ECHOES, JOBS,
+                   during=lambda: (time.sleep(0.3), pair.kill_broker("primary", signal.SIGTERM)))
+    _checked(pair, out, "primary stopped")
+    assert not out.errors, out.errors[:5]
+    assert out.ok == CLIENTS * (ECHOES + JOBS)
+    assert pair.wait_active() == "backup"

@@ -859,7 +859,8 @@ class JobRunner:
         ``status_fd`` if it is not in it after (the worker's warning), then enters its sandbox's
         namespaces (``plan``: only the process that runs the job returns), then becomes the job user itself
         (no supplementary groups), then sets the death signal (which a change of uid would clear),
-        ``PR_SET_NO_NEW_PRIVS`` and the resource limits.
+        ``PR_SET_NO_NEW_PRIVS``, the sandbox's seccomp filter (no user namespaces) and the resource
+        limits.
         """
         limits = self.limits
         cpu = math.ceil(spec.time_limit) + math.ceil(limits.cpu_slack)
@@ -902,6 +903,8 @@ class JobRunner:
                 # Die with the daemon's thread that started us; never gain privileges via exec.
                 _prctl_set(_PR_SET_PDEATHSIG, signal.SIGKILL)
                 _prctl_set(_PR_SET_NO_NEW_PRIVS, 1)
+            if plan is not None:
+                plan.deny_user_namespaces()
             for res, value in rlimits:
                 resource.setrlimit(res, value)
 

@@ -45,6 +45,10 @@ What ``Plan.enter`` does, in order:
    signal or with its code), ignoring SIGTERM/SIGINT/SIGHUP meanwhile; ``P`` and ``I`` die with
    SIGKILL, and ``I`` and ``J`` die when their parent does.
 
+Then, once it is the pool user with ``PR_SET_NO_NEW_PRIVS``, the process that runs the user's code
+installs the seccomp filter that keeps it from making user namespaces of its own
+(``Plan.deny_user_namespaces``, ``gpud_worker.seccomp``), where the worker's probe found it working.
+
 Nothing of this runs unless the probe succeeded; a failure of ``enter`` in a process (a mount the
 kernel refuses) raises there, so the job fails to start with a clear error: never a job that runs
 less isolated than the worker reported.
@@ -65,6 +69,8 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from gpud_worker import seccomp
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +197,16 @@ class Plan:
     workdir: str | None = None
     workdir_fd: int | None = None
     gpus: tuple[int, ...] = ()  # minor numbers of the granted GPUs
+    # The process that runs the user's code installs ``seccomp.deny_user_namespaces`` once it is
+    # the pool user (``deny_user_namespaces`` below): it makes no user namespace of its own.
+    no_user_namespaces: bool = False
+
+    def deny_user_namespaces(self) -> None:
+        """In the process that runs the user's code, as the pool user with
+        ``PR_SET_NO_NEW_PRIVS`` and before any of the user's code: where the worker's probe found
+        the filter working, install it (an OSError if the kernel refuses it now)."""
+        if self.no_user_namespaces:
+            seccomp.deny_user_namespaces()
 
     def flags(self) -> int:
         flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
@@ -639,6 +655,8 @@ class Sandbox:
         self.dev = dev
         self.reason = probe(network) if enabled else "the worker does not run as root"
         self.level = RLIMITS_ONLY if self.reason else NAMESPACES
+        # Why jobs may still make user namespaces of their own ("": they may not).
+        self.user_namespaces = seccomp.probe() if self.active else self.reason
         self._own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC) if self.active else -1
         self._base = tuple(host_nodes(BASE_DEVICES, dev))
 
@@ -666,14 +684,18 @@ class Sandbox:
         net = "no network (loopback only)" if self.network == "none" else "the HOST network (job_network = host)"
         return (f"isolation: {NAMESPACES}: each job and session process gets mount, PID, IPC, UTS and network "
                 f"namespaces, private /tmp, /var/tmp, /dev/shm ({self.tmp_size} bytes each), its own /proc, "
-                f"only its GPUs' device nodes, {net}; hidden: {', '.join(self.hidden) or 'nothing'}")
+                f"only its GPUs' device nodes, {net}, "
+                + ("no user namespaces of its own (seccomp)" if not self.user_namespaces
+                   else f"user namespaces of its own where the kernel allows them ({self.user_namespaces})")
+                + f"; hidden: {', '.join(self.hidden) or 'nothing'}")
 
     def plan(self, minors: Sequence[int], workdir: str | None = None, workdir_fd: int | None = None) -> Plan | None:
         """The plan of one process granted the GPUs of ``minors``; None without namespaces."""
         if not self.active:
             return None
         nodes = self._base + tuple(host_nodes(gpu_node_names(minors), self.dev))
-        return Plan(self.network, self.tmp_size, self.hidden, nodes, self.shared, workdir, workdir_fd, tuple(minors))
+        return Plan(self.network, self.tmp_size, self.hidden, nodes, self.shared, workdir, workdir_fd, tuple(minors),
+                    not self.user_namespaces)
 
 
 # ---------------------------------------------------------------------------- outside a sandbox

@@ -7,7 +7,8 @@ address, every other context of the worker process failed and no new one could b
 (``cuCtxCreate``: CUDA_ERROR_ILLEGAL_ADDRESS). One tenant's bad kernel must not end the other
 tenants' sessions, so each session runs in a process of its own: a fault ends that process and
 nothing else. The process also runs the user's code (kernels, module loads) as an unprivileged pool
-user (``JobRunner.lease_user``), never as root, with ``PR_SET_NO_NEW_PRIVS``, and sees only its
+user (``JobRunner.lease_user``), never as root, with ``PR_SET_NO_NEW_PRIVS`` (and, in a sandbox,
+its seccomp filter: no user namespaces of its own), and sees only its
 own GPU (``CUDA_VISIBLE_DEVICES``) and its grant's MPS limits, which CUDA reads when the process
 starts.
 
@@ -552,6 +553,8 @@ def _serve(conn: Any, fd: _Fd, staging: int, spec: dict[str, Any], ids: tuple[in
         if plan is not None:  # from here on, the process that serves is PID 2 of its namespace
             _PID = plan.enter(outer_pid=True, keep_handlers=True)
         _become(ids)
+        if plan is not None:
+            plan.deny_user_namespaces()
         session = _open(spec)
     except Exception as exc:
         text = exc.message if isinstance(exc, GpudError) else f"{type(exc).__name__}: {exc}"

@@ -656,7 +656,7 @@ class Sandbox:
         self.reason = probe(network) if enabled else "the worker does not run as root"
         self.level = RLIMITS_ONLY if self.reason else NAMESPACES
         # Why jobs may still make user namespaces of their own ("": they may not).
-        self.user_namespaces = seccomp.probe() if self.active else self.reason
+        self.userns_reason = seccomp.probe() if self.active else self.reason
         self._own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC) if self.active else -1
         self._base = tuple(host_nodes(BASE_DEVICES, dev))
 
@@ -685,8 +685,8 @@ class Sandbox:
         return (f"isolation: {NAMESPACES}: each job and session process gets mount, PID, IPC, UTS and network "
                 f"namespaces, private /tmp, /var/tmp, /dev/shm ({self.tmp_size} bytes each), its own /proc, "
                 f"only its GPUs' device nodes, {net}, "
-                + ("no user namespaces of its own (seccomp)" if not self.user_namespaces
-                   else f"user namespaces of its own where the kernel allows them ({self.user_namespaces})")
+                + ("no user namespaces of its own (seccomp)" if not self.userns_reason
+                   else f"user namespaces of its own where the kernel allows them ({self.userns_reason})")
                 + f"; hidden: {', '.join(self.hidden) or 'nothing'}")
 
     def plan(self, minors: Sequence[int], workdir: str | None = None, workdir_fd: int | None = None) -> Plan | None:
@@ -695,7 +695,7 @@ class Sandbox:
             return None
         nodes = self._base + tuple(host_nodes(gpu_node_names(minors), self.dev))
         return Plan(self.network, self.tmp_size, self.hidden, nodes, self.shared, workdir, workdir_fd, tuple(minors),
-                    not self.user_namespaces)
+                    not self.userns_reason)
 
 
 # ---------------------------------------------------------------------------- outside a sandbox

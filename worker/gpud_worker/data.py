@@ -53,10 +53,8 @@ LOG_INTERVAL_S = 10.0  # at most one line per this many seconds about bad messag
 POLL_MS = 100  # how often the data socket's thread looks at its stop flag
 HWM = 100_000
 
-_SIG = Peer.CLIENT.value
-_REPLY = P.CMD_BYTES[Command.REPLY]
-_PONG = [_SIG, P.CMD_BYTES[Command.PONG], P.packb({})]
-_PONG_ENDED = [_SIG, P.CMD_BYTES[Command.PONG], P.packb({"ended": True})]
+_PONG = P.encode(Peer.CLIENT, Command.PONG, {})
+_PONG_ENDED = P.encode(Peer.CLIENT, Command.PONG, {"ended": True})
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _DATA_DOMAIN = DATA_DOMAIN.encode()
 _SESSION_DOMAIN = f"{DATA_DOMAIN}/".encode()
@@ -419,7 +417,7 @@ def refuse(sock: zmq.Socket[bytes], ident: bytes, exc: GpudError, notes: _Notes,
 
 
 def reply_frames(header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> list[Any]:
-    return [_SIG, _REPLY, P.packb(header), *frames]
+    return P.encode(Peer.CLIENT, Command.REPLY, header, frames)
 
 
 def send(sock: zmq.Socket[bytes], ident: bytes, frames: list[Any], notes: _Notes) -> None:

@@ -15,8 +15,10 @@ during the upload as a ratio to idle, in one run.
   DEALER worker that answers each chunk; ``copy=False`` everywhere), the same bytes sent in
   chunks of gpud's staging chunk size (``gpud.transfer.CHUNK_BYTES``), its window outstanding.
 
-Each round also gives the CPU seconds per GiB the broker and the worker spent during the upload
-(from /proc: robust to the machine's load, unlike the rates).
+Each round also gives the CPU seconds per GiB of every process on the path during its transfer
+(from /proc: robust to the machine's load, unlike the rates): gpud's client (this process; the
+echo client runs in a process of its own), broker and worker, and the bare client, forwarder and
+sink, so that the gap shows per process.
 
 Targets: gpud at least 0.7x bare, echo p99 during the upload at most 3x idle.
 
@@ -33,6 +35,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -55,70 +58,123 @@ def p99(xs: list[float]) -> float:
 
 
 class Echoes:
-    """A client that sends small echoes one after another, its latencies kept by phase."""
+    """Another client, in a process of its own (its CPU is not the uploading client's): it sends
+    small echoes one after another and, when stopped, says when each was sent and how long it took
+    (``time.perf_counter``, CLOCK_MONOTONIC: the same clock in every process)."""
 
     def __init__(self, endpoints: list[str]) -> None:
-        self.client = Client(endpoints, timeout=30)
-        self.phase = "idle"
-        self.lat: dict[str, list[float]] = {"idle": [], "upload": [], "off": []}
+        me = [sys.executable, os.path.abspath(__file__), "--role", "echoes", *(a for e in endpoints for a in ("--endpoint", e))]
+        self.proc = subprocess.Popen(me, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.samples: list[tuple[float, float]] = []
         self.errors = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="echoes")
-
-    def _run(self) -> None:
-        payload = b"e" * 64
-        while not self._stop.is_set():
-            t = time.perf_counter()
-            try:
-                self.client.echo(payload)
-            except Exception:
-                self.errors += 1
-                continue
-            self.lat[self.phase].append(time.perf_counter() - t)
-            time.sleep(0.002)
-
-    def start(self) -> None:
-        self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.client.close()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()  # end of input: the child stops and prints its samples
+        out = json.loads(self.proc.stdout.read() or b"{}")
+        self.proc.wait(timeout=30)
+        self.samples = [tuple(x) for x in out.get("samples", [])]
+        self.errors = out.get("errors", 0)
+
+    def p99(self, t0: float, t1: float) -> float:
+        """p99 of the echoes sent between ``t0`` and ``t1``."""
+        return p99([lat for t, lat in self.samples if t0 <= t < t1])
+
+
+def echoes_child(endpoints: list[str]) -> int:
+    """The echo client's process: echoes until its stdin ends, then its samples as one JSON line."""
+    client = Client(endpoints, timeout=30)
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.buffer.read(), stop.set()), daemon=True).start()
+    samples: list[tuple[float, float]] = []
+    errors = 0
+    payload = b"e" * 64
+    while not stop.is_set():
+        t = time.perf_counter()
+        try:
+            client.echo(payload)
+        except Exception:
+            errors += 1
+            continue
+        samples.append((t, time.perf_counter() - t))
+        time.sleep(0.002)
+    client.close()
+    sys.stdout.write(json.dumps({"samples": samples, "errors": errors}))
+    return 0
 
 
 def cpu_s(pid: int) -> float:
-    """CPU seconds (user and system) of process ``pid`` so far, from /proc."""
+    """CPU seconds (user and system) of process ``pid`` so far, every thread, from /proc."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def gpud_round(c: Client, echoes: Echoes, data: bytes, idle_s: float,
-               pids: list[int]) -> tuple[float, float, float, float, list[float]]:
-    """(net seconds to the job's end, seconds staging to the broker's spool, echo p99 idle, echo
-    p99 during the upload, CPU seconds of each of ``pids`` during the upload)."""
-    echoes.phase = "idle"
-    echoes.lat["idle"].clear()
-    echoes.lat["upload"].clear()
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of process ``pid`` so far, by thread name (threads of one name
+    summed; ZeroMQ's I/O threads are "ZMQbg/IO/0" and so on), from /proc."""
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                head, rest = f.read().rsplit(")", 1)
+        except FileNotFoundError:
+            continue  # the thread ended meanwhile
+        name = head.split("(", 1)[1]
+        fields = rest.split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+class CpuMeter:
+    """CPU seconds spent by each of some processes between ``start`` and ``stop``, by name, and
+    by each of their threads (``threads``: a thread that ended meanwhile is not counted there)."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.used: dict[str, float] = {}
+        self.threads: dict[str, dict[str, float]] = {}
+        self._at: dict[str, float] = {}
+        self._threads_at: dict[str, dict[str, float]] = {}
+
+    def start(self) -> None:
+        self._threads_at = {name: thread_cpu_s(pid) for name, pid in self.pids.items()}
+        self._at = {name: cpu_s(pid) for name, pid in self.pids.items()}
+
+    def stop(self) -> dict[str, float]:
+        self.used = {name: cpu_s(pid) - self._at[name] for name, pid in self.pids.items()}
+        for name, pid in self.pids.items():
+            at = self._threads_at[name]
+            self.threads[name] = {t: v - at.get(t, 0.0) for t, v in thread_cpu_s(pid).items() if v - at.get(t, 0.0) > 0}
+        return self.used
+
+
+def gpud_round(c: Client, data: bytes, idle_s: float, cpu: CpuMeter) -> dict[str, float]:
+    """One upload through gpud: net seconds to the job's end (less a job without input), seconds
+    staging to the broker's spool, the windows of idle and upload time (for the echoes), and the
+    CPU seconds of each process during the upload."""
+    t_idle = time.perf_counter()
     time.sleep(idle_s)
-    echoes.phase = "off"
+    t_idle_end = time.perf_counter()
     empty = []
+    cpu.start()
     for _ in range(3):
         t = time.perf_counter()
         c.run(["true"], gpu_milli=100)
         empty.append(time.perf_counter() - t)
-    echoes.phase = "upload"
-    cpu0 = [cpu_s(pid) for pid in pids]
+    empty_cpu = {k: v / 3 for k, v in cpu.stop().items()}
+    cpu.start()
     t = time.perf_counter()
     job = c.submit(["true"], files={"a": data}, gpu_milli=100, time_limit=300, timeout=300)
     staged = time.perf_counter() - t  # submit returns once the input is in the broker's spool
     out = job.wait()
-    took = time.perf_counter() - t
-    cpu = [cpu_s(pid) - c0 for pid, c0 in zip(pids, cpu0, strict=True)]
-    echoes.phase = "off"
+    t_end = time.perf_counter()
+    used = cpu.stop()
     if out.exit_code != 0:
         raise RuntimeError(f"the job failed: {out.stderr!r}")
-    return took - statistics.median(empty), staged, p99(echoes.lat["idle"]), p99(echoes.lat["upload"]), cpu
+    return {"net_s": t_end - t - statistics.median(empty), "staged_s": staged, "idle0": t_idle,
+            "idle1": t_idle_end, "up0": t, "up1": t_end, **{f"cpu_{k}": v for k, v in used.items()},
+            **{f"empty_job_cpu_{k}": v for k, v in empty_cpu.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,8 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="gpud and bare rounds, alternating (default %(default)s)")
     p.add_argument("--idle", type=float, default=3.0, help="seconds of idle echoes per round (default %(default)s)")
     p.add_argument("--pair", action="store_true", help="a Binary Star pair instead of one broker")
+    p.add_argument("--role", choices=["bench", "echoes"], default="bench", help=argparse.SUPPRESS)
+    p.add_argument("--endpoint", action="append", default=[], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.role == "echoes":
+        return echoes_child(args.endpoint)
     nbytes = args.mib * MIB
+    gib = nbytes / (1 << 30)
     data = os.urandom(MIB) * args.mib
     t_start = time.perf_counter()
     rounds: list[dict[str, float]] = []
@@ -139,35 +200,55 @@ def main(argv: list[str] | None = None) -> int:
         try:
             bare.wait_ready()
             echoes = Echoes(cluster.frontends)
-            echoes.start()
+            windows = []
+            threads: list[dict[str, dict[str, float]]] = []  # per round: CPU s/GiB of each thread, by process
             try:
                 with Client(cluster.frontends, timeout=60) as c:
                     view = memoryview(data)
                     broker = cluster.brokers["primary" if args.pair else "broker"]
-                    pids = [broker.pid, next(iter(cluster.worker_procs.values())).pid]
-                    for i in range(args.rounds):
-                        net, staged, idle, busy, cpu = gpud_round(c, echoes, data, args.idle, pids)
+                    gpud_cpu = CpuMeter({"client": os.getpid(), "broker": broker.pid,
+                                         "worker": next(iter(cluster.worker_procs.values())).pid})
+                    bare_cpu = CpuMeter({"client": os.getpid(), "forwarder": bare.procs[0].pid,
+                                         "sink": bare.procs[1].pid})
+                    for _ in range(args.rounds):
+                        g = gpud_round(c, data, args.idle, gpud_cpu)
+                        bare_cpu.start()
                         t = time.perf_counter()
                         bare.htod_chunked(view, CHUNK_BYTES, WINDOW)
                         bare_s = time.perf_counter() - t
-                        r = {"gpud_gbps": nbytes / net / 1e9, "stage_gbps": nbytes / staged / 1e9,
-                             "bare_gbps": nbytes / bare_s / 1e9,
-                             "echo_p99_idle_ms": idle * 1e3, "echo_p99_upload_ms": busy * 1e3}
+                        b = bare_cpu.stop()
+                        windows.append(g)
+                        r = {"gpud_gbps": nbytes / g["net_s"] / 1e9, "stage_gbps": nbytes / g["staged_s"] / 1e9,
+                             "bare_gbps": nbytes / bare_s / 1e9}
                         r["ratio"] = r["gpud_gbps"] / r["bare_gbps"]
-                        r["broker_cpu_s_per_gib"] = cpu[0] / (nbytes / (1 << 30))
-                        r["worker_cpu_s_per_gib"] = cpu[1] / (nbytes / (1 << 30))
-                        r["p99_ratio"] = busy / idle
+                        for k in ("client", "broker", "worker"):
+                            r[f"{k}_cpu_s_per_gib"] = g[f"cpu_{k}"] / gib
+                        for k in ("client", "broker", "worker"):
+                            r[f"empty_job_{k}_cpu_s"] = g[f"empty_job_cpu_{k}"]
+                        for k, v in b.items():
+                            r[f"bare_{k}_cpu_s_per_gib"] = v / gib
+                        r["cpu_s_per_gib"] = sum(g[f"cpu_{k}"] for k in ("client", "broker", "worker")) / gib
+                        r["bare_cpu_s_per_gib"] = sum(b.values()) / gib
+                        threads.append({p: {t: round(v / gib, 2) for t, v in sorted(ts.items(), key=lambda x: -x[1])}
+                                        for p, ts in gpud_cpu.threads.items() if p != "client"})
                         rounds.append(r)
-                        print(f"round {i + 1}: gpud {r['gpud_gbps']:.2f} GB/s (client to spool "
-                              f"{r['stage_gbps']:.2f}), bare {r['bare_gbps']:.2f} GB/s "
-                              f"(ratio {r['ratio']:.2f}); echo p99 {r['echo_p99_idle_ms']:.2f} ms idle, "
-                              f"{r['echo_p99_upload_ms']:.2f} ms during the upload ({r['p99_ratio']:.2f}x); CPU s "
-                              f"per GiB: broker {r['broker_cpu_s_per_gib']:.2f}, worker {r['worker_cpu_s_per_gib']:.2f}",
-                              flush=True)
             finally:
                 echoes.stop()
         finally:
             bare.stop()
+    for i, (r, g) in enumerate(zip(rounds, windows, strict=True)):
+        idle, busy = echoes.p99(g["idle0"], g["idle1"]), echoes.p99(g["up0"], g["up1"])
+        r.update({"echo_p99_idle_ms": idle * 1e3, "echo_p99_upload_ms": busy * 1e3, "p99_ratio": busy / idle})
+        print(f"round {i + 1}: gpud {r['gpud_gbps']:.2f} GB/s (client to spool {r['stage_gbps']:.2f}), bare "
+              f"{r['bare_gbps']:.2f} GB/s (ratio {r['ratio']:.2f}); echo p99 {r['echo_p99_idle_ms']:.2f} ms idle, "
+              f"{r['echo_p99_upload_ms']:.2f} ms during the upload ({r['p99_ratio']:.2f}x)")
+        print(f"  CPU s/GiB: gpud {r['cpu_s_per_gib']:.2f} (client {r['client_cpu_s_per_gib']:.2f}, broker "
+              f"{r['broker_cpu_s_per_gib']:.2f}, worker {r['worker_cpu_s_per_gib']:.2f}); bare "
+              f"{r['bare_cpu_s_per_gib']:.2f} (client {r['bare_client_cpu_s_per_gib']:.2f}, forwarder "
+              f"{r['bare_forwarder_cpu_s_per_gib']:.2f}, sink {r['bare_sink_cpu_s_per_gib']:.2f})", flush=True)
+        print(f"  CPU s/GiB by thread: {json.dumps(threads[i])}; CPU s of a job without input: client "
+              f"{r['empty_job_client_cpu_s']:.3f}, broker {r['empty_job_broker_cpu_s']:.3f}, worker "
+              f"{r['empty_job_worker_cpu_s']:.3f}")
     rounds.sort(key=lambda r: r["ratio"])
     mid = rounds[len(rounds) // 2]
     print(f"staged job input of {args.mib} MiB through {'a broker pair' if args.pair else 'one broker'} "

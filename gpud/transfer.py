@@ -1,7 +1,8 @@
 """The receiving side's window of a chunked transfer (PROTOCOL.md §11): which chunks of a set of
 files of known sizes to ask for next, at most ``window`` unanswered at once, in file and offset
 order; which are outstanding (to ask again after a failover or a silence); and which answers to
-take. Pure: no sockets, no files, the caller passes the time.
+take. Pure: no sockets, no files, the caller passes the time. (And ``pwrite_all``, the write
+of a chunk into a file that both the broker's spool and the worker's fetch make.)
 
 The worker fetching a staged job's inputs and the broker pulling a job's staged outputs both
 drive one.
@@ -9,6 +10,7 @@ drive one.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 CHUNK_BYTES = 1 << 20  # bytes of one chunk of a staged file (a PUT's, a FETCH's)
@@ -73,3 +75,10 @@ class ChunkWindow:
         """The answer at (``index``, ``offset``) is written: no longer outstanding."""
         n, _ = self.asked.pop((index, offset))
         self.got += n
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` to ``fd`` at ``offset`` (``os.pwrite`` may write less than asked)."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)

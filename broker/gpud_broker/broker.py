@@ -587,8 +587,7 @@ class Broker:
             if spool_io.fd in ready:
                 ready.discard(spool_io.fd)
                 spool_io.take_signal()
-                if spool_io.failed:
-                    staging.write_failures(core)
+                staging.after_io(core)  # reads done go out, failed writes fail their uploads
             if pair is not None:
                 if staging.backfilling:
                     staging.backfill(core)

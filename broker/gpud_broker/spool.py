@@ -6,15 +6,19 @@ The spool owns the bytes and their bookkeeping (which upload holds how much of e
 stage how much is the accounts' (``Accounts.over_spool``), checked before ``open``. No sockets, no
 clock of its own: the caller passes the time.
 
-Disk I/O is off the broker's loop: writes to spooled files, and their removal, go in order to one
-thread of the spool's own (``_SpoolIO``), which counts each write done and signals ``io_fd`` (an
-eventfd for the loop's poller). A chunk is held by the spool at once (its bookkeeping), its bytes
-on disk once its write is done (``written``); until then, and for the last few chunks of each
-upload, ``read`` answers from the chunk's own buffer.
+Disk I/O is off the broker's loop: writes to spooled files, reads of them, and their removal, go
+in order to one thread of the spool's own (``_SpoolIO``), which counts each write done and
+signals ``io.fd`` (an eventfd for the loop's poller). A chunk is held by the spool at once (its
+bookkeeping), its bytes on disk once its write is done (``written``). The chunk's own buffer is
+kept until then, and after it until the chunk is read once (a worker fetches each chunk once)
+while the memory copies of chunks on disk stay under ``hold_bytes``: a worker that keeps up with
+the upload is answered from memory, and ``read_soon`` goes to the disk (on the thread) only for
+one that lags further behind.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -28,6 +32,7 @@ from typing import Any
 
 from gpud.errors import InvalidRequest
 from gpud.protocol import id_text
+from gpud.transfer import pwrite_all
 
 log = logging.getLogger(__name__)
 
@@ -36,24 +41,28 @@ DEFAULT_RAM_FILE_BYTES = 1 << 20  # files up to this size go to memory (while th
 DEFAULT_STAGE_TTL_S = 60.0  # seconds an unclaimed upload is kept after its last PUT
 
 
-MAX_BACKLOG_BYTES = 64 << 20  # bytes queued for writing at most; past it ``write`` waits (flow control)
-RECENT_CHUNKS = 8  # chunks of each upload kept in memory after their write, for reads without disk
+HOLD_BYTES = 64 << 20  # bytes of chunks on disk kept in memory too, at most, for reads that need no disk
+# A read from the spool's files waits for the disk thread: (the read's callback, the bytes or the error)
+Delivery = Callable[[bytes | OSError], None]
 
 
 class _SpoolIO:
-    """Writes to spooled files, then closes and removes them, in order, on a thread of its own:
-    a write can wait on the disk, and freeing a large file's blocks can take the file system a
-    second, which the broker's loop must never wait for. Writes are numbered (tickets, from 1);
-    ``done`` is the last one finished, and each finished write makes ``fd`` (an eventfd) readable."""
+    """Writes to spooled files, reads of them, then their closing and removal, in order, on a
+    thread of its own: a write or a read can wait on the disk, and freeing a large file's blocks
+    can take the file system a second, which the broker's loop must never wait for. Writes are
+    numbered (tickets, from 1); ``done`` is the last one finished. Each write and read finished
+    makes ``fd`` (an eventfd) readable; a read's bytes wait in ``reads`` for the loop. A read
+    queued after a write of the same bytes reads what it wrote (one thread, in order)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[int, int, memoryview | None, str] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._fd = -1  # the eventfd, made when first asked for (``fd``)
         self.issued = 0  # the last ticket handed out
         self.done = 0  # the last ticket whose write finished (set by the thread only)
         self.backlog = 0  # bytes queued, not written yet
-        self.failed: list[tuple[int, OSError]] = []  # (ticket, error) of writes that failed
+        self.failed: list[tuple[bytes, OSError]] = []  # (the upload's job id, error) of writes that failed
+        self.reads: collections.deque[tuple[Delivery, bytes | OSError]] = collections.deque()  # finished reads
         self._progress = threading.Condition()
 
     @property
@@ -67,27 +76,31 @@ class _SpoolIO:
             self._thread = threading.Thread(target=self._run, name="spool-io", daemon=True)
             self._thread.start()
 
-    def write(self, fd: int, offset: int, data: memoryview) -> int:
-        """Queue a write of ``data`` (kept referenced until written); its ticket."""
+    def write(self, job: bytes, fd: int, offset: int, data: memoryview) -> int:
+        """Queue a write of ``data`` (kept referenced until written) to a file of upload ``job``;
+        its ticket. Never waits: what bounds the queue is the PUT REPLYs, which wait for it
+        (``Staging``)."""
         self._start()
-        if self.backlog > MAX_BACKLOG_BYTES:  # the disk is slower than the intake: wait for it
-            with self._progress:
-                self._progress.wait_for(lambda: self.backlog <= MAX_BACKLOG_BYTES, timeout=30.0)
         self.issued += 1
         with self._progress:
             self.backlog += len(data)
-        self._queue.put((fd, offset, data, ""))
+        self._queue.put(("w", fd, offset, data, job))
         return self.issued
 
+    def read(self, fd: int, offset: int, nbytes: int, deliver: Delivery) -> None:
+        """Queue a read; ``deliver`` gets its bytes (or the OSError) from ``take_reads``, in the loop."""
+        self._start()
+        self._queue.put(("r", fd, offset, nbytes, deliver))
+
     def wait(self, ticket: int) -> None:
-        """Block until write ``ticket`` is done (a read of bytes not written yet: rare)."""
+        """Block until write ``ticket`` is done (a passive broker's apply, and tests)."""
         with self._progress:
             self._progress.wait_for(lambda: self.done >= ticket, timeout=30.0)
 
     def reap(self, fd: int, path: str) -> None:
-        """Close ``fd`` and remove ``path`` once the writes queued before are done."""
+        """Close ``fd`` and remove ``path`` once the writes and reads queued before are done."""
         self._start()
-        self._queue.put((fd, 0, None, path))
+        self._queue.put(("x", fd, path))
 
     def _run(self) -> None:
         ticket = self.done
@@ -95,30 +108,41 @@ class _SpoolIO:
             item = self._queue.get()
             if item is None:
                 return
-            fd, offset, data, path = item
-            if data is None:
+            kind, fd = item[0], item[1]
+            if kind == "x":
                 try:
-                    os.unlink(path)
+                    os.unlink(item[2])
                 except FileNotFoundError:
                     pass
                 except OSError as exc:
-                    log.warning("spool: cannot remove %s: %s", path, exc)
+                    log.warning("spool: cannot remove %s: %s", item[2], exc)
                 os.close(fd)
                 continue
+            if kind == "r":
+                _, _, offset, nbytes, deliver = item
+                try:
+                    got: bytes | OSError = _pread_all(fd, offset, nbytes)
+                except OSError as exc:
+                    got = exc
+                self.reads.append((deliver, got))
+                self._signal()
+                continue
+            _, _, offset, data, job = item
             ticket += 1
             try:
-                done = 0
-                while done < len(data):
-                    done += os.pwrite(fd, data[done:], offset + done)
+                pwrite_all(fd, data, offset)
             except OSError as exc:
                 log.error("spool: cannot write a staged file: %s", exc)
-                self.failed.append((ticket, exc))
+                self.failed.append((job, exc))
             with self._progress:
                 self.backlog -= len(data)
                 self.done = ticket
                 self._progress.notify_all()
-            if self._fd >= 0:
-                os.eventfd_write(self._fd, 1)
+            self._signal()
+
+    def _signal(self) -> None:
+        if self._fd >= 0:
+            os.eventfd_write(self._fd, 1)
 
     def take_signal(self) -> None:
         """Clear ``fd`` (the loop read it readable)."""
@@ -127,6 +151,13 @@ class _SpoolIO:
         except BlockingIOError:
             pass
 
+    def take_reads(self) -> None:
+        """(The loop) Hand each finished read to its callback."""
+        reads = self.reads
+        while reads:
+            deliver, got = reads.popleft()
+            deliver(got)
+
     def close(self) -> None:
         self.stop()
         if self._fd >= 0:
@@ -134,15 +165,29 @@ class _SpoolIO:
             self._fd = -1
 
     def stop(self) -> None:
-        """Wait until every write and removal handed over is done."""
+        """Wait until every write, read and removal handed over is done."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
 
 
+def _pread_all(fd: int, offset: int, nbytes: int) -> bytes:
+    parts = []
+    while nbytes > 0:
+        got = os.pread(fd, nbytes, offset)
+        if not got:
+            break
+        parts.append(got)
+        offset += len(got)
+        nbytes -= len(got)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 class _RamStore:
     """One staged file held in memory."""
+
+    on_disk = False
 
     def __init__(self, size: int) -> None:
         self.buf = bytearray(size)
@@ -161,27 +206,33 @@ class _RamStore:
 class _FileStore:
     """One staged file held in a file of the spool directory."""
 
-    def __init__(self, path: str, io: _SpoolIO) -> None:
+    on_disk = True
+
+    def __init__(self, job: bytes, path: str, io: _SpoolIO) -> None:
+        self.job = job
         self.path = path
         self.io = io
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
 
     def write(self, offset: int, data: memoryview) -> int:
-        return self.io.write(self.fd, offset, data)
+        return self.io.write(self.job, self.fd, offset, data)
 
     def read(self, offset: int, nbytes: int) -> bytes:
-        parts = []
-        while nbytes > 0:
-            got = os.pread(self.fd, nbytes, offset)
-            if not got:
-                break
-            parts.append(got)
-            offset += len(got)
-            nbytes -= len(got)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return _pread_all(self.fd, offset, nbytes)
 
     def close(self) -> None:
         self.io.reap(self.fd, self.path)
+
+
+class _Held:
+    """A chunk of a spooled file held in memory: its bytes, its write's ticket, whether it was read."""
+
+    __slots__ = ("data", "ticket", "read")
+
+    def __init__(self, data: memoryview, ticket: int) -> None:
+        self.data = data
+        self.ticket = ticket
+        self.read = False
 
 
 @dataclass(slots=True)
@@ -199,9 +250,6 @@ class Upload:
     ram: int = 0  # bytes of it held in memory
     claimed: bool = False
     ahead: dict[tuple[int, int], int] = field(default_factory=dict)  # (file, offset) -> end, past ``have`` (replicas)
-    # The last chunks stored, by (file, offset): (their bytes, their write's ticket). Every chunk
-    # whose write is not done is here (reads of it are answered from memory), and RECENT_CHUNKS more.
-    recent: dict[tuple[int, int], tuple[memoryview, int]] = field(default_factory=dict)
     ticket: int = 0  # the write of its last chunk stored (0: none on disk)
     # FETCHes of bytes not held yet (the upload still comes, PROTOCOL.md §11.3): (worker identity, file, offset, nbytes)
     waiting: list[tuple[bytes, int, int, int]] = field(default_factory=list)
@@ -227,7 +275,7 @@ class Spool:
     file is spooled and removed on ``close``."""
 
     def __init__(self, directory: str = "", ram_bytes: int = DEFAULT_RAM_BYTES,
-                 ram_file_bytes: int = DEFAULT_RAM_FILE_BYTES) -> None:
+                 ram_file_bytes: int = DEFAULT_RAM_FILE_BYTES, hold_bytes: int = HOLD_BYTES) -> None:
         self._own_dir = not directory
         self._rmdir: Callable[[], object] = lambda: None  # removes a directory of our own
         self.directory = directory  # "": made on the first spooled file
@@ -241,6 +289,11 @@ class Spool:
                     log.warning("spool: cannot remove %s left by an earlier run: %s", name, exc)
         self.ram_bytes = ram_bytes
         self.ram_file_bytes = ram_file_bytes
+        self.hold_bytes = hold_bytes
+        # Chunks of spooled files also held in memory, oldest first, by (job, file, offset): every
+        # chunk not on disk yet, and those on disk not read yet while ``hold_bytes`` allow.
+        self._held: dict[tuple[bytes, int, int], _Held] = {}
+        self.held_bytes = 0
         self.io = _SpoolIO()
         self.uploads: dict[bytes, Upload] = {}
         self.ram_used = 0  # bytes of memory stores
@@ -265,7 +318,7 @@ class Spool:
                         # removed with the spool even when nobody closes it (a core dropped by a
                         # test, a broker leaving on an exception): at collection or at exit
                         self._rmdir = weakref.finalize(self, shutil.rmtree, self.directory, True)
-                    up.stores.append(_FileStore(os.path.join(self.directory, f"{job.hex()}-{i}"), self.io))
+                    up.stores.append(_FileStore(job, os.path.join(self.directory, f"{job.hex()}-{i}"), self.io))
         except OSError:
             self._close(up)
             raise
@@ -312,30 +365,83 @@ class Spool:
         ticket = up.stores[index].write(offset, data)
         if ticket:
             up.ticket = ticket
-            recent = up.recent
-            recent[index, offset] = (data, ticket)
-            done = self.io.done
-            while len(recent) > RECENT_CHUNKS:
-                key = next(iter(recent))
-                if recent[key][1] > done:
-                    break  # not on disk yet: kept
-                del recent[key]
+            self._held[up.job, index, offset] = _Held(data, ticket)
+            self.held_bytes += len(data)
+            if self.held_bytes > self.hold_bytes:
+                self.trim()
+
+    def trim(self) -> None:
+        """Let go of the memory copies of chunks on disk: of those read already, and of the
+        oldest others while more than ``hold_bytes`` are held (a chunk not written yet is kept)."""
+        done = self.io.done
+        over = self.held_bytes - self.hold_bytes
+        for key, held in list(self._held.items()):
+            if held.ticket > done:
+                break  # not on disk yet, nor are the later ones
+            if held.read or over > 0:
+                del self._held[key]
+                n = len(held.data)
+                self.held_bytes -= n
+                over -= n
 
     def written(self, up: Upload) -> bool:
         """Whether every chunk of ``up`` stored so far is on disk (or in memory)."""
         return up.ticket <= self.io.done
 
-    def read(self, up: Upload, index: int, offset: int, nbytes: int) -> Any:
-        """Bytes of a staged file that the spool holds (InvalidRequest for a range it does not): a
-        buffer of the chunk that brought them when they are one of the last chunks, else read."""
+    def _check_range(self, up: Upload, index: int, offset: int, nbytes: int) -> None:
         if not 0 <= index < len(up.sizes) or offset < 0 or nbytes < 0 or offset + nbytes > up.have[index]:
             raise InvalidRequest(f"bytes {offset}..{offset + nbytes} of staged file {index} are not held")
-        kept = up.recent.get((index, offset))
-        if kept is not None and len(kept[0]) >= nbytes:
-            return kept[0][:nbytes]
+
+    def read(self, up: Upload, index: int, offset: int, nbytes: int) -> Any:
+        """Bytes of a staged file that the spool holds (InvalidRequest for a range it does not):
+        a buffer of the chunk that brought them when it is held in memory, else read from the
+        disk, after waiting for the writes before. For tests and the rare path; the loop's reads
+        go through ``read_soon``, which never waits."""
+        self._check_range(up, index, offset, nbytes)
+        kept = self._held_range(up, index, offset, nbytes)
+        if kept is not None:
+            return kept
         if up.ticket > self.io.done:
-            self.io.wait(up.ticket)  # a range not on disk yet that no kept chunk covers: rare
+            self.io.wait(up.ticket)
         return up.stores[index].read(offset, nbytes)
+
+    def read_soon(self, up: Upload, index: int, offset: int, nbytes: int, deliver: Delivery) -> Any:
+        """The bytes of a range the spool holds (InvalidRequest for one it does not), without
+        waiting: from memory (a small file, or a chunk held since its PUT: the chunk is let go
+        once on disk, a worker reads each once) and returned, or else None, and read by the disk
+        thread, after the writes before it, and handed to ``deliver`` by ``take_reads`` later."""
+        self._check_range(up, index, offset, nbytes)
+        store = up.stores[index]
+        if isinstance(store, _RamStore):
+            return store.read(offset, nbytes)
+        kept = self._held_range(up, index, offset, nbytes)
+        if kept is not None:
+            return kept
+        assert isinstance(store, _FileStore)
+        self.io.read(store.fd, offset, nbytes, deliver)
+        return None
+
+    def _held_range(self, up: Upload, index: int, offset: int, nbytes: int) -> memoryview | None:
+        held = self._held.get((up.job, index, offset))
+        if held is None or len(held.data) < nbytes:
+            return None
+        held.read = True
+        if held.ticket <= self.io.done:  # on disk: the memory copy is not needed any more
+            del self._held[up.job, index, offset]
+            self.held_bytes -= len(held.data)
+        return held.data[:nbytes]
+
+    def mark_read(self, up: Upload, index: int, offset: int) -> None:
+        """The chunk at (``index``, ``offset``) was sent on from its PUT's own frame: read."""
+        if (up.job, index, offset) in self._held:
+            self._held_range(up, index, offset, 0)
+
+    def take_reads(self) -> None:
+        """(The loop, when the disk thread signalled) Deliver the reads done; let go of the
+        memory copies of chunks now on disk that were read already."""
+        self.io.take_reads()
+        if self._held:
+            self.trim()
 
     def ranges(self, up: Upload, chunk: int) -> Iterator[tuple[int, int, int]]:
         """(file, offset, nbytes) of every held byte of ``up``, in chunks of at most ``chunk``."""
@@ -387,5 +493,6 @@ class Spool:
             except OSError as exc:
                 log.warning("spool: cannot remove a staged file of %s: %s", id_text(up.job), exc)
         up.stores = []
-        up.recent.clear()
+        for key in [k for k in self._held if k[0] == up.job]:
+            self.held_bytes -= len(self._held.pop(key).data)
         up.waiting.clear()

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 MAX_CHUNK_BYTES = 16 << 20  # the largest chunk a PUT may carry, and a FETCH ask for
 BACKFILL_PER_TURN = 4  # chunks journalled per loop turn to a peer that re-synced
 REPLY_BACKLOG_BYTES = 16 << 20  # past this many bytes queued for the spool's disk, PUT REPLYs wait for it
+MAX_BACKLOG_BYTES = 64 << 20  # past this many, a chunk PUT for a file on disk is answered BUSY (not taken)
 MAX_WAITING = 8  # FETCHes of bytes not here yet kept per upload (a worker asks 4 at once); more are ignored
 OUTPUTS = b"\x01"  # a job's id and this: the spool key of its staged outputs (§11.5)
 PULL_AGAIN_S = 2.0  # a FETCH of outputs unanswered this long is sent again
@@ -139,6 +140,11 @@ class Staging:
         data = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
         if len(data) > MAX_CHUNK_BYTES:
             raise TooLarge(f"a chunk carries at most {MAX_CHUNK_BYTES} bytes")
+        if self.spool.io.backlog > MAX_BACKLOG_BYTES and up.stores[index].on_disk:
+            # The disk is behind the intake: this chunk is not taken (the loop never waits for
+            # the disk, and the queue of writes stays bounded); the client resumes after a pause.
+            raise Busy("the broker's spool is writing what came before; open the upload again shortly and "
+                       "resume from what it holds")
         if self.spool.write(up, index, offset, data, core.now):
             core.journal.chunk(job, index, offset, data)
             if up.waiting:
@@ -146,16 +152,54 @@ class Staging:
 
     def _serve_waiting(self, core: BrokerCore, up: Upload, index: int, offset: int, frame: Any, nbytes: int) -> None:
         """Answer the FETCHes that waited for bytes a PUT just brought: with the PUT's own frame
-        when they ask for exactly its range, else read back from the spool."""
+        when they ask for exactly its range, else from the spool."""
         still = []
         for identity, i, start, n in up.waiting:
             if start + n > up.have[i]:
                 still.append((identity, i, start, n))
-                continue
-            data = frame if (i, start, n) == (index, offset, nbytes) else self.spool.read(up, i, start, n)
-            core.send_worker(identity, protocol.encode(
-                Peer.WORKER, Command.CHUNK, {"id": up.job, "file": i, "offset": start}, [data]))
+            elif (i, start, n) == (index, offset, nbytes):
+                self.spool.mark_read(up, i, start)  # its memory copy is let go once on disk
+                self._send_chunk(core, identity, up.job, i, start, frame)
+            else:
+                self._answer_fetch(core, identity, up, i, start, n)
         up.waiting = still
+
+    def _answer_fetch(self, core: BrokerCore, identity: bytes, up: Upload, index: int, offset: int, nbytes: int) -> None:
+        """CHUNK with the bytes a worker's FETCH asks for, which the spool holds: now when they
+        are in memory, else once the spool's disk thread has read them (never waiting for it)."""
+        job = up.job
+
+        def deliver(got: bytes | OSError) -> None:
+            task = core.tasks.tasks.get(job)
+            worker = core.registry.by_identity.get(identity)
+            if self.spool.uploads.get(job) is not up or task is None or worker is None or task.worker != worker.name:
+                return  # it ended, or was placed elsewhere, meanwhile
+            if isinstance(got, OSError):
+                self._read_failed(core, task, identity, got)
+            else:
+                self._send_chunk(core, identity, job, index, offset, got)
+
+        data = self.spool.read_soon(up, index, offset, nbytes, deliver)
+        if data is not None:
+            self._send_chunk(core, identity, job, index, offset, data)
+
+    def _read_failed(self, core: BrokerCore, task: Task, identity: bytes, exc: OSError) -> None:
+        log.error("spool: cannot read a staged file of %s: %s", protocol.id_text(task.id), exc)
+        err = InvalidRequest(f"the broker lost the job's staged inputs ({exc.strerror})")
+        core.abort_staged(task, err)
+        core.send_worker(identity, protocol.encode(Peer.WORKER, Command.ERROR,
+                                                   {"code": err.code, "message": err.message, "id": task.id}))
+
+    @staticmethod
+    def _send_chunk(core: BrokerCore, identity: bytes, job: bytes, index: int, offset: int, data: Any) -> None:
+        core.send_worker(identity, protocol.encode(
+            Peer.WORKER, Command.CHUNK, {"id": job, "file": index, "offset": offset}, [data]))
+
+    def after_io(self, core: BrokerCore) -> None:
+        """(Once the spool's disk thread signalled) Reads done go out; failed writes fail their uploads."""
+        self.spool.take_reads()
+        if self.spool.io.failed:
+            self.write_failures(core)
 
     def take_replies(self, durable: int) -> list[tuple[bytes, list[Any]]]:
         """The PUT REPLYs whose chunks are durable now, at the peer and on disk (route, frames),
@@ -174,10 +218,10 @@ class Staging:
         """Uploads a spool write failed for (the disk is full?): dropped, their jobs failed."""
         failed = self.spool.io.failed
         while failed:
-            ticket, exc = failed.pop()
-            for up in list(self.spool.uploads.values()):
-                if any(t == ticket for _, t in up.recent.values()):
-                    self._lost(core, up, f"the broker could not spool them ({exc.strerror})")
+            job, exc = failed.pop()
+            up = self.spool.uploads.get(job)
+            if up is not None:
+                self._lost(core, up, f"the broker could not spool them ({exc.strerror})")
 
     def _lost(self, core: BrokerCore, up: Upload, why: str) -> None:
         job = up.job[: len(up.job) - len(OUTPUTS)] if up.job.endswith(OUTPUTS) and len(up.job) == 17 else up.job
@@ -265,20 +309,11 @@ class Staging:
                 if ask not in up.waiting and len(up.waiting) < MAX_WAITING:
                     up.waiting.append(ask)
                 return
-            try:
-                data = self.spool.read(up, index, offset, nbytes)
-            except OSError as exc:
-                log.error("spool: cannot read a staged file of %s: %s", protocol.id_text(rid), exc)
-                err = InvalidRequest(f"the broker lost the job's staged inputs ({exc.strerror})")
-                core.abort_staged(task, err)
-                raise err from None
+            self._answer_fetch(core, worker.identity, up, index, offset, nbytes)
         except (GpudError, IndexError) as exc:
             err = exc if isinstance(exc, GpudError) else InvalidRequest("no such staged file")
             core.send_worker(worker.identity, protocol.encode(Peer.WORKER, Command.ERROR,
                                                               {"code": err.code, "message": err.message, "id": rid}))
-            return
-        core.send_worker(worker.identity, protocol.encode(
-            Peer.WORKER, Command.CHUNK, {"id": rid, "file": index, "offset": offset}, [data]))
 
     # ------------------------------------------------------------------ outputs: pulled from workers, read by clients
 
@@ -396,12 +431,22 @@ class Staging:
                                      "last read)")
             if not 0 <= index < len(up.sizes):
                 raise InvalidRequest(f"the job has {len(up.sizes)} staged outputs")
-            data = self.spool.read(up, index, offset, min(nbytes, max(0, up.sizes[index] - offset)))
             up.touched = core.now
+
+            def deliver(got: bytes | OSError) -> None:
+                if isinstance(got, OSError):
+                    log.error("spool: cannot read the staged outputs of %s: %s", protocol.id_text(job), got)
+                    core.send_client(identity, protocol.error_reply(rid, InvalidRequest(
+                        f"the broker lost the job's staged outputs ({got.strerror})")))
+                else:
+                    core.send_client(identity, protocol.encode(Peer.CLIENT, Command.REPLY, {"id": rid, "ok": True}, [got]))
+
+            data = self.spool.read_soon(up, index, offset, min(nbytes, max(0, up.sizes[index] - offset)), deliver)
         except GpudError as exc:
             core.send_client(identity, protocol.error_reply(rid, exc))
             return
-        core.send_client(identity, protocol.encode(Peer.CLIENT, Command.REPLY, {"id": rid, "ok": True}, [data]))
+        if data is not None:
+            deliver(data)
 
     # ------------------------------------------------------------------ the pair
 
@@ -420,6 +465,9 @@ class Staging:
         for _ in range(min(BACKFILL_PER_TURN, len(self._backfill))):
             job, index, offset, nbytes = self._backfill.popleft()
             up = self.spool.uploads.get(job)
+            if up is not None and not self.spool.written(up):  # read it once on disk: the loop never waits for it
+                self._backfill.appendleft((job, index, offset, nbytes))
+                break
             if up is not None and offset + nbytes <= up.have[index]:
                 core.journal.chunk(job, index, offset, memoryview(self.spool.read(up, index, offset, nbytes)))
         if not self._backfill:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpud.errors import InvalidRequest, ProtocolError
+from gpud.errors import Busy, InvalidRequest, ProtocolError
 from gpud.protocol import Command, Message, Peer, check_sizes, encode, id_text, new_id
 from gpud.transfer import CHUNK_BYTES, WINDOW
 from gpud_client import _request as rq
@@ -35,6 +35,8 @@ RESUMES = 3
 outputs is tried again."""
 RETRY_S = 0.5
 """Seconds between reads of outputs that the broker does not hold yet."""
+BUSY_PAUSE_S = 0.05
+"""Seconds to wait before resuming an upload whose chunk the broker's busy spool did not take."""
 
 
 def stage(conn: Connection, job: bytes, views: Sequence[memoryview], tenant: str, timeout: float,
@@ -45,20 +47,39 @@ def stage(conn: Connection, job: bytes, views: Sequence[memoryview], tenant: str
     its answer is the job's."""
     sizes = [v.nbytes for v in views]
     what = f"staging of job {id_text(job)}"
-    for attempt in range(RESUMES + 1):
+    resumes = 0
+    requested = False
+    busy_until = 0.0
+    held = -1
+    while True:
         have = _open(conn, job, sizes, tenant, timeout, what)
-        if attempt == 0:
+        if sum(have) > held:  # progress since the last BUSY: a fresh ``timeout`` for the next
+            held, busy_until = sum(have), 0.0
+        if not requested:
             request()
+            requested = True
         items = [(i, start, n) for i, v in enumerate(views) for start, n in plan(v.nbytes, chunk_bytes)
                  if n and start + n > have[i]]
         try:
             run_windowed(items, window, lambda item: _put(conn, job, views, item, tenant, timeout, what),
                          lambda p: p.wait(), lambda p: p._abandon())
+        except Busy:
+            # The broker's spool disk is behind: the chunk was not taken (nor, then, the ones
+            # after it). Resume from what it holds after a pause, for at most ``timeout`` in a row.
+            if conn.has_reply(job):
+                return
+            now = time.monotonic()
+            busy_until = busy_until or now + timeout
+            if now > busy_until:
+                raise
+            time.sleep(BUSY_PAUSE_S)
+            continue
         except InvalidRequest:
-            if attempt == RESUMES or conn.has_reply(job):
+            if resumes == RESUMES or conn.has_reply(job):
                 if conn.has_reply(job):
                     return  # the job ended (its upload with it): the REQUEST's answer says why
                 raise
+            resumes += 1
             continue  # the broker lost part of the upload (a failover): resume from what it holds
         return
 

@@ -174,30 +174,62 @@ def test_an_abandoned_fetch_ends_the_job_thread_waiting_for_its_chunks(tmp_path:
     assert (tmp_path / "a").read_bytes() == b"abcd"
 
 
-def test_writes_go_to_disk_on_a_thread_and_a_chunk_not_written_yet_is_read_from_its_own_buffer(tmp_path: Path) -> None:
-    from gpud_broker.spool import RECENT_CHUNKS
-
-    spool = Spool(str(tmp_path), ram_bytes=0)
-    n = RECENT_CHUNKS + 4
+def test_chunks_are_read_from_memory_once_and_let_go_once_on_disk_and_read(tmp_path: Path) -> None:
+    n = 12
+    spool = Spool(str(tmp_path), ram_bytes=0, hold_bytes=100 * n)
     up = spool.open(JOB, "acme", None, ((n + 1) * 100,), now=0.0)
     chunks = [bytes([65 + i]) * 100 for i in range(n + 1)]
     for i, chunk in enumerate(chunks[:n]):
         assert spool.write(up, 0, i * 100, memoryview(chunk), now=0.0)
-        assert bytes(spool.read(up, 0, i * 100, 100)) == chunk  # at once, written or not
-    assert up.ticket == spool.io.issued == n
+    assert up.ticket == spool.io.issued == n and spool.held_bytes == n * 100
+    # Read at once, written or not, from the chunk's own buffer (no disk, no wait).
+    assert bytes(spool.read_soon(up, 0, 0, 100, _no_delivery)) == chunks[0]
+    assert bytes(spool.read_soon(up, 0, 100, 100, _no_delivery)) == chunks[1]
     spool.io.wait(up.ticket)
     assert spool.written(up)
+    spool.take_reads()  # on disk now: the two read are let go, the others kept until read
+    assert spool.held_bytes == (n - 2) * 100
+    assert bytes(spool.read_soon(up, 0, 200, 100, _no_delivery)) == chunks[2]  # on disk and read: let go at once
+    assert spool.held_bytes == (n - 3) * 100
     assert not spool.write(up, 0, 0, memoryview(chunks[0]), now=0.0)  # a re-send: nothing stored
     assert spool.write(up, 0, n * 100, memoryview(chunks[n]), now=0.0)
-    assert len(up.recent) == RECENT_CHUNKS  # the others were written: their buffers are let go
+    # Past hold_bytes, the oldest chunks on disk are let go, read or not; one not written yet is kept.
+    assert spool.held_bytes == (n - 2) * 100  # the 9 unread and the new one
+    spool.hold_bytes = 300
     spool.io.wait(up.ticket)
-    assert bytes(spool.read(up, 0, 50, 100)) == chunks[0][50:] + chunks[1][:50]  # from the file
+    spool.trim()
+    assert spool.held_bytes == 300
+    # A range no held chunk covers is read by the disk thread and delivered in the loop's turn.
+    got: list[bytes | OSError] = []
+    assert spool.read_soon(up, 0, 50, 100, got.append) is None
+    spool.io.stop()
+    assert got == []  # not before the loop takes them
+    spool.take_reads()
+    assert got == [chunks[0][50:] + chunks[1][:50]]
     with open(tmp_path / f"{JOB.hex()}-0", "rb") as f:
         assert f.read() == b"".join(chunks)
     spool.close()
 
 
-def test_a_write_that_fails_is_reported_with_its_chunk_kept_in_memory(tmp_path: Path) -> None:
+def test_a_read_queued_behind_a_write_reads_what_it_wrote_and_none_waits(tmp_path: Path) -> None:
+    spool = Spool(str(tmp_path), ram_bytes=0, hold_bytes=0)
+    up = spool.open(JOB, "acme", None, (400,), now=0.0)
+    for i in range(4):
+        spool.write(up, 0, i * 100, memoryview(bytes([48 + i]) * 100), now=0.0)
+    got: list[bytes | OSError] = []
+    # 150 bytes from offset 50: no one chunk covers it, and it may not be on disk yet.
+    assert spool.read_soon(up, 0, 50, 150, got.append) is None
+    spool.io.stop()
+    spool.take_reads()
+    assert got == [b"0" * 50 + b"1" * 100]
+    spool.close()
+
+
+def _no_delivery(got: bytes | OSError) -> None:
+    raise AssertionError(f"a read from memory was delivered later: {got!r}")
+
+
+def test_a_write_that_fails_is_reported_with_its_upload(tmp_path: Path) -> None:
     import resource
     import signal
 
@@ -212,7 +244,6 @@ def test_a_write_that_fails_is_reported_with_its_chunk_kept_in_memory(tmp_path: 
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old)
         signal.signal(signal.SIGXFSZ, handler)
-    ((ticket, exc),) = spool.io.failed
-    assert ticket == up.ticket and isinstance(exc, OSError)
-    assert any(t == ticket for _, t in up.recent.values())  # so the broker finds whose write it was
+    ((job, exc),) = spool.io.failed
+    assert job == JOB and isinstance(exc, OSError)  # so the broker knows whose write it was
     spool.close()

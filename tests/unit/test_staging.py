@@ -45,6 +45,7 @@ def loop_turn(h: Harness) -> None:
     """What the broker's loop does once the spool's writes are done: PUT REPLYs and pulls go on."""
     io = h.core.staging.spool.io
     io.wait(io.issued)
+    h.core.staging.after_io(h.core)
     h.to_client.extend(h.core.staging.take_replies(h.core.journal.durable))
     h.core.staging.settle_pulls(h.core, h.core.journal.durable)
 
@@ -359,3 +360,61 @@ def test_a_worker_lost_while_its_outputs_are_fetched_fails_the_job() -> None:
     m = h.one_reply(C1)
     assert m.header["code"] == "WORKER_LOST" and "outputs" in m.header["message"]
     assert len(h.core.staging.spool) == 0 and h.core.accounts.spooled_bytes == 0
+
+
+def test_fetches_are_answered_from_memory_or_from_the_disk_thread_and_the_loop_never_waits(tmp_path: Any) -> None:
+    h = Harness(spool_dir=str(tmp_path), spool_ram_bytes=0)  # every file on disk
+    spool = h.core.staging.spool
+    spool.hold_bytes = 8192  # two chunks of 4096 held in memory once on disk, unless read
+    h.ready(W1, "w1")
+    h.take_worker()
+    stage_all(h)
+    staged_job(h)
+    loop_turn(h)
+    assert all(m.header["ok"] is True for m in replies(h))
+    h.one_dispatch(W1)
+    # Once on disk, the oldest chunk is let go to stay under hold_bytes: 4096@4096, 2048@8192, file 2's 30 are kept.
+    assert spool.held_bytes == 4096 + 2048 + 30
+    # The last chunks of file 0 are in memory: answered at once, and let go (read, on disk).
+    h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 8192, "nbytes": 4096})
+    (_, chunk, _), = h.take_worker()
+    assert P.as_bytes(chunk.frames[0]) == DATA[0][8192:]
+    assert spool.held_bytes == 4096 + 30
+    # The first ones are not: read by the spool's disk thread, answered when the loop takes the read.
+    h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 0, "nbytes": 4096})
+    h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 100, "nbytes": 50})
+    assert h.take_worker() == []
+    spool.io.stop()  # the disk thread did what it was handed
+    h.core.staging.after_io(h.core)
+    got = [(m.header["offset"], P.as_bytes(m.frames[0])) for _, m, _ in h.take_worker()]
+    assert got == [(0, DATA[0][:4096]), (100, DATA[0][100:150])]
+    # A read that comes back after the job ended is dropped, not sent.
+    h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 200, "nbytes": 10})
+    h.result(W1, JOB, exit_code=0)
+    assert h.one_reply(C1).header["ok"] is True
+    spool.io.stop()
+    h.core.staging.after_io(h.core)
+    assert h.take_worker() == []
+
+
+def test_a_chunk_past_the_spool_disk_backlog_is_answered_busy_and_not_taken(tmp_path: Any,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpud_broker import staging
+
+    h = Harness(spool_dir=str(tmp_path), spool_ram_bytes=0)
+    put(h, 0, sizes=[len(d) for d in DATA])
+    put(h, 1, file=0, offset=0, frames=(DATA[0][:4096],))
+    loop_turn(h)
+    assert all(m.header["ok"] is True for m in replies(h))
+    monkeypatch.setattr(staging, "MAX_BACKLOG_BYTES", -1)  # as if more than it waited for the disk
+    put(h, 2, file=0, offset=4096, frames=(DATA[0][4096:8192],))
+    (busy,) = replies(h)
+    assert busy.header["code"] == "BUSY" and "resume" in busy.header["message"]
+    assert h.core.staging.spool.uploads[JOB].have == [4096, 0, 0]  # nothing of it taken
+    monkeypatch.setattr(staging, "MAX_BACKLOG_BYTES", 64 << 20)
+    put(h, 3, sizes=[len(d) for d in DATA])  # the client opens it again and resumes from what is held
+    (opened,) = replies(h)
+    assert opened.header["have"] == [4096, 0, 0]
+    put(h, 4, file=0, offset=4096, frames=(DATA[0][4096:8192],))
+    loop_turn(h)
+    assert [m.header["ok"] for m in replies(h)] == [True]

@@ -14,13 +14,12 @@ more only as the job's thread keeps up (``busy``), which bounds the memory held.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 from collections.abc import Callable
 from typing import Any
 
 from gpud.protocol import id_text
-from gpud.transfer import CHUNK_BYTES, WINDOW, ChunkWindow
+from gpud.transfer import CHUNK_BYTES, WINDOW, ChunkWindow, pwrite_all
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +94,7 @@ class Fetch(ChunkWindow):
                 if i != index:
                     early.setdefault(i, []).append((offset, view))
                     continue
-            done = 0
-            while done < len(view):
-                done += os.pwrite(out, view[done:], offset + done)
+            pwrite_all(out, view, offset)
             need -= len(view)
             self.written += 1
             self._on_written()

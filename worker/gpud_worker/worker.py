@@ -814,9 +814,11 @@ class Worker:
         self._fetch_more(rid, now)
 
     def _fetch_written(self) -> None:
-        """(Job thread) A fetched chunk is written: the loop may ask for more."""
-        self._fetch_room = True
-        self._wake()
+        """(Job thread) A fetched chunk is written: the loop may ask for more. Woken once: the
+        loop clears the flag before it reads how many chunks are written."""
+        if not self._fetch_room:
+            self._fetch_room = True
+            self._wake()
 
     def _fetch_more(self, rid: bytes, now: float) -> None:
         fetch = self.fetches.get(rid)

@@ -204,6 +204,7 @@ class BrokerSection:
     spool_quota_bytes: int = _key(16 << 30, _at_least(0))  # staged bytes in the spool, all tenants together
     tenant_max_spool_bytes: int = _key(8 << 30, _at_least(0))  # staged bytes of one tenant
     stage_ttl: float = _key(60.0, _above(0))  # seconds an upload no job claims is kept after its last PUT
+    stage_idle_s: float = _key(10.0, _above(0))  # seconds a placed staged job's worker may wait for its upload
     tenants: Mapping[str, TenantLimits] = _key({})
     tenant_pool_share: float = _key(0.5, _share)  # most of a worker's pool users one tenant may hold
 

@@ -166,6 +166,7 @@ def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | Non
         spool_dir=spool_directory(b.spool_dir, os.environ),
         spool_ram_bytes=b.spool_ram_bytes,
         stage_ttl=b.stage_ttl,
+        stage_idle_s=b.stage_idle_s,
     )
 
 

@@ -111,7 +111,7 @@ class BrokerCore:
         self.worker_names_bound = False  # CURVE: a worker's name must be its key's name
         # Staged job inputs (PROTOCOL.md §11): the spool and the PUT and FETCH dialogs.
         self.staging = Staging(Spool(config.spool_dir, config.spool_ram_bytes), config.max_job_input_bytes,
-                               config.stage_ttl)
+                               config.stage_ttl, config.stage_idle_s)
         self._parts(rng if rng is not None else random.Random(0))
 
     def _parts(self, rng: random.Random) -> None:
@@ -404,14 +404,15 @@ class BrokerCore:
         task = self.tasks.tasks.get(protocol.get_id(header))
         if task is None or task.state is not State.QUEUED or (tenant is not None and task.tenant != tenant):
             return
-        if self.queue.remove(task):
+        if self.queue.remove(task) or self.staging.parked.pop(task.id, None) is not None:
             self.fail(task, Cancelled("cancelled by its client"))
 
     def cancel(self, rid: bytes, why: str) -> bool:
         """Cancel queued request ``rid`` (admin ``cancel``): its client gets CANCELLED with ``why``.
         False when it is not queued (unknown, running or done: running work is not stopped)."""
         task = self.tasks.tasks.get(rid)
-        if task is None or task.state is not State.QUEUED or not self.queue.remove(task):
+        if task is None or task.state is not State.QUEUED or not (
+                self.queue.remove(task) or self.staging.parked.pop(rid, None) is not None):
             return False
         self.fail(task, Cancelled(why))
         return True
@@ -505,6 +506,12 @@ class BrokerCore:
 
     def abort_staged(self, task: Task, exc: GpudError) -> None:
         self.results.abort_staged(task, exc)
+
+    def park_staged(self, task: Task, exc: GpudError) -> None:
+        self.results.park_staged(task, exc)
+
+    def unpark_staged(self, task: Task) -> None:
+        self.results.unpark_staged(task)
 
     # ------------------------------------------------------------------ configuration
 

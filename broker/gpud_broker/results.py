@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from gpud import protocol
 from gpud.errors import (
+    Busy,
     GpudError,
     GpuFault,
     NotActive,
@@ -25,6 +26,7 @@ from gpud.errors import (
 )
 from gpud.protocol import Command, Message, Peer
 from gpud_broker.accounts import Accounts
+from gpud_broker.config import BrokerConfig
 from gpud_broker.dispatcher import Dispatcher, Send
 from gpud_broker.leases import SessionLeases
 from gpud_broker.queue import PendingQueue
@@ -52,6 +54,7 @@ class ResultCore(Protocol):
     the tables a takeover replaces, how work ends, and where a job's staged outputs go."""
 
     now: float
+    config: BrokerConfig
     active: bool
     acking: bool  # in a pair: workers keep results until ACKed (standalone: no ACKs)
     fenced: bool
@@ -187,6 +190,11 @@ class Results:
         elif code == _REMOTE_ERROR and kind == "job" and not task.started and self.staging.holds_inputs(task):
             # A staged job its worker could not fetch or set up: it never began (PROTOCOL.md §11.3).
             why = f"it failed there before it began: {header.get('message')}"
+            if task.attempts >= self.core.config.max_attempts:  # the same failure everywhere: the job's, not a worker's
+                self.release(worker, task)
+                self.core.fail(task, RemoteError(f"the job failed before it began on {task.attempts} workers "
+                                                 f"(max_attempts), last on {worker.name}: {header.get('message')}"))
+                return True
         elif code == _GPU_FAULT and kind not in ("call", "session") and task.retryable:
             why = "its GPU failed"  # it failed under it: place it again, never on this worker
         else:
@@ -283,6 +291,29 @@ class Results:
         """End a staged job that has not begun and whose inputs will not all come (its upload
         stalled, or the spool lost it): out of the queue, or off its worker, which is told to
         drop it (ERROR, PROTOCOL.md §11.3) and whose slot is freed."""
+        self._off_worker(task, exc)
+        self.core.fail(task, exc)
+        self.dispatcher.place_queued()  # its slot is free
+
+    def park_staged(self, task: Task, exc: GpudError) -> None:
+        """Take a staged job that has not begun off its worker (told to drop it with ``exc``), its
+        slot freed, to wait for its upload out of the queue (``Staging.parked``): not failed,
+        and the placement not counted as an attempt."""
+        self._off_worker(task, exc)
+        task.state, task.grant, task.worker, task.started = State.QUEUED, None, None, False
+        task.attempts -= 1
+        self.core.journal.queued(task)
+        self.dispatcher.place_queued()  # its slot is free
+
+    def unpark_staged(self, task: Task) -> None:
+        """Its upload is complete: a parked staged job is placed again, or queued."""
+        if not self.dispatcher.try_dispatch(task):
+            if self.core.queue.push(task, front=True):
+                self.core.journal.queued(task)
+            else:
+                self.core.fail(task, Busy("the job's upload completed, but the queue is full"))
+
+    def _off_worker(self, task: Task, exc: GpudError) -> None:
         worker = self.registry.by_name.get(task.worker) if task.state is State.RUNNING and task.worker else None
         if worker is not None and worker.assigned.pop(task.id, None) is not None:
             if task.grant is not None:
@@ -290,4 +321,3 @@ class Results:
             self.release(worker, task)
             self.send_worker(worker.identity, protocol.encode(Peer.WORKER, Command.ERROR,
                                                               {"code": exc.code, "message": exc.message, "id": task.id}))
-        self.core.fail(task, exc)

@@ -19,6 +19,7 @@ one that lags further behind.
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import os
 import queue
@@ -39,8 +40,10 @@ log = logging.getLogger(__name__)
 DEFAULT_RAM_BYTES = 64 << 20  # bytes of small files held in memory at most
 DEFAULT_RAM_FILE_BYTES = 1 << 20  # files up to this size go to memory (while there is room)
 DEFAULT_STAGE_TTL_S = 60.0  # seconds an unclaimed upload is kept after its last PUT
+DEFAULT_STAGE_IDLE_S = 10.0  # seconds a placed staged job's worker may wait for bytes of its upload
 
 
+IO_NICE = 10  # the nice value of the spool's disk thread (Linux: per thread)
 HOLD_BYTES = 64 << 20  # bytes of chunks on disk kept in memory too, at most, for reads that need no disk
 # A read from the spool's files waits for the disk thread: (the read's callback, the bytes or the error)
 Delivery = Callable[[bytes | OSError], None]
@@ -103,6 +106,10 @@ class _SpoolIO:
         self._queue.put(("x", fd, path))
 
     def _run(self) -> None:
+        try:  # bulk work: the loop's control messages (heartbeats, echoes) win the CPU over it
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IO_NICE)
+        except OSError as exc:
+            log.debug("spool: cannot lower the disk thread's priority: %s", exc)
         ticket = self.done
         while True:
             item = self._queue.get()
@@ -173,11 +180,12 @@ class _SpoolIO:
 
 
 def _pread_all(fd: int, offset: int, nbytes: int) -> bytes:
+    """``nbytes`` at ``offset`` of ``fd``; OSError (EIO) when the file ends first (it lost bytes)."""
     parts = []
     while nbytes > 0:
         got = os.pread(fd, nbytes, offset)
         if not got:
-            break
+            raise OSError(errno.EIO, f"the spool file ends {nbytes} bytes short of what it held")
         parts.append(got)
         offset += len(got)
         nbytes -= len(got)
@@ -253,6 +261,7 @@ class Upload:
     ticket: int = 0  # the write of its last chunk stored (0: none on disk)
     # FETCHes of bytes not held yet (the upload still comes, PROTOCOL.md §11.3): (worker identity, file, offset, nbytes)
     waiting: list[tuple[bytes, int, int, int]] = field(default_factory=list)
+    starved: float = 0.0  # since when a FETCH has waited for bytes with none coming (0: none waits)
 
     @property
     def total(self) -> int:

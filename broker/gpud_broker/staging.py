@@ -17,10 +17,18 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from gpud import protocol
-from gpud.errors import Busy, GpudError, InvalidRequest, ProtocolError, TooLarge, WorkerLost
+from gpud.errors import (
+    Busy,
+    GpudError,
+    InvalidRequest,
+    ProtocolError,
+    Timeout,
+    TooLarge,
+    WorkerLost,
+)
 from gpud.protocol import Command, Message, Peer
 from gpud.transfer import ChunkWindow
-from gpud_broker.spool import Spool, Upload
+from gpud_broker.spool import DEFAULT_STAGE_IDLE_S, Spool, Upload
 
 if TYPE_CHECKING:
     from gpud_broker.core import BrokerCore
@@ -58,11 +66,16 @@ class Pull:
 class Staging:
     """The uploads of one broker and the PUT REPLYs waiting for durability."""
 
-    def __init__(self, spool: Spool, max_input_bytes: int, stage_ttl: float) -> None:
+    def __init__(self, spool: Spool, max_input_bytes: int, stage_ttl: float,
+                 stage_idle: float = DEFAULT_STAGE_IDLE_S) -> None:
         self.pulls: dict[bytes, Pull] = {}  # by job id
         self.spool = spool
         self.max_input_bytes = max_input_bytes
         self.stage_ttl = stage_ttl
+        self.stage_idle = stage_idle
+        # Staged jobs taken off their worker because their upload left it waiting (``expire``),
+        # by id: out of the queue until the upload is complete, then placed again.
+        self.parked: dict[bytes, Task] = {}
         # PUT REPLYs until their chunk is durable: (journal seq, spool write ticket, route, REPLY)
         self.waiting: deque[tuple[int, int, bytes, list[Any]]] = deque()
         self._backfill: deque[tuple[bytes, int, int, int]] = deque()  # (job, file, offset, nbytes) to journal again
@@ -149,6 +162,9 @@ class Staging:
             core.journal.chunk(job, index, offset, data)
             if up.waiting:
                 self._serve_waiting(core, up, index, offset, frame, len(data))
+            if self.parked and job in self.parked and up.complete():
+                log.info("staged upload of %s complete: its job is placed again", protocol.id_text(job))
+                core.unpark_staged(self.parked.pop(job))
 
     def _serve_waiting(self, core: BrokerCore, up: Upload, index: int, offset: int, frame: Any, nbytes: int) -> None:
         """Answer the FETCHes that waited for bytes a PUT just brought: with the PUT's own frame
@@ -162,6 +178,8 @@ class Staging:
                 self._send_chunk(core, identity, up.job, i, start, frame)
             else:
                 self._answer_fetch(core, identity, up, i, start, n)
+        if len(still) < len(up.waiting):  # bytes came for the worker: it is not starved
+            up.starved = core.now if still else 0.0
         up.waiting = still
 
     def _answer_fetch(self, core: BrokerCore, identity: bytes, up: Upload, index: int, offset: int, nbytes: int) -> None:
@@ -259,6 +277,7 @@ class Staging:
 
     def release(self, core: BrokerCore, job: bytes) -> None:
         """Drop an upload (its job ended, or it expired) and free its budget."""
+        self.parked.pop(job, None)
         up = self.spool.drop(job)
         if up is not None:
             core.accounts.release_spool(up.tenant, up.total)
@@ -280,9 +299,34 @@ class Staging:
                      self.stage_ttl, up.missing())
             core.abort_staged(task, InvalidRequest(f"its staged inputs stopped coming ({up.missing()}, nothing "
                                                    f"for {self.stage_ttl:.0f}s)"))
+        self._park_starved(core, now)
+        for job, task in list(self.parked.items()):
+            if now >= task.deadline:
+                del self.parked[job]
+                core.fail(task, Timeout("the job's staged upload did not complete before its deadline"))
+
+    def _park_starved(self, core: BrokerCore, now: float) -> None:
+        """Take off its worker a staged job whose upload has left the worker waiting for bytes
+        for ``stage_idle`` (a slow or stalled upload must not hold a GPU slot): its slot is
+        freed, and it is placed again once its upload is complete."""
+        limit = now - self.stage_idle
+        for up in list(self.spool.uploads.values()):
+            if not up.waiting or up.starved > limit or not up.claimed:
+                continue
+            task = core.tasks.tasks.get(up.job)
+            if task is None or task.started or task.worker is None or up.job in self.pulls:
+                continue
+            log.info("staged upload of %s left worker %s waiting for %.0fs (%s): the job waits for it off the "
+                     "worker", protocol.id_text(up.job), task.worker, self.stage_idle, up.missing())
+            up.waiting.clear()
+            up.starved = 0.0
+            self.parked[up.job] = task
+            core.park_staged(task, Busy(f"its staged upload is too slow (nothing for {self.stage_idle:.0f}s): "
+                                        "the job is placed again once it is complete"))
 
     def clear(self, core: BrokerCore) -> None:
         self.pulls.clear()
+        self.parked.clear()
         for job in list(self.spool.uploads):
             self.release(core, job)
         self.waiting.clear()
@@ -307,6 +351,8 @@ class Staging:
             if offset >= 0 and offset + nbytes > up.have[index]:  # still coming: answered when it is here
                 ask = (worker.identity, index, offset, nbytes)
                 if ask not in up.waiting and len(up.waiting) < MAX_WAITING:
+                    if not up.waiting:
+                        up.starved = core.now
                     up.waiting.append(ask)
                 return
             self._answer_fetch(core, worker.identity, up, index, offset, nbytes)

@@ -30,7 +30,7 @@ import pytest
 import zmq
 
 from gpud import protocol as P
-from gpud.errors import ConfigError, InvalidRequest, RemoteError
+from gpud.errors import ConfigError, InvalidRequest, RemoteError, TooLarge
 from gpud.protocol import JobSpec
 from gpud_worker import cgroups as cgroups_module
 from gpud_worker.cgroups import (
@@ -831,7 +831,8 @@ def test_the_job_directory_has_its_size_and_says_when_it_is_full(make_runner: Ca
     full = run(runner, job("sh", "-c", "head -c 2097152 /dev/zero > big; echo rc=$?; df -k . | tail -1"))
     assert b"rc=1" in full.stdout and b"No space left" in full.stderr, full
     assert full.stderr.endswith(b"gpud: the job directory is full: it is limited to 1048576 bytes (job_dir_size)\n")
-    with pytest.raises(RemoteError, match="do not fit its directory, limited to 1048576 bytes"):
+    # TooLarge, not RemoteError: the job's own size, which placing it on another worker does not cure.
+    with pytest.raises(TooLarge, match="do not fit its directory, limited to 1048576 bytes"):
         run(runner, job("true", files=("in",)), (b"x" * (2 << 20),))
     again = run(runner, job("sh", "-c", "head -c 900000 /dev/zero > mid && echo fits"))
     assert (again.stdout, again.stderr) == (b"fits\n", b"")

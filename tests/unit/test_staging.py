@@ -418,3 +418,88 @@ def test_a_chunk_past_the_spool_disk_backlog_is_answered_busy_and_not_taken(tmp_
     put(h, 4, file=0, offset=4096, frames=(DATA[0][4096:8192],))
     loop_turn(h)
     assert [m.header["ok"] for m in replies(h)] == [True]
+
+
+def test_a_staged_job_that_fails_before_it_began_on_every_worker_tried_gets_its_own_error() -> None:
+    h = Harness(max_attempts=2)
+    h.ready(W1, "w1")
+    h.ready(W2, "w2")
+    h.take_worker()
+    stage_all(h)
+    staged_job(h)
+    replies(h)
+    for _ in range(2):  # each worker once
+        (ident, d, _), = h.take_worker()
+        assert d.command is Command.DISPATCH
+        h.result(ident, JOB, ok=False, code="REMOTE_ERROR", message="cannot write job input files: EIO")
+    reply = h.one_reply(C1).header
+    assert reply["code"] == "REMOTE_ERROR" and "before it began on 2 workers (max_attempts)" in reply["message"]
+    assert "cannot write job input files: EIO" in reply["message"]  # not WORKER_LOST: no worker was lost
+    assert len(h.core.staging.spool) == 0 and h.core.accounts.spooled == {}
+
+
+def test_a_job_whose_upload_leaves_its_worker_waiting_gives_up_its_slot_until_the_upload_is_complete() -> None:
+    # A trickle: PUTs keep coming (so the upload never stalls), but too slowly for the worker.
+    h = Harness(stage_ttl=60.0, stage_idle_s=5.0, heartbeat=HeartbeatPolicy(30.0, 3))
+    h.ready(W1, "w1", slots=1)
+    h.take_worker()
+    put(h, 0, sizes=[len(d) for d in DATA])
+    put(h, 1, file=0, offset=0, frames=(DATA[0][:4096],))
+    staged_job(h)
+    replies(h)
+    h.one_dispatch(W1)
+    h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 0, "nbytes": 4096})
+    h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 4096, "nbytes": 4096})
+    h.take_worker()
+    for n in range(2, 6):  # a byte a second: the worker's FETCH of 4096 waits on
+        h.tick(1.0)
+        put(h, n, file=0, offset=4096 + n - 2, frames=(DATA[0][4096 + n - 2 : 4096 + n - 1],))
+        assert h.take_worker() == []
+    h.tick(1.5)
+    (_, err, _), = h.take_worker()  # told to drop it: it waited 5 s for bytes
+    assert err.command is Command.ERROR and err.header["id"] == JOB and "too slow" in err.header["message"]
+    assert all(m.header["ok"] is True and m.header["id"] != JOB for m in replies(h))  # the PUTs'; the job is not failed
+    task = h.core.tasks.tasks[JOB]
+    assert task.worker is None and task.attempts == 0
+    # Its slot is free: another tenant's job is placed at once.
+    h.request(C2, rid(5), kind="job", argv=["true"], need={"gpu_milli": 100, "tenant": "other"})
+    h.one_dispatch(W1)
+    h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 4100, "nbytes": 4096})  # late: refused
+    (_, late, _), = h.take_worker()
+    assert late.command is Command.ERROR
+    h.result(W1, rid(5), exit_code=0)
+    assert h.one_reply(C2).header["ok"] is True
+    # The rest of the upload comes: the job is placed again, and runs from the spool.
+    put(h, 9, file=0, offset=4100, frames=(DATA[0][4100:],))
+    put(h, 10, file=2, offset=0, frames=(DATA[2],))
+    loop_turn(h)
+    assert all(m.header["ok"] is True for m in replies(h))
+    d = h.one_dispatch(W1)
+    assert d.header["staged"] == [10240, 0, 30]
+    assert fetch_all(h) == DATA
+    h.result(W1, JOB, exit_code=0)
+    assert h.one_reply(C1).header["ok"] is True
+    assert len(h.core.staging.spool) == 0 and not h.core.staging.parked
+    h.assert_idle()
+
+
+def test_a_parked_job_times_out_at_its_deadline_and_can_be_cancelled() -> None:
+    h = Harness(stage_ttl=600.0, stage_idle_s=2.0, heartbeat=HeartbeatPolicy(300.0, 3))
+    h.ready(W1, "w1")
+    h.take_worker()
+    for job, timeout in ((JOB, 20.0), (rid(78), 100.0)):
+        put(h, 0, job=job, sizes=[len(d) for d in DATA])
+        h.request(C1, job, kind="job", argv=["cat"], files=["a", "b", "c"], staged=[len(d) for d in DATA],
+                  need={"gpu_milli": 100, "tenant": "acme"}, deadline_ms=int(timeout * 1000))
+        replies(h)
+        h.one_dispatch(W1)
+        h.worker(W1, Command.FETCH, {"id": job, "file": 0, "offset": 0, "nbytes": 4096})
+    h.tick(3.0)
+    assert len(h.take_worker()) == 2 and set(h.core.staging.parked) == {JOB, rid(78)}
+    h.client(C1, Command.CANCEL, {"id": rid(78)})
+    assert h.one_reply(C1).header["code"] == "CANCELLED"
+    h.tick(20.0)
+    m = h.one_reply(C1)
+    assert m.header["code"] == "TIMEOUT" and "did not complete before its deadline" in m.header["message"]
+    assert not h.core.staging.parked and len(h.core.staging.spool) == 0 and h.core.accounts.spooled == {}
+    h.assert_idle()

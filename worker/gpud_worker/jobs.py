@@ -85,7 +85,7 @@ from typing import IO, TYPE_CHECKING
 
 import psutil
 
-from gpud.errors import ConfigError, InvalidRequest, RemoteError
+from gpud.errors import ConfigError, InvalidRequest, RemoteError, TooLarge
 from gpud.protocol import JobSpec, check_file_name
 from gpud_worker.cgroups import JOB_PREFIX, JobCgroup, JobCgroups, JobCgroupsV1, enter, job_limits
 from gpud_worker.device_program import job_rules
@@ -798,9 +798,9 @@ class JobRunner:
                 self._write_input(dfd, name, data, user)
         except OSError as exc:
             os.close(dfd)
-            if exc.errno == errno.ENOSPC and self.dir_size:
-                raise RemoteError(f"the job's input files do not fit its directory, limited to {self.dir_size} bytes "
-                                  "(the worker's job_dir_size)") from exc
+            if exc.errno == errno.ENOSPC and self.dir_size:  # the job's own size: no other worker of this size helps
+                raise TooLarge(f"the job's input files do not fit its directory, limited to {self.dir_size} bytes "
+                               "(the worker's job_dir_size)") from exc
             raise RemoteError(f"cannot write job input files: {exc}") from exc
         return dfd
 

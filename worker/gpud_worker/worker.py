@@ -803,6 +803,10 @@ class Worker:
         try:
             spec = P.parse_job(h, 0)
             fetch = Fetch(rid, list(spec.staged or ()), self._fetch_written)
+            limit = self.runner.dir_size
+            if limit and fetch.total > limit:  # no worker of this size can take it: said before any byte comes
+                raise TooLarge(f"the job's input files are {fetch.total} bytes, over the worker's job_dir_size "
+                               f"({limit}): they do not fit the job's directory")
         except GpudError as exc:
             self.running.pop(rid, None)
             self._send_now(idx, rid, P.error_header(rid, exc))

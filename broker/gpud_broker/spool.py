@@ -43,7 +43,7 @@ DEFAULT_STAGE_TTL_S = 60.0  # seconds an unclaimed upload is kept after its last
 DEFAULT_STAGE_IDLE_S = 10.0  # seconds a placed staged job's worker may wait for bytes of its upload
 
 
-IO_NICE = 10  # the nice value of the spool's disk thread (Linux: per thread)
+IO_NICE = 10  # the spool's disk thread runs this much nicer than the broker (Linux: per thread)
 HOLD_BYTES = 64 << 20  # bytes of chunks on disk kept in memory too, at most, for reads that need no disk
 # A read from the spool's files waits for the disk thread: (the read's callback, the bytes or the error)
 Delivery = Callable[[bytes | OSError], None]
@@ -107,7 +107,8 @@ class _SpoolIO:
 
     def _run(self) -> None:
         try:  # bulk work: the loop's control messages (heartbeats, echoes) win the CPU over it
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IO_NICE)
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + IO_NICE))
         except OSError as exc:
             log.debug("spool: cannot lower the disk thread's priority: %s", exc)
         ticket = self.done

@@ -247,3 +247,18 @@ def test_a_write_that_fails_is_reported_with_its_upload(tmp_path: Path) -> None:
     ((job, exc),) = spool.io.failed
     assert job == JOB and isinstance(exc, OSError)  # so the broker knows whose write it was
     spool.close()
+
+
+def test_the_spool_disk_thread_runs_at_a_lower_priority_than_the_loop(tmp_path: Path) -> None:
+    from gpud_broker.spool import IO_NICE
+
+    spool = Spool(str(tmp_path), ram_bytes=0)
+    up = spool.open(JOB, "acme", None, (10,), now=0.0)
+    spool.write(up, 0, 0, memoryview(b"x" * 10), now=0.0)
+    spool.io.wait(up.ticket)
+    thread = spool.io._thread
+    assert thread is not None and thread.native_id is not None
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert os.getpriority(os.PRIO_PROCESS, thread.native_id) == min(19, mine + IO_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's thread is not changed
+    spool.close()

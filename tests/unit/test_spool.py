@@ -262,3 +262,20 @@ def test_the_spool_disk_thread_runs_at_a_lower_priority_than_the_loop(tmp_path: 
     assert os.getpriority(os.PRIO_PROCESS, thread.native_id) == min(19, mine + IO_NICE)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's thread is not changed
     spool.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root may make a thread less nice again")
+def test_a_job_thread_writes_fetched_inputs_nicer_and_is_as_nice_as_before_after(tmp_path: Path) -> None:
+    from gpud_worker.fetch import WRITE_NICE
+
+    seen: list[int] = []
+    f = Fetch(JOB, [4], lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())),
+              chunk=4, window=1)
+    f.next_asks(0.0)
+    assert f.on_chunk(0, 0, b"abcd")
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with open(tmp_path / "a", "wb") as out:
+        f.inputs()[0].copy_to(out.fileno())
+    assert seen == [min(19, before + WRITE_NICE)]  # while it wrote (the job's own process is started later)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    assert (tmp_path / "a").read_bytes() == b"abcd"

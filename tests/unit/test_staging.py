@@ -68,6 +68,20 @@ def fetch_all(h: Harness, ident: bytes = W1, job: bytes = JOB, chunk: int = 3000
     return out
 
 
+def placed_with_its_first_chunk(**config: Any) -> Harness:
+    """A core (``config``) with one worker, W1, which JOB is placed on while its upload has sent
+    only its first chunk (pipelined)."""
+    h = Harness(heartbeat=HeartbeatPolicy(30.0, 3), **config)
+    h.ready(W1, "w1")
+    h.take_worker()
+    put(h, 0, sizes=[len(d) for d in DATA])
+    put(h, 1, file=0, offset=0, frames=(DATA[0][:4096],))
+    staged_job(h)
+    replies(h)
+    h.one_dispatch(W1)
+    return h
+
+
 def test_a_staged_job_runs_from_the_spool_and_its_bytes_are_released_with_it() -> None:
     h = Harness()
     h.ready(W1, "w1")
@@ -133,14 +147,7 @@ def test_a_job_is_placed_while_its_upload_still_comes_and_its_fetches_wait_for_t
 
 
 def test_a_stalled_upload_fails_its_job_and_its_worker_is_told_to_drop_it() -> None:
-    h = Harness(stage_ttl=10.0, heartbeat=HeartbeatPolicy(30.0, 3))
-    h.ready(W1, "w1")
-    h.take_worker()
-    put(h, 0, sizes=[len(d) for d in DATA])
-    put(h, 1, file=0, offset=0, frames=(DATA[0][:4096],))
-    staged_job(h)
-    replies(h)
-    h.one_dispatch(W1)
+    h = placed_with_its_first_chunk(stage_ttl=10.0)
     h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 4096, "nbytes": 4096})
     assert h.take_worker() == []
     h.tick(5.0)
@@ -155,14 +162,20 @@ def test_a_stalled_upload_fails_its_job_and_its_worker_is_told_to_drop_it() -> N
     h.assert_idle()
 
 
-def test_a_staged_job_that_fails_on_its_worker_before_it_began_is_placed_again_elsewhere() -> None:
-    h = Harness()
+def staged_on_two_workers(**config: Any) -> Harness:
+    """A core (``config``) with workers W1 and W2, and JOB staged and placed on one of them."""
+    h = Harness(**config)
     h.ready(W1, "w1")
     h.ready(W2, "w2")
     h.take_worker()
     stage_all(h)
     staged_job(h)
     replies(h)
+    return h
+
+
+def test_a_staged_job_that_fails_on_its_worker_before_it_began_is_placed_again_elsewhere() -> None:
+    h = staged_on_two_workers()
     (ident, first, _), = h.take_worker()
     other = W2 if ident == W1 else W1
     h.result(ident, JOB, ok=False, code="REMOTE_ERROR", message="cannot write the job's staged inputs: ENOSPC")
@@ -421,13 +434,7 @@ def test_a_chunk_past_the_spool_disk_backlog_is_answered_busy_and_not_taken(tmp_
 
 
 def test_a_staged_job_that_fails_before_it_began_on_every_worker_tried_gets_its_own_error() -> None:
-    h = Harness(max_attempts=2)
-    h.ready(W1, "w1")
-    h.ready(W2, "w2")
-    h.take_worker()
-    stage_all(h)
-    staged_job(h)
-    replies(h)
+    h = staged_on_two_workers(max_attempts=2)
     for _ in range(2):  # each worker once
         (ident, d, _), = h.take_worker()
         assert d.command is Command.DISPATCH
@@ -440,14 +447,7 @@ def test_a_staged_job_that_fails_before_it_began_on_every_worker_tried_gets_its_
 
 def test_a_job_whose_upload_leaves_its_worker_waiting_gives_up_its_slot_until_the_upload_is_complete() -> None:
     # A trickle: PUTs keep coming (so the upload never stalls), but too slowly for the worker.
-    h = Harness(stage_ttl=60.0, stage_idle_s=5.0, heartbeat=HeartbeatPolicy(30.0, 3))
-    h.ready(W1, "w1", slots=1)
-    h.take_worker()
-    put(h, 0, sizes=[len(d) for d in DATA])
-    put(h, 1, file=0, offset=0, frames=(DATA[0][:4096],))
-    staged_job(h)
-    replies(h)
-    h.one_dispatch(W1)
+    h = placed_with_its_first_chunk(stage_ttl=60.0, stage_idle_s=5.0)
     h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 0, "nbytes": 4096})
     h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 4096, "nbytes": 4096})
     h.take_worker()

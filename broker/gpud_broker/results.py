@@ -306,7 +306,10 @@ class Results:
         self.dispatcher.place_queued()  # its slot is free
 
     def unpark_staged(self, task: Task) -> None:
-        """Its upload is complete: a parked staged job is placed again, or queued."""
+        """Its upload is complete: a parked staged job is placed again, or queued. Its time
+        parked was upload time, not queue time: its queue deadline starts again."""
+        core = self.core
+        task.deadline = max(task.deadline, core.now + (task.deadline - task.created))
         if not self.dispatcher.try_dispatch(task):
             if self.core.queue.push(task, front=True):
                 self.core.journal.queued(task)

@@ -22,7 +22,6 @@ from gpud.errors import (
     GpudError,
     InvalidRequest,
     ProtocolError,
-    Timeout,
     TooLarge,
     WorkerLost,
 )
@@ -193,7 +192,7 @@ class Staging:
             if self.spool.uploads.get(job) is not up or task is None or worker is None or task.worker != worker.name:
                 return  # it ended, or was placed elsewhere, meanwhile
             if isinstance(got, OSError):
-                self._read_failed(core, task, identity, got)
+                self._read_failed(core, task, got)
             else:
                 self._send_chunk(core, identity, job, index, offset, got)
 
@@ -201,12 +200,9 @@ class Staging:
         if data is not None:
             self._send_chunk(core, identity, job, index, offset, data)
 
-    def _read_failed(self, core: BrokerCore, task: Task, identity: bytes, exc: OSError) -> None:
+    def _read_failed(self, core: BrokerCore, task: Task, exc: OSError) -> None:
         log.error("spool: cannot read a staged file of %s: %s", protocol.id_text(task.id), exc)
-        err = InvalidRequest(f"the broker lost the job's staged inputs ({exc.strerror})")
-        core.abort_staged(task, err)
-        core.send_worker(identity, protocol.encode(Peer.WORKER, Command.ERROR,
-                                                   {"code": err.code, "message": err.message, "id": task.id}))
+        core.abort_staged(task, InvalidRequest(f"the broker lost the job's staged inputs ({exc.strerror})"))
 
     @staticmethod
     def _send_chunk(core: BrokerCore, identity: bytes, job: bytes, index: int, offset: int, data: Any) -> None:
@@ -300,10 +296,6 @@ class Staging:
             core.abort_staged(task, InvalidRequest(f"its staged inputs stopped coming ({up.missing()}, nothing "
                                                    f"for {self.stage_ttl:.0f}s)"))
         self._park_starved(core, now)
-        for job, task in list(self.parked.items()):
-            if now >= task.deadline:
-                del self.parked[job]
-                core.fail(task, Timeout("the job's staged upload did not complete before its deadline"))
 
     def _park_starved(self, core: BrokerCore, now: float) -> None:
         """Take off its worker a staged job whose upload has left the worker waiting for bytes

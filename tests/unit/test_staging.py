@@ -483,14 +483,15 @@ def test_a_job_whose_upload_leaves_its_worker_waiting_gives_up_its_slot_until_th
     h.assert_idle()
 
 
-def test_a_parked_job_times_out_at_its_deadline_and_can_be_cancelled() -> None:
-    h = Harness(stage_ttl=600.0, stage_idle_s=2.0, heartbeat=HeartbeatPolicy(300.0, 3))
+def test_a_parked_job_outlives_its_queue_deadline_while_its_upload_comes_and_can_be_cancelled() -> None:
+    # Two jobs, queue deadlines of 5 s: time spent waiting for their own upload is not queue time.
+    h = Harness(stage_ttl=30.0, stage_idle_s=2.0, heartbeat=HeartbeatPolicy(300.0, 3))
     h.ready(W1, "w1")
     h.take_worker()
-    for job, timeout in ((JOB, 20.0), (rid(78), 100.0)):
-        put(h, 0, job=job, sizes=[len(d) for d in DATA])
+    for n, job in enumerate((JOB, rid(78))):
+        put(h, 10 * n, job=job, sizes=[len(d) for d in DATA])
         h.request(C1, job, kind="job", argv=["cat"], files=["a", "b", "c"], staged=[len(d) for d in DATA],
-                  need={"gpu_milli": 100, "tenant": "acme"}, deadline_ms=int(timeout * 1000))
+                  need={"gpu_milli": 100, "tenant": "acme"}, deadline_ms=5000)
         replies(h)
         h.one_dispatch(W1)
         h.worker(W1, Command.FETCH, {"id": job, "file": 0, "offset": 0, "nbytes": 4096})
@@ -498,8 +499,28 @@ def test_a_parked_job_times_out_at_its_deadline_and_can_be_cancelled() -> None:
     assert len(h.take_worker()) == 2 and set(h.core.staging.parked) == {JOB, rid(78)}
     h.client(C1, Command.CANCEL, {"id": rid(78)})
     assert h.one_reply(C1).header["code"] == "CANCELLED"
-    h.tick(20.0)
+    for step in range(1, 5):  # JOB's upload comes, slowly, past its queue deadline: it waits on
+        h.tick(2.0)
+        put(h, step, file=0, offset=(step - 1) * 2560, frames=(DATA[0][(step - 1) * 2560 : step * 2560],))
+    assert all(m.header["ok"] is True for m in replies(h)) and JOB in h.core.staging.parked
+    put(h, 5, file=2, offset=0, frames=(DATA[2],))  # complete: placed again, with a fresh queue deadline
+    replies(h)
+    assert h.one_dispatch(W1).header["id"] == JOB and not h.core.staging.parked
+    assert fetch_all(h) == DATA
+    h.result(W1, JOB, exit_code=0)
+    assert h.one_reply(C1).header["ok"] is True
+    assert len(h.core.staging.spool) == 0 and h.core.accounts.spooled == {}
+    h.assert_idle()
+
+
+def test_a_parked_job_whose_upload_stops_fails_as_stalled() -> None:
+    h = placed_with_its_first_chunk(stage_ttl=10.0, stage_idle_s=2.0)
+    h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 4096, "nbytes": 4096})
+    h.tick(3.0)
+    (_, err, _), = h.take_worker()
+    assert err.command is Command.ERROR and JOB in h.core.staging.parked
+    h.tick(8.0)
     m = h.one_reply(C1)
-    assert m.header["code"] == "TIMEOUT" and "did not complete before its deadline" in m.header["message"]
-    assert not h.core.staging.parked and len(h.core.staging.spool) == 0 and h.core.accounts.spooled == {}
+    assert m.header["code"] == "INVALID_REQUEST" and "stopped coming" in m.header["message"]
+    assert not h.core.staging.parked and len(h.core.staging.spool) == 0
     h.assert_idle()

@@ -45,6 +45,7 @@ DEFAULT_STAGE_IDLE_S = 10.0  # seconds a placed staged job's worker may wait for
 
 IO_NICE = 10  # the spool's disk thread runs this much nicer than the broker (Linux: per thread)
 HOLD_BYTES = 64 << 20  # bytes of chunks on disk kept in memory too, at most, for reads that need no disk
+HOLD_MIN_BYTES = 64 << 10  # smaller chunks are not kept (read from the disk if asked for): few entries to keep
 # A read from the spool's files waits for the disk thread: (the read's callback, the bytes or the error)
 Delivery = Callable[[bytes | OSError], None]
 
@@ -300,10 +301,13 @@ class Spool:
         self.ram_bytes = ram_bytes
         self.ram_file_bytes = ram_file_bytes
         self.hold_bytes = hold_bytes
-        # Chunks of spooled files also held in memory, oldest first, by (job, file, offset): every
-        # chunk not on disk yet, and those on disk not read yet while ``hold_bytes`` allow.
-        self._held: dict[tuple[bytes, int, int], _Held] = {}
+        self.hold_min_bytes = HOLD_MIN_BYTES
+        # Chunks of spooled files (of at least ``hold_min_bytes``) also held in memory, oldest
+        # first, by (job, file, offset): those not on disk yet, and those on disk not read yet
+        # while ``hold_bytes`` allow. An OrderedDict: the oldest is let go in O(1).
+        self._held: collections.OrderedDict[tuple[bytes, int, int], _Held] = collections.OrderedDict()
         self.held_bytes = 0
+        self._read_early: collections.deque[tuple[tuple[bytes, int, int], int]] = collections.deque()  # read before on disk: (key, ticket)
         self.io = _SpoolIO()
         self.uploads: dict[bytes, Upload] = {}
         self.ram_used = 0  # bytes of memory stores
@@ -375,24 +379,28 @@ class Spool:
         ticket = up.stores[index].write(offset, data)
         if ticket:
             up.ticket = ticket
-            self._held[up.job, index, offset] = _Held(data, ticket)
-            self.held_bytes += len(data)
-            if self.held_bytes > self.hold_bytes:
-                self.trim()
+            if len(data) >= self.hold_min_bytes:
+                self._held[up.job, index, offset] = _Held(data, ticket)
+                self.held_bytes += len(data)
+                if self.held_bytes > self.hold_bytes:
+                    self.trim()
 
     def trim(self) -> None:
         """Let go of the memory copies of chunks on disk: of those read already, and of the
-        oldest others while more than ``hold_bytes`` are held (a chunk not written yet is kept)."""
+        oldest others while more than ``hold_bytes`` are held (a chunk not written yet is kept).
+        Amortized O(1) a chunk: nothing is scanned."""
         done = self.io.done
-        over = self.held_bytes - self.hold_bytes
-        for key, held in list(self._held.items()):
+        held_map, early = self._held, self._read_early
+        while early and early[0][1] <= done:
+            gone = held_map.pop(early.popleft()[0], None)
+            if gone is not None:
+                self.held_bytes -= len(gone.data)
+        while self.held_bytes > self.hold_bytes and held_map:
+            key, held = next(iter(held_map.items()))
             if held.ticket > done:
                 break  # not on disk yet, nor are the later ones
-            if held.read or over > 0:
-                del self._held[key]
-                n = len(held.data)
-                self.held_bytes -= n
-                over -= n
+            del held_map[key]
+            self.held_bytes -= len(held.data)
 
     def written(self, up: Upload) -> bool:
         """Whether every chunk of ``up`` stored so far is on disk (or in memory)."""
@@ -435,10 +443,12 @@ class Spool:
         held = self._held.get((up.job, index, offset))
         if held is None or len(held.data) < nbytes:
             return None
-        held.read = True
         if held.ticket <= self.io.done:  # on disk: the memory copy is not needed any more
             del self._held[up.job, index, offset]
             self.held_bytes -= len(held.data)
+        elif not held.read:
+            self._read_early.append(((up.job, index, offset), held.ticket))  # let go once on disk (``trim``)
+        held.read = True
         return held.data[:nbytes]
 
     def mark_read(self, up: Upload, index: int, offset: int) -> None:
@@ -450,7 +460,7 @@ class Spool:
         """(The loop, when the disk thread signalled) Deliver the reads done; let go of the
         memory copies of chunks now on disk that were read already."""
         self.io.take_reads()
-        if self._held:
+        if self._read_early or self.held_bytes > self.hold_bytes:
             self.trim()
 
     def ranges(self, up: Upload, chunk: int) -> Iterator[tuple[int, int, int]]:

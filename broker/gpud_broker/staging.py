@@ -40,6 +40,7 @@ MAX_CHUNK_BYTES = 16 << 20  # the largest chunk a PUT may carry, and a FETCH ask
 BACKFILL_PER_TURN = 4  # chunks journalled per loop turn to a peer that re-synced
 REPLY_BACKLOG_BYTES = 16 << 20  # past this many bytes queued for the spool's disk, PUT REPLYs wait for it
 MAX_BACKLOG_BYTES = 64 << 20  # past this many, a chunk PUT for a file on disk is answered BUSY (not taken)
+MAX_BACKLOG_WRITES = 4096  # and past this many writes queued (tiny chunks), likewise
 MAX_WAITING = 8  # FETCHes of bytes not here yet kept per upload (a worker asks 4 at once); more are ignored
 OUTPUTS = b"\x01"  # a job's id and this: the spool key of its staged outputs (§11.5)
 PULL_AGAIN_S = 2.0  # a FETCH of outputs unanswered this long is sent again
@@ -152,7 +153,8 @@ class Staging:
         data = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
         if len(data) > MAX_CHUNK_BYTES:
             raise TooLarge(f"a chunk carries at most {MAX_CHUNK_BYTES} bytes")
-        if self.spool.io.backlog > MAX_BACKLOG_BYTES and up.stores[index].on_disk:
+        io = self.spool.io
+        if (io.backlog > MAX_BACKLOG_BYTES or io.issued - io.done > MAX_BACKLOG_WRITES) and up.stores[index].on_disk:
             # The disk is behind the intake: this chunk is not taken (the loop never waits for
             # the disk, and the queue of writes stays bounded); the client resumes after a pause.
             raise Busy("the broker's spool is writing what came before; open the upload again shortly and "

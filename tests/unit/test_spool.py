@@ -177,6 +177,7 @@ def test_an_abandoned_fetch_ends_the_job_thread_waiting_for_its_chunks(tmp_path:
 def test_chunks_are_read_from_memory_once_and_let_go_once_on_disk_and_read(tmp_path: Path) -> None:
     n = 12
     spool = Spool(str(tmp_path), ram_bytes=0, hold_bytes=100 * n)
+    spool.hold_min_bytes = 1  # small chunks here, as if large
     up = spool.open(JOB, "acme", None, ((n + 1) * 100,), now=0.0)
     chunks = [bytes([65 + i]) * 100 for i in range(n + 1)]
     for i, chunk in enumerate(chunks[:n]):
@@ -216,6 +217,7 @@ def test_a_read_queued_behind_a_write_reads_what_it_wrote_and_none_waits(tmp_pat
     up = spool.open(JOB, "acme", None, (400,), now=0.0)
     for i in range(4):
         spool.write(up, 0, i * 100, memoryview(bytes([48 + i]) * 100), now=0.0)
+    assert spool.held_bytes == 0  # chunks under hold_min_bytes are not held: read from the disk
     got: list[bytes | OSError] = []
     # 150 bytes from offset 50: no one chunk covers it, and it may not be on disk yet.
     assert spool.read_soon(up, 0, 50, 150, got.append) is None
@@ -279,3 +281,14 @@ def test_a_job_thread_writes_fetched_inputs_nicer_and_is_as_nice_as_before_after
     assert seen == [min(19, before + WRITE_NICE)]  # while it wrote (the job's own process is started later)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
     assert (tmp_path / "a").read_bytes() == b"abcd"
+
+
+def test_tiny_chunks_are_not_held_in_memory_so_a_flood_of_them_keeps_no_entry_each(tmp_path: Path) -> None:
+    spool = Spool(str(tmp_path), ram_bytes=0)
+    up = spool.open(JOB, "acme", None, (10_000,), now=0.0)
+    for i in range(10_000):
+        spool.write(up, 0, i, memoryview(b"x"), now=0.0)
+    assert spool.held_bytes == 0 and not spool._held  # under hold_min_bytes: read from the disk when asked
+    spool.io.stop()
+    assert spool.read(up, 0, 9_990, 10) == b"x" * 10
+    spool.close()

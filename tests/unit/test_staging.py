@@ -42,9 +42,9 @@ def stage_all(h: Harness, chunk: int = 4096, job: bytes = JOB, tenant: str = "ac
 
 
 def loop_turn(h: Harness) -> None:
-    """What the broker's loop does once the spool's writes are done: PUT REPLYs and pulls go on."""
-    io = h.core.staging.spool.io
-    io.wait(io.issued)
+    """What the broker's loop does once the spool's disk thread has done what it was handed
+    (writes, reads): reads are answered, PUT REPLYs and pulls go on."""
+    h.core.staging.spool.io.stop()  # every write and read queued is done (the thread starts again when needed)
     h.core.staging.after_io(h.core)
     h.to_client.extend(h.core.staging.take_replies(h.core.journal.durable))
     h.core.staging.settle_pulls(h.core, h.core.journal.durable)
@@ -350,6 +350,7 @@ def test_staged_outputs_are_pulled_into_the_spool_then_read_by_their_client() ->
     assert acks and acks[0].header["ids"] == [job]  # a standalone broker ACKs a staged result too
     h.client(C1, Command.FETCH, {"id": rid(61), "job": job, "file": 0, "offset": 6 * CHUNK_BYTES, "nbytes": 8 * MiB,
                                  "tenant": "acme"})
+    loop_turn(h)  # a chunk of 3 bytes is not held in memory: the disk thread reads it
     got = h.one_reply(C1)
     assert P.as_bytes(got.frames[0]) == b"ooo"
     h.client(C2, Command.FETCH, {"id": rid(62), "job": job, "file": 1, "offset": 0, "nbytes": 5, "tenant": "mallory"})
@@ -379,6 +380,7 @@ def test_fetches_are_answered_from_memory_or_from_the_disk_thread_and_the_loop_n
     h = Harness(spool_dir=str(tmp_path), spool_ram_bytes=0)  # every file on disk
     spool = h.core.staging.spool
     spool.hold_bytes = 8192  # two chunks of 4096 held in memory once on disk, unless read
+    spool.hold_min_bytes = 1  # small chunks here, as if large
     h.ready(W1, "w1")
     h.take_worker()
     stage_all(h)

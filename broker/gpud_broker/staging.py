@@ -49,7 +49,7 @@ PULL_AGAIN_S = 2.0  # a FETCH of outputs unanswered this long is sent again
 class Pull:
     """A job's staged outputs being fetched from its worker, and the REPLY that waits for them."""
 
-    __slots__ = ("task", "worker", "identity", "raw_header", "frames", "window", "upload", "unsettled")
+    __slots__ = ("task", "worker", "identity", "raw_header", "frames", "window", "upload", "unsettled", "held_back")
 
     def __init__(self, task: Task, worker: WorkerRecord, raw_header: bytes, frames: list[Any], window: ChunkWindow,
                  upload: Upload) -> None:
@@ -61,6 +61,7 @@ class Pull:
         self.window = window
         self.upload = upload
         self.unsettled: deque[int] = deque()  # journal seqs of chunks taken, not yet durable at the peer
+        self.held_back = False  # nothing more asked for: the spool's disk queue was too long
 
 
 class Staging:
@@ -395,6 +396,10 @@ class Staging:
             pull.upload.touched = core.now
             core.outputs_here(pull.task, protocol.reply(pull.raw_header, pull.frames), pull.identity)
             return
+        if self.spool.io.backlog > REPLY_BACKLOG_BYTES:
+            pull.held_back = True  # the spool's disk is behind: asked for once it caught up (settle_pulls)
+            return
+        pull.held_back = False
         for ask in pull.window.asks(core.now, len(pull.unsettled)):
             self._ask(core, pull, ask)
 
@@ -429,13 +434,14 @@ class Staging:
 
     def settle_pulls(self, core: BrokerCore, durable: int) -> None:
         """Once per loop turn: chunks durable at the peer free their place in their pull's window,
-        so that the broker never takes in outputs faster than its peer does."""
+        so that the broker never takes in outputs faster than its peer does, nor faster than its
+        spool's disk (past REPLY_BACKLOG_BYTES queued for it, nothing more is asked for)."""
         for pull in list(self.pulls.values()):
             if pull.unsettled and pull.unsettled[0] <= durable:
                 while pull.unsettled and pull.unsettled[0] <= durable:
                     pull.unsettled.popleft()
                 self._pull_more(core, pull)
-            elif pull.window.done() and not pull.unsettled:  # its last writes were still going to disk
+            elif (pull.window.done() and not pull.unsettled) or pull.held_back:  # waited for the disk
                 self._pull_more(core, pull)
 
     def pull_again(self, core: BrokerCore) -> None:

@@ -526,3 +526,23 @@ def test_a_parked_job_whose_upload_stops_fails_as_stalled() -> None:
     assert m.header["code"] == "INVALID_REQUEST" and "stopped coming" in m.header["message"]
     assert not h.core.staging.parked and len(h.core.staging.spool) == 0
     h.assert_idle()
+
+
+def test_outputs_are_pulled_no_faster_than_the_spool_disk_writes_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpud_broker import staging
+
+    h = Harness(heartbeat=HeartbeatPolicy(30.0, 3))
+    h.ready(W1, "w1")
+    h.take_worker()
+    job = rid(60)
+    h.request(C1, job, kind="job", argv=["x"], outputs=["o1"], need={"gpu_milli": 100, "tenant": "acme"})
+    h.one_dispatch(W1)
+    monkeypatch.setattr(staging, "REPLY_BACKLOG_BYTES", -1)  # as if the disk were behind
+    h.result(W1, job, exit_code=0, files=["o1"], staged=[9 * CHUNK_BYTES], frames=[b"out", b"err"])
+    assert [m for _, m, _ in h.take_worker() if m.command is Command.FETCH] == []  # nothing asked for yet
+    h.core.staging.settle_pulls(h.core, h.core.journal.durable)
+    assert h.take_worker() == []  # still behind
+    monkeypatch.setattr(staging, "REPLY_BACKLOG_BYTES", 16 << 20)
+    h.core.staging.settle_pulls(h.core, h.core.journal.durable)  # the disk caught up: the loop's next turn
+    asked = [m.header["offset"] for _, m, _ in h.take_worker() if m.command is Command.FETCH]
+    assert asked == [i * CHUNK_BYTES for i in range(WINDOW)]

@@ -639,7 +639,7 @@ class Broker:
                     if drain_until is None:
                         drain_until = now + self.config.drain_timeout
                         self._start_drain()
-                    elif len(core.queue):  # work of a worker lost meanwhile, queued again
+                    elif len(core.queue) or core.staging.parked:  # work queued again meanwhile
                         core.fail_queued(ShuttingDown(f"broker {self.config.name} is stopping"))
                     left = core.dispatched()
                     if not left and not (pair is not None and pair.handing_over(now)):

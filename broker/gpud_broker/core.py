@@ -595,8 +595,11 @@ class BrokerCore:
         self.tasks.evict(now)
 
     def fail_queued(self, exc: GpudError) -> int:
-        """Answer every queued request with ``exc`` (the broker is draining); returns how many."""
+        """Answer every queued request with ``exc`` (the broker is draining), and every staged job
+        parked to wait for its upload out of the queue; returns how many."""
         queued = [t for t in self.queue.in_order(self.now) if t.state is State.QUEUED]
+        queued += self.staging.parked.values()
+        self.staging.parked.clear()
         for task in queued:
             self.fail(task, exc)
         return len(queued)

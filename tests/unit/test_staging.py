@@ -12,6 +12,7 @@ import zmq
 
 from gpud import protocol as P
 from gpud.clock import FakeClock
+from gpud.errors import ShuttingDown
 from gpud.heartbeat import HeartbeatPolicy
 from gpud.protocol import Command, Message
 from gpud.transfer import CHUNK_BYTES, WINDOW
@@ -513,6 +514,20 @@ def test_a_parked_job_outlives_its_queue_deadline_while_its_upload_comes_and_can
     assert h.one_reply(C1).header["ok"] is True
     assert len(h.core.staging.spool) == 0 and h.core.accounts.spooled == {}
     h.assert_idle()
+
+
+def test_a_stopping_broker_answers_a_parked_job_as_it_answers_the_queued_ones() -> None:
+    """A parked job is waiting for its upload out of the queue: a drain that answered only the
+    queue left its client without an answer until its own timeout."""
+    h = placed_with_its_first_chunk(stage_ttl=10.0, stage_idle_s=2.0)
+    h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 4096, "nbytes": 4096})
+    h.tick(3.0)
+    h.take_worker()
+    assert JOB in h.core.staging.parked
+    assert h.core.fail_queued(ShuttingDown("broker b is stopping")) == 1
+    m = h.one_reply(C1)
+    assert m.header["id"] == JOB and m.header["code"] == "SHUTTING_DOWN"
+    assert not h.core.staging.parked
 
 
 def test_a_parked_job_whose_upload_stops_fails_as_stalled() -> None:

@@ -55,6 +55,7 @@ from gpud.sockets import (
     recv_from,
     send_frames,
 )
+from gpud_broker import synfilter
 from gpud_broker.commands import ADMIN
 from gpud_broker.core import BrokerConfig, BrokerCore
 from gpud_broker.gate import ConnectionGate, default_limits, source_of
@@ -170,6 +171,10 @@ class Broker:
             admin=None,
         )
         self._frontend_port = _tcp_port(self.endpoints.frontend)
+        # The listener's filter of held-off sources (``synfilter``): its descriptor, what it holds.
+        self._syn_fd = synfilter.listening_fd(self._frontend_port) if self._frontend_port else None
+        self._syn_filtered: list[int] = []
+        self._syn_changes = 0
         if endpoints.admin:
             self.admin = self._router(ADMIN_DOMAIN, keys if admin_tcp else None)
             self.endpoints = Endpoints(self.endpoints.frontend, self.endpoints.backend, bind(self.admin, endpoints.admin))
@@ -325,6 +330,25 @@ class Broker:
                     endpoint = ev["endpoint"]
                     handshakes.event(event, value, endpoint.decode("utf-8", "replace")
                                      if isinstance(endpoint, bytes) else str(endpoint))
+
+    def _filter_held_off(self, now: float) -> None:
+        """Give the frontend listener's filter the IPv4 sources held off now: their SYNs are
+        dropped by the kernel (all but one in ``synfilter.KEEP_ONE_IN``), so that their handshakes
+        cost libzmq's I/O threads nothing (``synfilter``)."""
+        assert self._syn_fd is not None
+        held = synfilter.ipv4_sources(self.gate.held_now(now))
+        self._syn_changes = self.gate.held_changes
+        if held == self._syn_filtered:
+            return
+        try:
+            synfilter.attach(self._syn_fd, synfilter.program(held) if held else None)
+        except OSError as exc:
+            log.warning("frontend: cannot filter held-off sources at the listener (%s); the gate alone holds them off",
+                        exc)
+            self._syn_fd = None
+            return
+        log.info("frontend: %d held-off source address(es) filtered at the listener", len(held))
+        self._syn_filtered = held
 
     def _on_accepted(self, fd: int) -> None:
         """A frontend connection accepted on descriptor ``fd``: counted by the gate, or shut down
@@ -611,6 +635,9 @@ class Broker:
                 if admin is not None:
                     self._drain(admin, self._on_admin)
                 core.tick(now)
+                if self._syn_fd is not None and (self._syn_changes != self.gate.held_changes or (
+                        self._syn_filtered and now >= self._fd_check_at)):
+                    self._filter_held_off(now)
                 if now >= self._fd_check_at:
                     self._guard_descriptors()
                     self._fd_check_at = now + FD_CHECK_S

@@ -13,9 +13,14 @@ what libzmq did before the event was read.
 
 A source held off (``limits.refusals`` handshakes refused within ``hold_off_s``: an outsider with
 a fresh key each time) may open ``limits.held_off_rate`` connections a second; the rest are shut
-down as they are accepted, before their CURVE handshake costs much. Its known keys are still
-admitted (a client sharing its address gets in, if at a slower pace: libzmq reconnects); its unknown
-ones are refused without the key directories being read again (``gpud.security.ZapHandler``).
+down as they are accepted. That comes too late for the CURVE handshake, which libzmq's I/O
+threads work through before the broker hears of the connection, so the shell also gives the held-off
+IPv4 sources (``held_now``, which changes with ``held_changes``) to the listener's filter
+(``gpud_broker.synfilter``): the kernel drops all but one in ``synfilter.KEEP_ONE_IN`` of their
+SYNs. Its known keys are still admitted (a client sharing its address gets in, if at a slower
+pace: its SYNs are retried, and the hold-off ends ``hold_off_s`` after the last refusal); its
+unknown ones are refused without the key directories being read again
+(``gpud.security.ZapHandler``).
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class ConnectionGate:
         self.refused = 0  # connections refused (shut down) so far
         self.refused_by: dict[str, int] = {"per_source": 0, "total": 0, "held_off": 0}
         self._tokens: dict[str, tuple[float, float]] = {}  # held-off source -> (connections it may open, when)
+        self.held_changes = 0  # counts sources held off and let go (the listener's filter follows it)
 
     def __len__(self) -> int:
         return len(self.by_fd)
@@ -138,6 +144,7 @@ class ConnectionGate:
         if len(self.held_off) >= MAX_HELD_OFF:
             del self.held_off[next(iter(self.held_off))]
         self.held_off[source] = now + self.limits.hold_off_s
+        self.held_changes += 1
 
     def is_held_off(self, address: str, now: float) -> bool:
         source = source_of(address)
@@ -148,7 +155,12 @@ class ConnectionGate:
             return True
         del self.held_off[source]
         self._tokens.pop(source, None)
+        self.held_changes += 1
         return False
+
+    def held_now(self, now: float) -> list[str]:
+        """The sources held off at ``now``, oldest first (those whose time is up are let go)."""
+        return [s for s in list(self.held_off) if self.is_held_off(s, now)]
 
     def shown(self, now: float) -> dict[str, object]:
         """For admin ``status``: the bounds and what is held now."""

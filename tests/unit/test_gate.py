@@ -68,6 +68,17 @@ def test_refused_handshakes_hold_a_source_off_for_a_while() -> None:
     assert not gate.is_held_off("192.0.2.7", 49.0)
 
 
+def test_the_sources_held_off_now_and_a_count_of_their_changes_for_the_listeners_filter() -> None:
+    gate = ConnectionGate(ConnectionLimits(refusals=1, hold_off_s=10.0))
+    assert gate.held_now(0.0) == [] and gate.held_changes == 0
+    gate.handshake_refused("192.0.2.9", 0.0)
+    gate.handshake_refused("2001:db8::1", 5.0)
+    assert gate.held_now(6.0) == ["192.0.2.9", "2001:db8::/64"] and gate.held_changes == 2
+    assert gate.held_now(6.0) == ["192.0.2.9", "2001:db8::/64"] and gate.held_changes == 2  # asking changes nothing
+    assert gate.held_now(11.0) == ["2001:db8::/64"] and gate.held_changes == 3  # the first let go
+    assert gate.held_now(16.0) == [] and gate.held_changes == 4
+
+
 def test_a_held_off_source_keeps_its_known_keys_and_its_unknown_ones_cost_no_directory_read(tmp_path: Path) -> None:
     from gpud.security import FRONTEND_DOMAIN, KeyStore, ZapHandler, client_user, keygen
 

@@ -1,0 +1,77 @@
+"""The frontend listener's filter of held-off sources (``gpud_broker.synfilter``), on real
+loopback sockets: a held-off IPv4 address's SYNs are dropped by the kernel (but one in
+``keep_one_in``), every other address's connections are accepted, and the filter comes off."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+import pytest
+import zmq
+
+from gpud_broker import synfilter
+
+
+def _connects(port: int, source: str, timeout: float = 0.3) -> bool:
+    s = socket.socket()
+    try:
+        s.bind((source, 0))
+        s.settimeout(timeout)  # under the first SYN retransmission (1 s): one SYN per try
+        s.connect(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _ip(text: str) -> int:
+    return int(ipaddress.ip_address(text))
+
+
+def test_a_held_off_address_is_dropped_at_the_listener_and_others_are_not() -> None:
+    with socket.create_server(("0.0.0.0", 0)) as listener:
+        port = listener.getsockname()[1]
+        assert _connects(port, "127.0.0.3")
+        synfilter.attach(listener.fileno(), synfilter.program([_ip("127.0.0.3")], keep_one_in=1 << 32))
+        assert not _connects(port, "127.0.0.3")  # its SYN never answered
+        assert _connects(port, "127.0.0.1") and _connects(port, "127.0.0.4")
+        synfilter.attach(listener.fileno(), None)
+        assert _connects(port, "127.0.0.3")
+
+
+def test_one_syn_in_keep_one_in_of_a_held_off_address_gets_through() -> None:
+    with socket.create_server(("0.0.0.0", 0)) as listener:
+        port = listener.getsockname()[1]
+        listener.setblocking(False)
+        synfilter.attach(listener.fileno(), synfilter.program([_ip("127.0.0.3"), _ip("127.0.0.5")], keep_one_in=2))
+        got = sum(_connects(port, "127.0.0.5", timeout=0.05) for _ in range(80))
+        assert 15 <= got <= 65  # about half (binomial(80, 1/2): outside this once in 10^7)
+
+
+def test_only_ipv4_sources_are_filtered_and_at_most_max_sources() -> None:
+    many = [f"10.0.{i // 256}.{i % 256}" for i in range(synfilter.MAX_SOURCES + 10)]
+    got = synfilter.ipv4_sources(["2001:db8::/64", "ipc", *many])
+    assert len(got) == synfilter.MAX_SOURCES and got[-1] == _ip(many[-1])
+    assert len(synfilter.program(got)) == 8 * (synfilter.MAX_SOURCES + 9)
+    with pytest.raises(ValueError):
+        synfilter.program(got + [1])
+
+
+def test_the_listening_descriptor_of_a_zeromq_socket_is_found() -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        router = ctx.socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        fd = synfilter.listening_fd(port)
+        assert fd is not None
+        with socket.socket(fileno=fd) as sock:
+            try:
+                assert sock.getsockname()[1] == port and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            finally:
+                sock.detach()
+        assert synfilter.listening_fd(port + 1 if port < 65535 else port - 1) is None
+        router.close(linger=0)
+    finally:
+        ctx.term()

@@ -23,7 +23,7 @@ from typing import Any
 from gpud.errors import Busy, InvalidRequest, ProtocolError
 from gpud.protocol import Command, Message, Peer, check_sizes, encode, id_text, new_id
 from gpud.transfer import CHUNK_BYTES, WINDOW
-from gpud_client import _request as rq
+from gpud_client import _request
 from gpud_client._request import JobResult
 from gpud_client.chunks import plan, run_windowed
 from gpud_client.connection import Connection, Pending
@@ -99,11 +99,11 @@ def _put(conn: Connection, job: bytes, views: Sequence[memoryview], item: tuple[
     rid = new_id()
     header = {"id": rid, "job": job, "file": index, "offset": start, "tenant": tenant}
     conn.submit(rid, encode(Peer.CLIENT, Command.PUT, header, [views[index][start : start + n]]), what)
-    return Pending(conn, rid, rq.parse_empty, timeout, what, cancellable=False)
+    return Pending(conn, rid, _request.parse_empty, timeout, what, cancellable=False)
 
 
 def _have(msg: Message) -> list[int]:
-    header: dict[str, Any] = rq.check_reply(msg)
+    header: dict[str, Any] = _request.check_reply(msg)
     have = header.get("have")
     if type(have) is not list or not all(type(n) is int and n >= 0 for n in have):
         raise ProtocolError("the opening PUT's reply needs 'have', a list of byte counts")
@@ -115,9 +115,9 @@ def job_result(conn: Connection, tenant: str, timeout: float, chunk_bytes: int =
     """The converter of a job's REPLY: its staged outputs, if any, are read from the broker first."""
 
     def convert(msg: Message) -> JobResult:
-        header = rq.check_reply(msg)
+        header = _request.check_reply(msg)
         if "staged" not in header:
-            return rq.parse_job_result(msg)
+            return _request.parse_job_result(msg)
         try:
             sizes = check_sizes(header["staged"], "staged")
         except InvalidRequest as exc:
@@ -126,7 +126,7 @@ def job_result(conn: Connection, tenant: str, timeout: float, chunk_bytes: int =
         if type(job) is not bytes or len(msg.frames) != 2:
             raise ProtocolError("a job reply with staged outputs carries its id, stdout and stderr")
         files = _read(conn, job, sizes, tenant, chunk_bytes, window, timeout)
-        return rq.parse_job_result(Message(msg.peer, msg.command, header, [*msg.frames, *files]))
+        return _request.parse_job_result(Message(msg.peer, msg.command, header, [*msg.frames, *files]))
 
     return convert
 
@@ -167,7 +167,7 @@ def _read(conn: Connection, job: bytes, sizes: Sequence[int], tenant: str, chunk
 
 
 def _frame(msg: Message) -> memoryview:
-    rq.check_reply(msg)
+    _request.check_reply(msg)
     if len(msg.frames) != 1:
         raise ProtocolError("a FETCH's reply carries one frame")
     frame = msg.frames[0]

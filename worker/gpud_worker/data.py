@@ -35,7 +35,7 @@ from typing import Any
 import zmq
 import zmq.utils.z85
 
-from gpud import protocol as P
+from gpud import protocol
 from gpud.errors import GpudError, InvalidRequest, SessionLost, UnknownCommand
 from gpud.protocol import Command, Peer
 from gpud.ratelog import RateLimit
@@ -53,8 +53,8 @@ LOG_INTERVAL_S = 10.0  # at most one line per this many seconds about bad messag
 POLL_MS = 100  # how often the data socket's thread looks at its stop flag
 HWM = 100_000
 
-_PONG = P.encode(Peer.CLIENT, Command.PONG, {})
-_PONG_ENDED = P.encode(Peer.CLIENT, Command.PONG, {"ended": True})
+_PONG = protocol.encode(Peer.CLIENT, Command.PONG, {})
+_PONG_ENDED = protocol.encode(Peer.CLIENT, Command.PONG, {"ended": True})
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _DATA_DOMAIN = DATA_DOMAIN.encode()
 _SESSION_DOMAIN = f"{DATA_DOMAIN}/".encode()
@@ -88,7 +88,7 @@ def session_domain(sid: bytes) -> str:
 
 def _session_of(domain: bytes) -> bytes | None:
     """The session a ZAP domain names (``session_domain``), or None."""
-    if not domain.startswith(_SESSION_DOMAIN) or len(domain) != len(_SESSION_DOMAIN) + 2 * P.ID_BYTES:
+    if not domain.startswith(_SESSION_DOMAIN) or len(domain) != len(_SESSION_DOMAIN) + 2 * protocol.ID_BYTES:
         return None
     try:
         return bytes.fromhex(domain[len(_SESSION_DOMAIN):].decode("ascii"))
@@ -304,12 +304,12 @@ class DataSocket:
             n += 1
             try:
                 if msg.command is Command.PING:
-                    h = msg.header
-                    named = "session" in h and not self.admits(h.get("session"), h.get("cap"), user)
+                    header = msg.header
+                    named = "session" in header and not self.admits(header.get("session"), header.get("cap"), user)
                     send(sock, ident, _PONG_ENDED if named else _PONG, notes)
                 elif msg.command is Command.CALL:
-                    rid = P.get_id(msg.header)
-                    send(sock, ident, reply_frames(P.error_header(rid, InvalidRequest(
+                    rid = protocol.get_id(msg.header)
+                    send(sock, ident, reply_frames(protocol.error_header(rid, InvalidRequest(
                         "send a session's CALLs to its own endpoint (the 'endpoint' of its offer, PROTOCOL.md §10.2)"))),
                         notes)
                 else:
@@ -346,18 +346,18 @@ class SessionSocket:
                     continue
                 if msg.command is not Command.CALL:
                     raise UnknownCommand(f"{msg.command.name} is not valid on a worker's data socket")
-                h = msg.header
-                rid = P.get_id(h)
-                sid = h.get("session")
-                if sid != self.sid or not data.admits(sid, h.get("cap"), user):
+                header = msg.header
+                rid = protocol.get_id(header)
+                sid = header.get("session")
+                if sid != self.sid or not data.admits(sid, header.get("cap"), user):
                     data.refused += 1
-                    data.notes.note(f"refused a direct CALL {P.id_text(rid)}: unknown session, wrong capability or key")
-                    self.reply(ident, P.error_header(rid, SessionLost(REFUSED)))
+                    data.notes.note(f"refused a direct CALL {protocol.id_text(rid)}: unknown session, wrong capability or key")
+                    self.reply(ident, protocol.error_header(rid, SessionLost(REFUSED)))
                     continue
-                if h.get("op") == "close":
-                    self.reply(ident, P.error_header(rid, InvalidRequest("close a session through the broker (PROTOCOL.md §10.3)")))
+                if header.get("op") == "close":
+                    self.reply(ident, protocol.error_header(rid, InvalidRequest("close a session through the broker (PROTOCOL.md §10.3)")))
                     continue
-                return ident, h, msg.frames
+                return ident, header, msg.frames
             except GpudError as exc:
                 refuse(sock, ident, exc, data.notes, "a session socket")
         return None
@@ -389,7 +389,7 @@ class SessionSocket:
                 self.data.open_sockets -= 1
 
 
-def received(sock: zmq.Socket[bytes], curve: bool, notes: _Notes, where: str) -> Iterator[tuple[bytes, P.Message, str | None]]:
+def received(sock: zmq.Socket[bytes], curve: bool, notes: _Notes, where: str) -> Iterator[tuple[bytes, protocol.Message, str | None]]:
     """The messages queued on ``sock`` that decode, each with its sender's routing id and ZAP
     User-Id (None without CURVE); one that does not is answered ERROR and logged (at most once
     per LOG_INTERVAL_S), as is a bug while decoding (then the message is dropped)."""
@@ -400,7 +400,7 @@ def received(sock: zmq.Socket[bytes], curve: bool, notes: _Notes, where: str) ->
             return
         ident = frames[0]
         try:
-            msg = P.decode(frames[1:], Peer.CLIENT, MAX_MESSAGE_BYTES)
+            msg = protocol.decode(frames[1:], Peer.CLIENT, MAX_MESSAGE_BYTES)
         except GpudError as exc:
             refuse(sock, ident, exc, notes, where)
             continue
@@ -413,11 +413,11 @@ def received(sock: zmq.Socket[bytes], curve: bool, notes: _Notes, where: str) ->
 def refuse(sock: zmq.Socket[bytes], ident: bytes, exc: GpudError, notes: _Notes, where: str) -> None:
     """Answer a bad message with ERROR, and log it (rate-limited)."""
     notes.note(f"bad message on {where}: {exc.code} {exc.message}")
-    send(sock, ident, P.encode(Peer.CLIENT, Command.ERROR, P.error_header(None, exc)), notes)
+    send(sock, ident, protocol.encode(Peer.CLIENT, Command.ERROR, protocol.error_header(None, exc)), notes)
 
 
 def reply_frames(header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> list[Any]:
-    return P.encode(Peer.CLIENT, Command.REPLY, header, frames)
+    return protocol.encode(Peer.CLIENT, Command.REPLY, header, frames)
 
 
 def send(sock: zmq.Socket[bytes], ident: bytes, frames: list[Any], notes: _Notes) -> None:

@@ -26,8 +26,7 @@ from typing import Any
 
 import zmq
 
-from gpud import notify
-from gpud import protocol as P
+from gpud import notify, protocol
 from gpud.errors import (
     GpudError,
     GpuFault,
@@ -115,7 +114,7 @@ class BrokerLink:
         self.active = False  # this broker said it is the active one of its pair (WELCOME, HEARTBEAT)
         self.acks = False  # it ACKs results (a pair's broker): keep each until it does
         self.epoch = 0  # the epoch it said that with
-        self.max_message_bytes = P.DEFAULT_MAX_MESSAGE_BYTES  # the largest message it takes (WELCOME)
+        self.max_message_bytes = protocol.DEFAULT_MAX_MESSAGE_BYTES  # the largest message it takes (WELCOME)
         self.backoff = 0.0
         self.retry_at = now
         # Messages wait here until the loop's turn ends (``flush``): a burst of RESULTs to a burst
@@ -150,7 +149,7 @@ class BrokerLink:
     def flush(self) -> None:
         """Send what is queued, runs of small messages as one BATCH each."""
         if self.sock is not None:
-            for frames in P.batched(self.out):
+            for frames in protocol.batched(self.out):
                 send_frames(self.sock, frames)
         self.out.clear()
 
@@ -303,7 +302,7 @@ class Worker:
         return {
             "name": self.config.name,
             "hostname": socket.gethostname(),
-            "gpus": [P.gpu_info_to_wire(g) for g in self.gpus.values()],
+            "gpus": [protocol.gpu_info_to_wire(g) for g in self.gpus.values()],
             "cpu_milli": self.config.cpu_milli,
             "host_mem": self.config.host_mem,
             "slots": self.config.slots,
@@ -438,7 +437,7 @@ class Worker:
     # ---------------------------------------------------------------- socket side
 
     def _send(self, link: BrokerLink, cmd: Command, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> None:
-        link.send(P.encode(Peer.WORKER, cmd, header, frames))
+        link.send(protocol.encode(Peer.WORKER, cmd, header, frames))
 
     def _beat_all(self, now: float) -> None:
         for link in self.links:
@@ -452,7 +451,7 @@ class Worker:
         except Exception:
             log.exception("GPU probe failed; heartbeat carries no GPU state")
             states = {}
-        gpus = [P.gpu_state_to_wire(u, s) for u, s in states.items()]
+        gpus = [protocol.gpu_state_to_wire(u, s) for u, s in states.items()]
         running: list[dict[str, Any]] = [
             {"id": rid, "kind": kind, "since": round(now - since, 3)} for rid, (kind, since, _) in self.running.items()]
         running += [{"id": s.id, "kind": "session", "since": round(now - s.opened, 3),
@@ -483,8 +482,8 @@ class Worker:
             now = time.monotonic()
             link.liveness.heard(now)
             try:
-                msg = P.decode(frames, Peer.WORKER)
-                batch = P.unbatch(msg) if msg.command is Command.BATCH else None
+                msg = protocol.decode(frames, Peer.WORKER)
+                batch = protocol.unbatch(msg) if msg.command is Command.BATCH else None
             except GpudError as exc:
                 log.warning("bad message from broker %s: %s %s", link.endpoint, exc.code, exc.message)
                 continue
@@ -520,7 +519,7 @@ class Worker:
             elif link.out:
                 link.flush()
 
-    def _handle(self, idx: int, link: BrokerLink, msg: P.Message, poller: zmq.Poller, now: float) -> None:
+    def _handle(self, idx: int, link: BrokerLink, msg: protocol.Message, poller: zmq.Poller, now: float) -> None:
         """One message from a broker, alone or out of a BATCH."""
         try:
             self._on_broker(idx, link, msg, poller, now)
@@ -529,66 +528,66 @@ class Worker:
         except Exception:
             log.exception("bug while handling a broker message")
 
-    def _on_broker(self, idx: int, link: BrokerLink, msg: P.Message, poller: zmq.Poller, now: float) -> None:
+    def _on_broker(self, idx: int, link: BrokerLink, msg: protocol.Message, poller: zmq.Poller, now: float) -> None:
         cmd = msg.command
-        h = msg.header
+        header = msg.header
         if cmd is Command.DISPATCH:
-            self._on_dispatch(idx, link, h, msg.frames, now)
+            self._on_dispatch(idx, link, header, msg.frames, now)
         elif cmd is Command.HEARTBEAT:
-            self._broker_state(idx, link, h, now)
+            self._broker_state(idx, link, header, now)
         elif cmd is Command.ACK:
-            ids = h.get("ids")
+            ids = header.get("ids")
             if type(ids) is list:
                 for rid in ids:
                     if type(rid) is bytes:
                         self.unacked.pop(rid, None)
                         self.staged_out.pop(rid, None)
         elif cmd is Command.GO:
-            self._on_go(idx, link, h)
+            self._on_go(idx, link, header)
         elif cmd is Command.WELCOME:
-            hb = h.get("heartbeat_ms")
-            lv = h.get("liveness")
+            hb = header.get("heartbeat_ms")
+            lv = header.get("liveness")
             if type(hb) is int and type(lv) is int and hb > 0 and lv > 0:
                 link.liveness.policy = HeartbeatPolicy(hb / 1000.0, lv)
             link.welcomed = True
             link.backoff = 0.0
-            most = h.get("max_message_bytes")
+            most = header.get("max_message_bytes")
             if type(most) is int and most > 0:
                 link.max_message_bytes = most
             log.info("registered with broker %s (heartbeat %dms x %s)", link.endpoint, hb, lv)
             notify.status(f"registered with {link.endpoint}")
-            self._broker_state(idx, link, h if "active" in h else {**h, "active": True, "epoch": 0}, now)
+            self._broker_state(idx, link, header if "active" in header else {**header, "active": True, "epoch": 0}, now)
             self._beat(link, now)
         elif cmd is Command.DISCONNECT:
-            reason = h.get("reason")
+            reason = header.get("reason")
             (log.error if type(reason) is str and reason.startswith("refused") else log.warning)(
                 "broker %s disconnected us (%s); reconnecting", link.endpoint, reason)
             self._reconnect(link, poller, now)
         elif cmd is Command.CHUNK:
-            self._on_chunk(idx, h, msg.frames, now)
+            self._on_chunk(idx, header, msg.frames, now)
         elif cmd is Command.FETCH:
-            self._on_output_fetch(link, h)
+            self._on_output_fetch(link, header)
         elif cmd is Command.ERROR:
-            rid = h.get("id")
+            rid = header.get("id")
             if type(rid) is bytes and rid in self.fetches and idx == self.active_idx:
                 # The broker holds no inputs of it placed here: it failed the job or placed it
                 # elsewhere (PROTOCOL.md §11.3). Dropped without a RESULT: its fate is decided.
-                log.info("job %s: dropped (%s)", P.id_text(rid), h.get("message"))
+                log.info("job %s: dropped (%s)", protocol.id_text(rid), header.get("message"))
                 self._end_fetch(rid)
                 self.running.pop(rid, None)
                 self.owner.pop(rid, None)
                 return
-            log.warning("broker %s reports an error: %s %s", link.endpoint, h.get("code"), h.get("message"))
+            log.warning("broker %s reports an error: %s %s", link.endpoint, header.get("code"), header.get("message"))
         else:
             log.warning("unexpected %s from broker %s", cmd.name, link.endpoint)
 
-    def _broker_state(self, idx: int, link: BrokerLink, h: dict[str, Any], now: float) -> None:
+    def _broker_state(self, idx: int, link: BrokerLink, header: dict[str, Any], now: float) -> None:
         """A broker said whether it is active, and at which epoch: follow the active one."""
-        active, epoch = h.get("active"), h.get("epoch")
+        active, epoch = header.get("active"), header.get("epoch")
         if type(active) is not bool or type(epoch) is not int:
             return
         link.active, link.epoch = active, epoch
-        link.acks = h.get("acks") is True
+        link.acks = header.get("acks") is True
         if epoch > self.max_epoch:
             self.max_epoch = epoch
         self._choose_active(now)
@@ -664,21 +663,21 @@ class Worker:
         """Queue a RESULT from any thread; the loop sends it."""
         header["id"] = rid
         self._stamp(rid, header)
-        self.results.put((idx, rid, P.encode(Peer.WORKER, Command.RESULT, header, frames)))
+        self.results.put((idx, rid, protocol.encode(Peer.WORKER, Command.RESULT, header, frames)))
         self._wake()
 
     def _error(self, idx: int, rid: bytes, exc: GpudError) -> None:
-        self._result(idx, rid, P.error_header(rid, exc))
+        self._result(idx, rid, protocol.error_header(rid, exc))
 
-    def _on_dispatch(self, idx: int, link: BrokerLink, h: dict[str, Any], frames: list[Any], now: float) -> None:
-        rid = P.get_id(h)
-        kind = h.get("kind")
-        epoch = h.get("epoch")
+    def _on_dispatch(self, idx: int, link: BrokerLink, header: dict[str, Any], frames: list[Any], now: float) -> None:
+        rid = protocol.get_id(header)
+        kind = header.get("kind")
+        epoch = header.get("epoch")
         if type(epoch) is int:
             if epoch < self.max_epoch:
                 log.warning("DISPATCH %s from broker %s at epoch %d refused: epoch %d is active",
-                            P.id_text(rid), link.endpoint, epoch, self.max_epoch)
-                self._send(link, Command.RESULT, P.error_header(rid, NotActive(f"a broker of epoch {self.max_epoch} is active")))
+                            protocol.id_text(rid), link.endpoint, epoch, self.max_epoch)
+                self._send(link, Command.RESULT, protocol.error_header(rid, NotActive(f"a broker of epoch {self.max_epoch} is active")))
                 return
             if not link.active or epoch > link.epoch:  # its HEARTBEAT saying so went missing
                 self._broker_state(idx, link, {"active": True, "epoch": epoch, "acks": link.acks}, now)
@@ -688,17 +687,17 @@ class Worker:
             return
         if rid in self.running or rid in self.calls:
             return  # running already: its RESULT goes out when it is done
-        tenant = h.get("tenant")
+        tenant = header.get("tenant")
         if type(tenant) is str:
             self.owner[rid] = tenant
         if kind == "call":
             self.calls.add(rid)
-            self._on_call(idx, rid, h, frames)
+            self._on_call(idx, rid, header, frames)
             return
         try:
             if self.draining:
                 raise ShuttingDown(f"worker {self.config.name} is stopping")
-            grant = h.get("grant")
+            grant = header.get("grant")
             if type(grant) is not dict:
                 raise InvalidRequest("DISPATCH needs 'grant'")
             uuids = grant.get("gpus")
@@ -710,28 +709,28 @@ class Worker:
             mem = grant.get("mem", 0)
             if type(mem) is not int or mem < 0:
                 raise InvalidRequest("grant 'mem' must be a non-negative int")
-            tenant = h.get("tenant", "default")
+            tenant = header.get("tenant", "default")
             if type(tenant) is not str:
                 raise InvalidRequest("'tenant' must be a string")
         except GpudError as exc:
-            self._send_now(idx, rid, P.error_header(rid, exc))
+            self._send_now(idx, rid, protocol.error_header(rid, exc))
             return
         if kind == "echo":
-            log.debug("echo %s", P.id_text(rid))  # one line per execution: chaos tests count them
+            log.debug("echo %s", protocol.id_text(rid))  # one line per execution: chaos tests count them
             self._send_now(idx, rid, {"id": rid, "ok": True, "worker": self.config.name, "gpus": uuids}, frames)
             return
         self.running[rid] = (str(kind), now, uuids)
-        if kind == "job" and "staged" in h:
-            self._start_fetch(idx, rid, h, uuids, tenant, now)
+        if kind == "job" and "staged" in header:
+            self._start_fetch(idx, rid, header, uuids, tenant, now)
         elif kind == "job":
-            self.jobs.submit(self._run_job, idx, rid, h, frames, uuids, tenant)
+            self.jobs.submit(self._run_job, idx, rid, header, frames, uuids, tenant)
         elif kind == "session":
-            key = h.get("client_key")
-            self._open_session(idx, rid, uuids[0], mem, tenant, grant, h.get("direct") is True,
-                               key if type(key) is str else "", h.get("relay") is not False)
+            key = header.get("client_key")
+            self._open_session(idx, rid, uuids[0], mem, tenant, grant, header.get("direct") is True,
+                               key if type(key) is str else "", header.get("relay") is not False)
         else:
             self.running.pop(rid, None)
-            self._send_now(idx, rid, P.error_header(rid, InvalidRequest(f"unknown kind {kind!r}")))
+            self._send_now(idx, rid, protocol.error_header(rid, InvalidRequest(f"unknown kind {kind!r}")))
 
     def _stamp(self, rid: bytes, header: dict[str, Any]) -> None:
         """What every RESULT header says besides its outcome: this worker, and the tenant of the
@@ -743,18 +742,18 @@ class Worker:
 
     def _send_now(self, idx: int, rid: bytes, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> None:
         self._stamp(rid, header)
-        self._deliver(idx, rid, P.encode(Peer.WORKER, Command.RESULT, header, frames))
+        self._deliver(idx, rid, protocol.encode(Peer.WORKER, Command.RESULT, header, frames))
 
-    def _run_job(self, idx: int, rid: bytes, h: dict[str, Any], frames: list[Any], uuids: list[str], tenant: str) -> None:
+    def _run_job(self, idx: int, rid: bytes, dispatch: dict[str, Any], frames: list[Any], uuids: list[str], tenant: str) -> None:
         cancel = self._job_cancels.setdefault(rid, threading.Event())
         try:
-            spec = P.parse_job(h, len(frames))
+            spec = protocol.parse_job(dispatch, len(frames))
             visible = ",".join(self._visible_name(u) for u in uuids)
             # Inputs as buffers; a fetched staged one as the StagedFile that writes itself (copy_to).
             inputs: list[Any] = [f if isinstance(f, StagedFile) else memoryview(f.buffer if hasattr(f, "buffer") else f)
                                  for f in frames]
             out = self.runner.run(rid, spec, inputs, visible, tenant, cancel,
-                                  JobGrant.from_wire(h.get("grant")), lambda: self._await_go(rid, cancel),
+                                  JobGrant.from_wire(dispatch.get("grant")), lambda: self._await_go(rid, cancel),
                                   gpus=uuids)
             if cancel.is_set():
                 failed = next((u for u in uuids if u in self.gpu_faults), uuids[0])
@@ -784,24 +783,24 @@ class Worker:
                 self.staged_out[rid] = (files, time.monotonic())
             self._result(idx, rid, header, result)
         except (JobNotStarted, FetchAbandoned):
-            log.info("job %s: not started (%s)", P.id_text(rid), "the worker is stopping" if self._stop.is_set() else "START refused")
+            log.info("job %s: not started (%s)", protocol.id_text(rid), "the worker is stopping" if self._stop.is_set() else "START refused")
             self.results.put((idx, rid, []))  # no RESULT: the loop only forgets it
             self._wake()
         except GpudError as exc:
             self._error(idx, rid, exc)
         except Exception as exc:
-            log.exception("job %s failed in the worker", P.id_text(rid))
+            log.exception("job %s failed in the worker", protocol.id_text(rid))
             self._error(idx, rid, InternalError(f"the worker failed to run the job: {exc.__class__.__name__}"))
         finally:
             self._job_cancels.pop(rid, None)
 
     # ---------------------------------------------------------------- staged inputs (PROTOCOL.md §11.3)
 
-    def _start_fetch(self, idx: int, rid: bytes, h: dict[str, Any], uuids: list[str], tenant: str, now: float) -> None:
+    def _start_fetch(self, idx: int, rid: bytes, header: dict[str, Any], uuids: list[str], tenant: str, now: float) -> None:
         """Begin fetching a staged job's inputs; its job thread sets it up meanwhile and writes
         them into its directory as they come (``gpud_worker.fetch``)."""
         try:
-            spec = P.parse_job(h, 0)
+            spec = protocol.parse_job(header, 0)
             fetch = Fetch(rid, list(spec.staged or ()), self._fetch_written)
             limit = self.runner.dir_size
             if limit and fetch.total > limit:  # no worker of this size can take it: said before any byte comes
@@ -809,11 +808,11 @@ class Worker:
                                f"({limit}): they do not fit the job's directory")
         except GpudError as exc:
             self.running.pop(rid, None)
-            self._send_now(idx, rid, P.error_header(rid, exc))
+            self._send_now(idx, rid, protocol.error_header(rid, exc))
             return
-        inline = {k: v for k, v in h.items() if k != "staged"}  # what the job thread sees: inline inputs
+        inline = {k: v for k, v in header.items() if k != "staged"}  # what the job thread sees: inline inputs
         self.fetches[rid] = fetch
-        log.debug("job %s: fetching %d staged bytes", P.id_text(rid), fetch.total)
+        log.debug("job %s: fetching %d staged bytes", protocol.id_text(rid), fetch.total)
         self.jobs.submit(self._run_job, idx, rid, inline, fetch.inputs(), uuids, tenant)
         self._fetch_more(rid, now)
 
@@ -850,17 +849,17 @@ class Worker:
         for rid, fetch in list(self.fetches.items()):
             self._send_fetches(rid, fetch.again(now, older))
 
-    def _on_chunk(self, idx: int, h: dict[str, Any], frames: list[Any], now: float) -> None:
-        rid = h.get("id")
+    def _on_chunk(self, idx: int, header: dict[str, Any], frames: list[Any], now: float) -> None:
+        rid = header.get("id")
         fetch = self.fetches.get(rid) if type(rid) is bytes else None
         if fetch is None or type(rid) is not bytes or len(frames) != 1:
             return  # a late or repeated chunk of a job that has all its inputs, or is gone
-        if fetch.on_chunk(h.get("file"), h.get("offset"), frames[0]):
+        if fetch.on_chunk(header.get("file"), header.get("offset"), frames[0]):
             self._fetch_more(rid, now)
 
-    def _on_output_fetch(self, link: BrokerLink, h: dict[str, Any]) -> None:
+    def _on_output_fetch(self, link: BrokerLink, header: dict[str, Any]) -> None:
         """The broker asks for a chunk of a finished job's staged outputs: CHUNK with the bytes."""
-        rid, index, offset, nbytes = h.get("id"), h.get("file"), h.get("offset"), h.get("nbytes")
+        rid, index, offset, nbytes = header.get("id"), header.get("file"), header.get("offset"), header.get("nbytes")
         held = self.staged_out.get(rid) if type(rid) is bytes else None
         if (held is None or type(index) is not int or type(offset) is not int or type(nbytes) is not int
                 or not 0 <= index < len(held[0]) or offset < 0 or nbytes <= 0):
@@ -890,8 +889,8 @@ class Worker:
         finally:
             self.start_waits.pop(rid, None)
         if not wait.go:
-            raise JobNotStarted(P.id_text(rid))
-        log.debug("job %s: GO", P.id_text(rid))
+            raise JobNotStarted(protocol.id_text(rid))
+        log.debug("job %s: GO", protocol.id_text(rid))
 
     def _ask_starts(self, now: float, fresh: bool = False, again: bool = False) -> None:
         """Send START for the jobs waiting for their GO to the active broker: ``fresh``, those
@@ -918,9 +917,9 @@ class Worker:
                 wait.asked_at = now
                 asked.append(rid)
         if asked:
-            link.send(P.encode(Peer.WORKER, Command.START, {"ids": asked}))
+            link.send(protocol.encode(Peer.WORKER, Command.START, {"ids": asked}))
 
-    def _on_go(self, idx: int, link: BrokerLink, h: dict[str, Any]) -> None:
+    def _on_go(self, idx: int, link: BrokerLink, header: dict[str, Any]) -> None:
         """The active broker's answer to STARTs: each job named in ``ids`` may start, none named
         in ``refused`` ever may. A GO from a broker we do not regard as active is ignored (its
         jobs are asked for again from the active one)."""
@@ -928,7 +927,7 @@ class Worker:
             log.info("GO from broker %s, which is not the active one; ignored", link.endpoint)
             return
         for key, go in (("ids", True), ("refused", False)):
-            ids = h.get(key)
+            ids = header.get(key)
             if type(ids) is not list:
                 continue
             for rid in ids:
@@ -950,7 +949,7 @@ class Worker:
         device = self.devices.get(uuid)
         if device is None:
             self.running.pop(rid, None)
-            self._send_now(idx, rid, P.error_header(rid, RemoteError("sessions on this GPU need the pycuda device backend (extra 'cuda'), which this worker lacks or could not start on it (its log says why)")))
+            self._send_now(idx, rid, protocol.error_header(rid, RemoteError("sessions on this GPU need the pycuda device backend (extra 'cuda'), which this worker lacks or could not start on it (its log says why)")))
             return
         s = SessionRunner(rid, None, self.gpus[uuid], tenant)
         s.direct, s.client_key, s.relay = direct, client_key, relay
@@ -974,7 +973,7 @@ class Worker:
             self._error(idx, rid, exc)
             return False
         except Exception as exc:
-            log.exception("session %s could not be opened", P.id_text(rid))
+            log.exception("session %s could not be opened", protocol.id_text(rid))
             self._close_session(s)
             self._error(idx, rid, InternalError(f"the worker failed to open the session: {exc.__class__.__name__}"))
             return False
@@ -982,26 +981,26 @@ class Worker:
             s.dev.close()
             self._error(idx, rid, SessionLost(s.lost or "the session was closed while it opened"))
             return False
-        log.info("session %s opened on GPU %s (%d bytes granted)", P.id_text(rid), s.gpu.uuid, mem)
-        header: dict[str, Any] = {"ok": True, "session": rid, "gpu": P.gpu_info_to_wire(s.gpu)}
+        log.info("session %s opened on GPU %s (%d bytes granted)", protocol.id_text(rid), s.gpu.uuid, mem)
+        header: dict[str, Any] = {"ok": True, "session": rid, "gpu": protocol.gpu_info_to_wire(s.gpu)}
         data = self.data
         # Under CURVE a direct session needs the key the broker named: without one, none is offered.
         if data is not None and s.direct and (data.curve is None or s.client_key):
             try:
                 s.sock, header["data"] = data.open_session(rid, s.client_key, s.relay)
             except GpudError as exc:
-                log.error("session %s: no direct path offered: %s", P.id_text(rid), exc.message)
+                log.error("session %s: no direct path offered: %s", protocol.id_text(rid), exc.message)
         self._result(idx, rid, header)
         return True
 
-    def _on_call(self, idx: int, rid: bytes, h: dict[str, Any], frames: list[Any]) -> None:
-        sid = h.get("session")
+    def _on_call(self, idx: int, rid: bytes, header: dict[str, Any], frames: list[Any]) -> None:
+        sid = header.get("session")
         s = self.sessions.get(sid) if type(sid) is bytes else None
         if s is None or s.closed:
-            self._send_now(idx, rid, P.error_header(rid, SessionLost("the session is not open on this worker")))
+            self._send_now(idx, rid, protocol.error_header(rid, SessionLost("the session is not open on this worker")))
             return
         s.last_used = time.monotonic()
-        if h.get("op") == "close":
+        if header.get("op") == "close":
             s.closed = True
             del self.sessions[s.id]
             if self.data is not None:
@@ -1010,7 +1009,7 @@ class Worker:
                 # Closed (by its client, or by the broker for a client gone) while a call runs:
                 # nobody waits for that call, and a kernel that never ends would hold it for good.
                 s.dev.kill("the session was closed while a call ran")
-        s.put((idx, h, frames))
+        s.put((idx, header, frames))
 
     def _session_thread(self, s: SessionRunner, idx: int, device: Device, mem: int, env: dict[str, str] | None) -> None:
         try:
@@ -1035,22 +1034,22 @@ class Worker:
             item = self._next_op(s, sock, waits)
             if item is None:
                 break
-            route, h, frames = item
-            rid: bytes = h["id"]
-            op = h.get("op")
+            route, call, frames = item
+            rid: bytes = call["id"]
+            op = call.get("op")
             s.busy = True
             try:
                 if s.closed and type(route) is bytes:  # ended meanwhile (by the broker, its GPU, the idle timeout)
                     raise SessionLost("the session is not open on this worker")
                 if s.lost:
                     raise SessionLost(f"the session's GPU failed ({s.lost})")
-                header, out = self._session_op(s, op, h.get("args") or {}, frames, lend=type(route) is bytes)
+                header, out = self._session_op(s, op, call.get("args") or {}, frames, lend=type(route) is bytes)
                 header["ok"] = True
             except GpudError as exc:
-                header, out = P.error_header(rid, exc), []
+                header, out = protocol.error_header(rid, exc), []
             except Exception as exc:
                 log.exception("session op %s failed", op)
-                header, out = P.error_header(rid, InternalError(f"session op {op!r} failed in the worker: {exc.__class__.__name__}")), []
+                header, out = protocol.error_header(rid, InternalError(f"session op {op!r} failed in the worker: {exc.__class__.__name__}")), []
             finally:
                 s.last_used = time.monotonic()
                 s.busy = False
@@ -1090,36 +1089,36 @@ class Worker:
         dev = s.dev
         assert dev is not None  # set before the session's first call
         if op == "alloc":
-            return {"handle": dev.alloc(P.req(args, "nbytes", int))}, []
+            return {"handle": dev.alloc(protocol.req(args, "nbytes", int))}, []
         if op == "free":
-            dev.free(P.req(args, "handle", int))
+            dev.free(protocol.req(args, "handle", int))
             return {}, []
         if op == "htod":
             if len(frames) != 1:
                 raise InvalidRequest("htod carries exactly one payload frame")
             f = frames[0]
-            dev.htod(P.req(args, "handle", int), P.opt(args, "offset", int, 0), memoryview(f.buffer if hasattr(f, "buffer") else f))
+            dev.htod(protocol.req(args, "handle", int), protocol.opt(args, "offset", int, 0), memoryview(f.buffer if hasattr(f, "buffer") else f))
             return {}, []
         if op == "dtoh":
             # Relayed, the reply is kept for a resend (unacked): it must be a copy.
             copy = dev.dtoh_lent if lend else dev.dtoh
-            data = copy(P.req(args, "handle", int), P.opt(args, "offset", int, 0), P.opt(args, "nbytes", int, None))
+            data = copy(protocol.req(args, "handle", int), protocol.opt(args, "offset", int, 0), protocol.opt(args, "nbytes", int, None))
             return {}, [data]
         if op == "launch":
-            module = P.opt(args, "module", str, P.BUILTIN_MODULE)
-            name = P.req(args, "name", str)
-            grid = P.parse_dims(args.get("grid", [1]), "grid")
-            block = P.parse_dims(args.get("block", [1]), "block")
-            kargs = P.parse_launch_args(args.get("args", []))
-            shared = P.opt(args, "shared_mem", int, 0)
+            module = protocol.opt(args, "module", str, protocol.BUILTIN_MODULE)
+            name = protocol.req(args, "name", str)
+            grid = protocol.parse_dims(args.get("grid", [1]), "grid")
+            block = protocol.parse_dims(args.get("block", [1]), "block")
+            kargs = protocol.parse_launch_args(args.get("args", []))
+            shared = protocol.opt(args, "shared_mem", int, 0)
             dev.launch(module, name, grid, block, kargs, shared)
             return {}, []
         if op == "load":  # a module: CUDA C source, PTX or cubin (PROTOCOL.md §5.4)
             if len(frames) != 1:
                 raise InvalidRequest("load carries exactly one payload frame: the module")
             f = frames[0]
-            options = P.opt(args, "options", list, [])
-            loaded = dev.load(P.req(args, "kind", str), P.req(args, "name", str),
+            options = protocol.opt(args, "options", list, [])
+            loaded = dev.load(protocol.req(args, "kind", str), protocol.req(args, "name", str),
                               memoryview(f.buffer if hasattr(f, "buffer") else f), options)
             return dict(loaded), []
         if op == "sync":
@@ -1146,7 +1145,7 @@ class Worker:
         limit = time.monotonic() - self.config.session_idle
         for s in list(self.sessions.values()):
             if s.dev is not None and s.last_used < limit and not s.busy:  # not while it opens
-                log.info("session %s idle past %.0fs; reclaimed", P.id_text(s.id), self.config.session_idle)
+                log.info("session %s idle past %.0fs; reclaimed", protocol.id_text(s.id), self.config.session_idle)
                 self._close_session(s, kill=f"idle for more than {self.config.session_idle:g} s")
 
     def _fail_work_on_failed_gpus(self) -> None:
@@ -1161,13 +1160,13 @@ class Worker:
             if kind == "job" and bad is not None:
                 cancel = self._job_cancels.setdefault(rid, threading.Event())
                 if not cancel.is_set():
-                    log.error("job %s: GPU %s failed (%s); killing the job", P.id_text(rid), bad, failed[bad])
+                    log.error("job %s: GPU %s failed (%s); killing the job", protocol.id_text(rid), bad, failed[bad])
                     cancel.set()
         for rid in list(self._job_cancels):  # list(): job threads add and remove entries
             if rid not in self.running:  # it finished before its event was set
                 self._job_cancels.pop(rid, None)
         for s in [s for s in self.sessions.values() if s.gpu.uuid in failed]:
-            log.error("session %s: GPU %s failed (%s); closing the session", P.id_text(s.id), s.gpu.uuid, failed[s.gpu.uuid])
+            log.error("session %s: GPU %s failed (%s); closing the session", protocol.id_text(s.id), s.gpu.uuid, failed[s.gpu.uuid])
             s.lost = failed[s.gpu.uuid]
             self._close_session(s, kill=f"its GPU failed ({s.lost})")
 
@@ -1181,9 +1180,9 @@ def check_result_size(header: dict[str, Any], frames: list[Any], max_message_byt
     with a clear error instead of the worker's connection, and all its other work with it."""
     total = sum(len(f) for f in frames)
     limit = max_message_bytes - RESULT_HEADROOM
-    if len(frames) > P.MAX_PAYLOAD_FRAMES:
-        raise TooLarge(f"the job returns {len(frames) - 2} output files; a result holds at most {P.MAX_PAYLOAD_FRAMES - 2}")
-    if len(P.packb(header)) > P.MAX_HEADER_BYTES - 1024:
+    if len(frames) > protocol.MAX_PAYLOAD_FRAMES:
+        raise TooLarge(f"the job returns {len(frames) - 2} output files; a result holds at most {protocol.MAX_PAYLOAD_FRAMES - 2}")
+    if len(protocol.packb(header)) > protocol.MAX_HEADER_BYTES - 1024:
         raise TooLarge(f"the names of the job's {len(frames) - 2} output files do not fit in a result's header")
     if total > limit:
         raise TooLarge(f"the job's result (stdout, stderr and {len(frames) - 2} output file(s)) is {total} bytes, over "

@@ -758,14 +758,14 @@ class FragmentationGradientDescent:
             if plain:  # (a full GPU takes nothing whatever else holds: no need to look further)
                 gpus = w.gpus
                 if len(gpus) == 1:  # (the same, without a comprehension's call: one GPU per worker is common)
-                    g = gpus[0]
-                    used = g.granted_milli
+                    device = gpus[0]
+                    used = device.granted_milli
                     codes: tuple[int, ...] = (used if used >= MILLI_PER_GPU
-                                              or not (g.cordoned or g.exclusive or g.state.health == "failed") else -1,)
+                                              or not (device.cordoned or device.exclusive or device.state.health == "failed") else -1,)
                 else:
-                    codes = tuple([used if (used := g.granted_milli) >= MILLI_PER_GPU
-                                   or not (g.cordoned or g.exclusive or g.state.health == "failed") else -1
-                                   for g in gpus])
+                    codes = tuple([used if (used := device.granted_milli) >= MILLI_PER_GPU
+                                   or not (device.cordoned or device.exclusive or device.state.health == "failed") else -1
+                                   for device in gpus])
             elif typed and not need.fits_type(w.gpus[0].info):
                 continue
             else:
@@ -821,8 +821,8 @@ class FragmentationGradientDescent:
         chosen = [best_w.gpus[best_gpus[0]]] if len(best_gpus) == 1 else [best_w.gpus[i] for i in best_gpus]
         self._supply_age += 1
         supply = self.supply
-        for g in chosen:
-            m = g.info.model
+        for device in chosen:
+            m = device.info.model
             if m in supply:
                 supply[m] -= MILLI_PER_GPU if whole else milli
         return Placement(best_w, chosen)
@@ -869,14 +869,14 @@ class FragmentationGradientDescent:
             after_groups = {m: list(f) for m, f in groups.items()}
             cost = after_short
             for gi in option:
-                g = w.gpus[gi]
-                f = MILLI_PER_GPU - g.granted_milli
-                lst = after_groups[g.info.model]
+                device = w.gpus[gi]
+                f = MILLI_PER_GPU - device.granted_milli
+                lst = after_groups[device.info.model]
                 lst.remove(f)
                 if not whole and f > milli:
                     lst.append(f - milli)
                 if gamma:
-                    cost += gamma * pressure.get(g.info.model, 0.0) * (MILLI_PER_GPU if whole else milli)
+                    cost += gamma * pressure.get(device.info.model, 0.0) * (MILLI_PER_GPU if whole else milli)
             delta = sum(frag(m, la, tuple(sorted(f))) for m, f in after_groups.items()) + cost - before
             if delta <= best + _EPS:
                 near.append((delta, left, w, option))

@@ -174,6 +174,7 @@ class Broker:
         # The listener's filter of held-off sources (``synfilter``): its descriptor, what it holds.
         self._syn_fd = synfilter.listening_fd(self._frontend_port) if self._frontend_port else None
         self._syn_filtered: list[int] = []
+        self._syn_ever = False  # a filter was attached once: accepted connections may carry it
         self._syn_changes = 0
         if endpoints.admin:
             self.admin = self._router(ADMIN_DOMAIN, keys if admin_tcp else None)
@@ -349,6 +350,17 @@ class Broker:
             return
         log.info("frontend: %d held-off source address(es) filtered at the listener", len(held))
         self._syn_filtered = held
+        self._syn_ever = True
+
+    def _detach_filter(self, fd: int) -> None:
+        """A connection accepted while the listener had a filter shares it (the kernel copies the
+        listener's filter to each connection it accepts): one that got through the filter (a
+        known key of a held-off address, on a SYN it let by) would lose most of its segments for
+        its whole life. Admitted connections keep no filter."""
+        try:
+            synfilter.attach(fd, None)
+        except OSError:
+            pass  # gone meanwhile
 
     def _on_accepted(self, fd: int) -> None:
         """A frontend connection accepted on descriptor ``fd``: counted by the gate, or shut down
@@ -364,6 +376,8 @@ class Broker:
             if self._check_gate():
                 why = self.gate.accept(fd, peer, self.core.now)
         if why is None:
+            if self._syn_ever:  # it holds the listener's filter of that moment: not its own to keep
+                self._detach_filter(fd)
             return
         self.core.counters["refused_connections"] += 1
         held = self._bad_log(("connection", peer))

@@ -14,7 +14,11 @@ so that a known client sharing the address with an outsider gets in, more slowly
 retransmitted), as the gate lets it. At most ``MAX_SOURCES`` addresses are in the filter (the
 newest); IPv6 sources are not filtered here (the gate's shut-down still applies to them).
 
-Pure except ``attach`` and ``listening_fd``, which touch the socket.
+The kernel copies a listener's filter to every connection it accepts; the broker takes it off
+each connection it admits (``attach(fd, None)``), or a known client that got through would lose
+most of its segments for the connection's whole life.
+
+Pure except ``attach``, ``attached`` and ``listening_fd``, which touch the socket.
 """
 
 from __future__ import annotations
@@ -95,6 +99,17 @@ def attach(fd: int, code: bytes | None) -> None:
         buf = ctypes.create_string_buffer(code, len(code))
         fprog = struct.pack("HL", len(code) // 8, ctypes.addressof(buf))
         sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
+    finally:
+        sock.detach()
+
+
+def attached(fd: int) -> bool:
+    """Whether the socket on ``fd`` has a filter (``SO_GET_FILTER``)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        return len(sock.getsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, 1024)) > 0
+    except OSError:
+        return True  # larger than asked for
     finally:
         sock.detach()
 

@@ -75,3 +75,37 @@ def test_the_listening_descriptor_of_a_zeromq_socket_is_found() -> None:
         router.close(linger=0)
     finally:
         ctx.term()
+
+
+def test_a_connection_let_through_carries_the_listeners_filter_until_it_is_taken_off() -> None:
+    """The kernel copies the listener's filter to each connection it accepts: one from a held-off
+    address that got through would lose most of its segments, so the broker takes it off each
+    connection it admits (``Broker._detach_filter``)."""
+    with socket.create_server(("0.0.0.0", 0)) as listener:
+        port = listener.getsockname()[1]
+        assert not synfilter.attached(listener.fileno())
+        synfilter.attach(listener.fileno(), synfilter.program([_ip("127.0.0.5")], keep_one_in=2))
+        assert synfilter.attached(listener.fileno())
+        client = None
+        for _ in range(200):
+            client = socket.socket()
+            client.bind(("127.0.0.5", 0))
+            client.settimeout(0.05)
+            try:
+                client.connect(("127.0.0.1", port))
+                break
+            except OSError:
+                client.close()
+                client = None
+        assert client is not None
+        with client:
+            accepted, _ = listener.accept()
+            with accepted:
+                assert synfilter.attached(accepted.fileno())  # the listener's, shared
+                synfilter.attach(accepted.fileno(), None)
+                assert not synfilter.attached(accepted.fileno())
+                assert synfilter.attached(listener.fileno())  # the listener keeps its own
+                for i in range(200):  # nothing of the connection is dropped now
+                    client.sendall(b"x")
+                    accepted.settimeout(1.0)
+                    assert accepted.recv(1) == b"x", i

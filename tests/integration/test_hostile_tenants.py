@@ -23,6 +23,7 @@ from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
 from tests.integration import test_hostile
 from tests.integration.test_security import Raw
+from tests.unit.test_synfilter import tcp_connects
 from tests.waiting import wait_for
 
 ctx = test_hostile.ctx  # the fixture: one zmq context for the module
@@ -482,9 +483,9 @@ def test_handshakes_refused_again_and_again_hold_their_source_off_and_known_keys
                      timeout=10)
             # Held off at the listener: the kernel drops most of its SYNs (one in KEEP_ONE_IN gets
             # through), before libzmq accepts them or spends a CURVE handshake on them.
-            wait_for(lambda: sum(_tcp_connects(host, int(port), "127.0.0.3") for _ in range(16)) <= 8,
+            wait_for(lambda: sum(tcp_connects(int(port), "127.0.0.3", host=host) for _ in range(16)) <= 8,
                      "the outsider's SYNs to be dropped at the listener", timeout=5)
-            assert sum(_tcp_connects(host, int(port), "127.0.0.2") for _ in range(16)) == 16
+            assert sum(tcp_connects(int(port), "127.0.0.2", host=host) for _ in range(16)) == 16
             # A known key is admitted from that very address (more slowly: its SYNs are retried,
             # and the hold-off ends hold_off_s after the last refusal), and from any other at once.
             for source in ("127.0.0.3", "127.0.0.2"):
@@ -495,21 +496,6 @@ def test_handshakes_refused_again_and_again_hold_their_source_off_and_known_keys
                 r.close()
             ctx.term()
         assert c.broker is not None and c.broker.poll() is None, c.log_tail("broker")
-
-
-def _tcp_connects(host: str, port: int, source: str) -> bool:
-    """Whether a bare TCP connection from ``source`` is accepted within 0.3 s (one SYN: the first
-    retransmission comes after 1 s)."""
-    s = socket.socket()
-    try:
-        s.bind((source, 0))
-        s.settimeout(0.3)
-        s.connect((host, port))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 def _rss(pid: int) -> int:

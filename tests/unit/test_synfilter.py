@@ -13,12 +13,14 @@ import zmq
 from gpud_broker import synfilter
 
 
-def _connects(port: int, source: str, timeout: float = 0.3) -> bool:
+def tcp_connects(port: int, source: str, timeout: float = 0.3, host: str = "127.0.0.1") -> bool:
+    """Whether a bare TCP connection from ``source`` to ``host:port`` is accepted within
+    ``timeout`` (under the first SYN retransmission, 1 s: one SYN per try)."""
     s = socket.socket()
     try:
         s.bind((source, 0))
-        s.settimeout(timeout)  # under the first SYN retransmission (1 s): one SYN per try
-        s.connect(("127.0.0.1", port))
+        s.settimeout(timeout)
+        s.connect((host, port))
         return True
     except OSError:
         return False
@@ -33,12 +35,12 @@ def _ip(text: str) -> int:
 def test_a_held_off_address_is_dropped_at_the_listener_and_others_are_not() -> None:
     with socket.create_server(("0.0.0.0", 0)) as listener:
         port = listener.getsockname()[1]
-        assert _connects(port, "127.0.0.3")
+        assert tcp_connects(port, "127.0.0.3")
         synfilter.attach(listener.fileno(), synfilter.program([_ip("127.0.0.3")], keep_one_in=1 << 32))
-        assert not _connects(port, "127.0.0.3")  # its SYN never answered
-        assert _connects(port, "127.0.0.1") and _connects(port, "127.0.0.4")
+        assert not tcp_connects(port, "127.0.0.3")  # its SYN never answered
+        assert tcp_connects(port, "127.0.0.1") and tcp_connects(port, "127.0.0.4")
         synfilter.attach(listener.fileno(), None)
-        assert _connects(port, "127.0.0.3")
+        assert tcp_connects(port, "127.0.0.3")
 
 
 def test_one_syn_in_keep_one_in_of_a_held_off_address_gets_through() -> None:
@@ -46,7 +48,7 @@ def test_one_syn_in_keep_one_in_of_a_held_off_address_gets_through() -> None:
         port = listener.getsockname()[1]
         listener.setblocking(False)
         synfilter.attach(listener.fileno(), synfilter.program([_ip("127.0.0.3"), _ip("127.0.0.5")], keep_one_in=2))
-        got = sum(_connects(port, "127.0.0.5", timeout=0.05) for _ in range(80))
+        got = sum(tcp_connects(port, "127.0.0.5", timeout=0.05) for _ in range(80))
         assert 15 <= got <= 65  # about half (binomial(80, 1/2): outside this once in 10^7)
 
 

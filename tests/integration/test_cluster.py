@@ -217,7 +217,9 @@ def test_killed_worker_removed_and_its_work_placed_elsewhere(small_cluster: Loca
 def test_non_idempotent_job_on_killed_worker_gets_worker_lost(small_cluster: LocalCluster) -> None:
     c = small_cluster
     with Client(c.frontend, timeout=60) as client:
-        jobs = [client.submit(["sleep", "20"], gpu_milli=1000, time_limit=30) for _ in range(2)]
+        # Long enough to be running when w1 is killed; short, because the cluster's close drains
+        # w0's (it runs on: running work is not stopped), which took 15 s of the suite with 20 s.
+        jobs = [client.submit(["sleep", "8"], gpu_milli=1000, time_limit=30) for _ in range(2)]
         wait_for(lambda: c.status()["counts"]["running"] == 2, what="both jobs dispatched")
         # Begun, not only dispatched: a job its worker had not started yet would be placed again.
         wait_for(lambda: " started as " in c.log_tail("w1", 200), what="w1's job started")

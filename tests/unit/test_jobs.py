@@ -105,6 +105,15 @@ def survivors(mark: str) -> list[psutil.Process]:
     return found
 
 
+def the_one_survivor(mark: str, timeout: float = 10.0) -> list[psutil.Process]:
+    """``survivors(mark)`` once the one process carrying ``mark`` runs: a job's shell has made its
+    file before it starts the command after it, so a look right after the file can find none."""
+    deadline = time.monotonic() + timeout
+    while not (found := survivors(mark)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return found
+
+
 def user_processes(uid: int) -> list[psutil.Process]:
     return [
         p
@@ -478,7 +487,7 @@ def test_tenants_cannot_reach_each_other(runner: JobRunner, workroot: pathlib.Pa
         with ThreadPoolExecutor(1) as executor:
             b_future = executor.submit(run, runner, b_spec, tenant="B", job_id=b_id, cancel=cancel)
             wait_for(workroot / b_id.hex() / "ready")
-            (b_pid,) = [p.pid for p in survivors(mark)]
+            (b_pid,) = [p.pid for p in the_one_survivor(mark)]
             probe = (
                 'for f in "$BDIR/secret" "$KEY1" "$KEY2"; do cat "$f"; echo "rc=$?"; done;'
                 ' ls ..; echo "rc=$?"; ls "$BDIR"; echo "rc=$?"; kill -0 "$BPID"; echo "rc=$?";'

@@ -264,6 +264,12 @@ class Upload:
     # FETCHes of bytes not held yet (the upload still comes, PROTOCOL.md §11.3): (worker identity, file, offset, nbytes)
     waiting: list[tuple[bytes, int, int, int]] = field(default_factory=list)
     starved: float = 0.0  # since when a FETCH has waited for bytes with none coming (0: none waits)
+    # How far the worker the job is placed on has asked for (``fetcher``; bytes over the files in
+    # order), and the PUT REPLYs held until it comes within LEAD_BYTES (``Staging``): (journal
+    # seq, write ticket, route, REPLY), in order.
+    fetcher: str | None = None
+    fetched: int = 0
+    held: list[tuple[int, int, bytes, list[Any]]] = field(default_factory=list)
 
     @property
     def total(self) -> int:

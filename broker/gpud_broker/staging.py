@@ -28,6 +28,7 @@ from gpud.errors import (
 from gpud.protocol import Command, Message, Peer
 from gpud.transfer import ChunkWindow
 from gpud_broker.spool import DEFAULT_STAGE_IDLE_S, Spool, Upload
+from gpud_broker.tasks import State
 
 if TYPE_CHECKING:
     from gpud_broker.core import BrokerCore
@@ -41,6 +42,7 @@ BACKFILL_PER_TURN = 4  # chunks journalled per loop turn to a peer that re-synce
 REPLY_BACKLOG_BYTES = 16 << 20  # past this many bytes queued for the spool's disk, PUT REPLYs wait for it
 MAX_BACKLOG_BYTES = 64 << 20  # past this many, a chunk PUT for a file on disk is answered BUSY (not taken)
 MAX_BACKLOG_WRITES = 4096  # and past this many writes queued (tiny chunks), likewise
+LEAD_BYTES = 32 << 20  # a placed job's upload runs at most this far ahead of its worker's FETCHes (REPLYs wait)
 MAX_WAITING = 8  # FETCHes of bytes not here yet kept per upload (a worker asks 4 at once); more are ignored
 OUTPUTS = b"\x01"  # a job's id and this: the spool key of its staged outputs (§11.5)
 PULL_AGAIN_S = 2.0  # a FETCH of outputs unanswered this long is sent again
@@ -74,6 +76,7 @@ class Staging:
         self.max_input_bytes = max_input_bytes
         self.stage_ttl = stage_ttl
         self.stage_idle = stage_idle
+        self.lead_bytes = LEAD_BYTES
         # Staged jobs taken off their worker because their upload left it waiting (``expire``),
         # by id: out of the queue until the upload is complete, then placed again.
         self.parked: dict[bytes, Task] = {}
@@ -106,10 +109,37 @@ class Staging:
         # restarts removes its spool files; the passive peer is what a failover keeps): its
         # REPLY waits for the write only while the queue is long, so that it stays short.
         ticket = io.issued if io.backlog > REPLY_BACKLOG_BYTES else 0
-        if core.acking or ticket > io.done:  # not at the peer, or the disk is behind
-            self.waiting.append((core.journal.seq if core.acking else 0, ticket, identity, reply))
+        seq = core.journal.seq if core.acking else 0
+        up = self.spool.uploads.get(put.job) if put.sizes is None else None
+        if up is not None and self._ahead(core, up):  # its worker lags: the client waits for it
+            up.held.append((seq, ticket, identity, reply))
+        else:
+            self._reply_when_durable(core, seq, ticket, identity, reply)
+
+    def _reply_when_durable(self, core: BrokerCore, seq: int, ticket: int, identity: bytes, reply: list[Any]) -> None:
+        if core.acking or ticket > self.spool.io.done:  # not at the peer, or the disk is behind
+            self.waiting.append((seq if core.acking else 0, ticket, identity, reply))
         else:
             core.send_client(identity, reply)
+
+    def _ahead(self, core: BrokerCore, up: Upload) -> bool:
+        """Whether ``up`` runs more than ``lead_bytes`` ahead of the worker its job is placed on
+        (PROTOCOL.md §11.1): its PUT REPLYs are then held."""
+        if not up.claimed:
+            return False
+        task = core.tasks.tasks.get(up.job)
+        if task is None or task.state is not State.RUNNING or task.worker is None or task.started:
+            return False  # not on a worker (queued again, parked, ended), or every byte is there
+        fetched = up.fetched if up.fetcher == task.worker else 0
+        return sum(up.have) - fetched > self.lead_bytes
+
+    def _let_held_go(self, core: BrokerCore, up: Upload) -> None:
+        """The PUT REPLYs held for ``up``'s worker go on (to wait for durability) once it no
+        longer lags, or is no longer the job's."""
+        if up.held and not self._ahead(core, up):
+            held, up.held = up.held, []
+            for seq, ticket, identity, reply in held:
+                self._reply_when_durable(core, seq, ticket, identity, reply)
 
     def _open(self, core: BrokerCore, job: bytes, sizes: tuple[int, ...], tenant: str, owner: str | None) -> dict[str, Any]:
         total = sum(sizes)
@@ -280,6 +310,9 @@ class Staging:
         up = self.spool.drop(job)
         if up is not None:
             core.accounts.release_spool(up.tenant, up.total)
+            for seq, ticket, identity, reply in up.held:  # the chunks were taken: their client is answered
+                self._reply_when_durable(core, seq, ticket, identity, reply)
+            up.held = []
 
     def expire(self, core: BrokerCore, now: float) -> None:
         """Drop uploads unclaimed for ``stage_ttl``; fail the jobs whose upload stalled."""
@@ -291,6 +324,9 @@ class Staging:
             task = core.tasks.tasks.get(up.job)
             if task is None or up.job in self.pulls:  # outputs being pulled: PULL_AGAIN_S asks again
                 continue
+            if up.held and self._ahead(core, up):  # its PUTs wait for its worker (LEAD_BYTES), not for its client
+                up.touched = now
+                continue
             if task.started:  # its worker had every byte (from a broker that held them): it runs
                 up.touched = now
                 continue
@@ -299,6 +335,9 @@ class Staging:
             core.abort_staged(task, InvalidRequest(f"its staged inputs stopped coming ({up.missing()}, nothing "
                                                    f"for {self.stage_ttl:.0f}s)"))
         self._park_starved(core, now)
+        for up in list(self.spool.uploads.values()):
+            if up.held:  # the job left its worker meanwhile (lost, parked, ended)
+                self._let_held_go(core, up)
 
     def _park_starved(self, core: BrokerCore, now: float) -> None:
         """Take off its worker a staged job whose upload has left the worker waiting for bytes
@@ -343,6 +382,13 @@ class Staging:
             if task is None or task.worker != worker.name or up is None or not up.claimed:
                 raise InvalidRequest("no staged job of this id runs on this worker")
             nbytes = min(nbytes, max(0, up.sizes[index] - offset))
+            reach = sum(up.sizes[:index]) + offset + nbytes  # how far, over the files in order, it has asked
+            if up.fetcher != worker.name:
+                up.fetcher, up.fetched = worker.name, 0
+            if reach > up.fetched:
+                up.fetched = reach
+                if up.held:
+                    self._let_held_go(core, up)
             if offset >= 0 and offset + nbytes > up.have[index]:  # still coming: answered when it is here
                 ask = (worker.identity, index, offset, nbytes)
                 if ask not in up.waiting and len(up.waiting) < MAX_WAITING:

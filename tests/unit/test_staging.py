@@ -147,6 +147,36 @@ def test_a_job_is_placed_while_its_upload_still_comes_and_its_fetches_wait_for_t
     assert "open their upload first" in h.one_reply(C1).header["message"]
 
 
+def test_a_placed_jobs_upload_runs_at_most_lead_bytes_ahead_of_its_worker_and_holds_no_one_else() -> None:
+    h = Harness(heartbeat=HeartbeatPolicy(30.0, 3))
+    h.ready(W1, "w1")
+    h.take_worker()
+    h.core.staging.lead_bytes = 2048
+    put(h, 0, sizes=[len(d) for d in DATA])
+    staged_job(h)
+    h.one_dispatch(W1)
+    replies(h)
+    put(h, 1, file=0, offset=0, frames=(DATA[0][:2048],))  # 2048 ahead of a worker that asked for nothing: answered
+    put(h, 2, file=0, offset=2048, frames=(DATA[0][2048:4096],))  # 4096 ahead: stored, its REPLY held
+    assert [m.header["id"] for m in replies(h)] == [rid(1001)]
+    other = rid(78)  # another upload (not placed) is answered meanwhile
+    put(h, 10, job=other, sizes=[4096])
+    put(h, 11, job=other, file=0, offset=0, frames=(b"o" * 4096,))
+    assert [m.header["id"] for m in replies(h)] == [rid(1010), rid(1011)]
+    h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 0, "nbytes": 1024})
+    assert P.as_bytes(h.take_worker()[0][1].frames[0]) == DATA[0][:1024]
+    assert replies(h) == []  # the worker asked up to byte 1024: still 3072 behind
+    h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 1024, "nbytes": 1024})
+    assert P.as_bytes(h.take_worker()[0][1].frames[0]) == DATA[0][1024:2048]
+    assert [m.header["id"] for m in replies(h)] == [rid(1002)]  # within 2048 again: let go
+    put(h, 3, file=0, offset=4096, frames=(DATA[0][4096:8192],))  # 6144 ahead of 2048: held again
+    assert replies(h) == []
+    h.worker(W1, Command.DISCONNECT, {})  # the job leaves its worker: held REPLYs go by the next tick
+    h.tick(1.0)
+    assert [m.header["id"] for m in replies(h)] == [rid(1003)]
+    assert h.core.staging.spool.uploads[JOB].held == []
+
+
 def test_a_stalled_upload_fails_its_job_and_its_worker_is_told_to_drop_it() -> None:
     h = placed_with_its_first_chunk(stage_ttl=10.0)
     h.worker(W1, Command.FETCH, {"id": JOB, "file": 0, "offset": 4096, "nbytes": 4096})

@@ -255,7 +255,9 @@ def pair(tmp_path: Path) -> Iterator[LocalCluster]:
 
 
 def test_direct_session_through_a_broker_kill_then_a_worker_kill(pair: LocalCluster) -> None:
-    with Client(pair.frontends, timeout=30) as c, c.session() as s:
+    # The direct session sends the brokers nothing but its keepalive: the keepalive's vote (after
+    # 3 silent intervals) is what makes the backup take over. 1 s intervals, not the default 5.
+    with Client(pair.frontends, timeout=30, keepalive=1.0) as c, c.session() as s:
         endpoint, _ = direct(s)
         vector_add(s, 10)
         sid, worker = s.id, s.worker

@@ -43,7 +43,9 @@ def test_a_killed_brokers_spooled_inputs_go_with_the_cluster() -> None:
     broker's that outlives it (tests and benchmarks had left gigabytes of them in /tmp)."""
     pattern = os.path.join(tempfile.gettempdir(), "gpud-spool-*")
     before = set(glob.glob(pattern))
-    with LocalCluster(workers=1, heartbeat_ms=200) as cluster:
+    # The job outlives its broker, so no cancel reaches it: the worker's drain on close would wait
+    # for it (to the cluster's 15 s stop deadline). The test is over by then: a 1 s drain.
+    with LocalCluster(workers=1, heartbeat_ms=200, worker_args=["--drain-timeout", "1"]) as cluster:
         assert cluster.rundir is not None
         rundir = cluster.rundir
         with Client(cluster.frontend, timeout=60) as client:

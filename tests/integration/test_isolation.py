@@ -214,9 +214,10 @@ def test_a_job_sees_only_its_granted_gpus_nodes(stand_in_gpu_nodes: list[str]) -
 
 def test_one_tenant_cannot_take_every_pool_user(cluster: LocalCluster, alice: CurveKeys, bob: CurveKeys) -> None:
     """alice floods the worker (4 pool users, share 1/2) with long jobs; bob's job still runs at
-    once, while alice's are held to two at a time."""
+    once, while alice's are held to two at a time. Four jobs: without the share they would take
+    every pool user, and each job more is 8 s of the test's wait."""
     with client(cluster, alice) as a, client(cluster, bob) as b:
-        flood = [a.submit(["sleep", "8"], gpu_milli=1, time_limit=30) for _ in range(5)]
+        flood = [a.submit(["sleep", "8"], gpu_milli=1, time_limit=30) for _ in range(4)]
         deadline = time.monotonic() + 20
         while admin_call(cluster.admin, "workers")[0]["pool_free"] > 2:
             assert time.monotonic() < deadline

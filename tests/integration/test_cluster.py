@@ -217,8 +217,8 @@ def test_killed_worker_removed_and_its_work_placed_elsewhere(small_cluster: Loca
 def test_non_idempotent_job_on_killed_worker_gets_worker_lost(small_cluster: LocalCluster) -> None:
     c = small_cluster
     with Client(c.frontend, timeout=60) as client:
-        # Long enough to be running when w1 is killed; short, because the cluster's close drains
-        # w0's (it runs on: running work is not stopped), which took 15 s of the suite with 20 s.
+        # Long enough to be running when w1 is killed. The cluster's close would drain w0's (it
+        # runs on: running work is not stopped); w0 is killed too once the test is over.
         jobs = [client.submit(["sleep", "8"], gpu_milli=1000, time_limit=30) for _ in range(2)]
         wait_for(lambda: c.status()["counts"]["running"] == 2, what="both jobs dispatched")
         # Begun, not only dispatched: a job its worker had not started yet would be placed again.
@@ -233,6 +233,7 @@ def test_non_idempotent_job_on_killed_worker_gets_worker_lost(small_cluster: Loc
             except Exception as exc:  # the other job keeps running on w0 past the wait
                 outcomes.append(type(exc).__name__)
         assert "lost" in outcomes
+        c.kill_worker("w0", signal.SIGKILL)  # not drained at the close: the test is over
 
 
 def test_session_of_vanished_client_is_reclaimed(small_cluster: LocalCluster) -> None:

@@ -87,8 +87,18 @@ def test_jobs_that_never_began_survive_workers_killed_at_random() -> None:
                     tag = f"{rnd}-{i}"
                     script = f'echo "$GPUD_JOB_ID".$$ > {marks.path}; sleep {rng.uniform(0.05, 0.4):.2f}; echo {tag}'
                     pend.append((tag, client.submit(["sh", "-c", script], gpu_milli=10, time_limit=30)))
-                killer = threading.Timer(rng.uniform(0.0, KILL_WITHIN_S),
-                                         lambda v=victim: c.kill_worker(v, signal.SIGKILL))  # type: ignore[misc]
+                # A new worker in the victim's place, under a new name, starts as soon as it is
+                # dead (while the round's jobs finish): its pool uids are its own (a worker kills
+                # whatever runs as its pool users after each job).
+                fresh = f"w{3 + rnd}"
+                first = UID_BASE + 16 * (3 + rnd)
+                extra = ["--job-uids", f"{first}-{first + 15}"] if os.geteuid() == 0 else None
+
+                def kill_and_replace(v: str = victim, new: str = fresh, args: list[str] | None = extra) -> None:
+                    c.kill_worker(v, signal.SIGKILL)
+                    c.add_worker(new, extra=args)
+
+                killer = threading.Timer(rng.uniform(0.0, KILL_WITHIN_S), kill_and_replace)
                 killer.start()
                 for tag, p in pend:
                     try:
@@ -100,12 +110,8 @@ def test_jobs_that_never_began_survive_workers_killed_at_random() -> None:
                     if got.exit_code != 0 or got.stdout.decode().strip() != tag:
                         wrong.append(f"{tag}: {got!r}")
                 killer.join()
-                # A new worker in its place, under a new name: its pool uids are its own (a
-                # worker kills whatever runs as its pool users after each job).
                 c.worker_procs.pop(victim)
-                names[names.index(victim)] = fresh = f"w{3 + rnd}"
-                first = UID_BASE + 16 * (3 + rnd)
-                c.add_worker(fresh, extra=["--job-uids", f"{first}-{first + 15}"] if os.geteuid() == 0 else None)
+                names[names.index(victim)] = fresh
                 c.wait_workers(3)
         broker_log = (c.rundir / "broker.log").read_text(errors="replace")
         told_go = set(_GO.findall(broker_log))

@@ -4,7 +4,9 @@
 the rest are counted; a count is reported with the source's next full line, or on its own once the
 interval is over (``due``), so a flood costs a few lines per interval and is never silent.
 ``WindowCount``, for answers: per source, the events of each window counted, so that the first so
-many are answered and the rest only counted. Pure: the caller passes the clock.
+many are answered and the rest only counted. ``TokenBucket``, for rates: per sender, a bucket of
+tokens that fills at a steady rate up to a burst, taken from as it acts. Pure: the caller passes
+the clock (or the time).
 """
 
 from __future__ import annotations
@@ -79,3 +81,48 @@ class WindowCount:
             self.used.clear()
         self.used[source] = (start, n + 1)
         return n + 1
+
+
+class TokenBucket:
+    """A token bucket for each sender: it holds ``burst`` tokens at most and fills at ``rate`` a
+    second; a sender never seen (or forgotten) has a full one. At most ``max_senders`` buckets are
+    kept: past that, the least recently used one is forgotten (its sender starts again with a full
+    bucket), so that a flood of new senders costs the busiest ones nothing. The caller passes the
+    time."""
+
+    def __init__(self, rate: float, burst: float, max_senders: int = MAX_SOURCES) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.max_senders = max_senders
+        self.buckets: dict[Hashable, tuple[float, float]] = {}  # sender -> (tokens, as of when), least recently used first
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def level(self, sender: Hashable, now: float) -> float:
+        """The tokens ``sender`` holds at ``now`` (below 0 after an overdraft: see ``spend``)."""
+        bucket = self.buckets.get(sender)
+        if bucket is None:
+            return self.burst
+        return min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
+
+    def take(self, sender: Hashable, n: float, now: float) -> bool:
+        """Take ``n`` tokens if ``sender`` holds them: True if it did."""
+        tokens = self.level(sender, now)
+        ok = tokens >= n
+        self._put(sender, tokens - n if ok else tokens, now)
+        return ok
+
+    def spend(self, sender: Hashable, n: float, now: float) -> None:
+        """Take ``n`` tokens whatever ``sender`` holds (an overdraft leaves it below 0: it holds
+        none until the bucket has filled back above 0)."""
+        self._put(sender, self.level(sender, now) - n, now)
+
+    def forget(self, sender: Hashable) -> None:
+        self.buckets.pop(sender, None)
+
+    def _put(self, sender: Hashable, tokens: float, now: float) -> None:
+        buckets = self.buckets
+        if buckets.pop(sender, None) is None and len(buckets) >= self.max_senders:
+            del buckets[next(iter(buckets))]  # the least recently used
+        buckets[sender] = (tokens, now)

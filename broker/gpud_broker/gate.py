@@ -28,6 +28,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from gpud.ratelog import TokenBucket
+
 MAX_HELD_OFF = 4096  # sources held off at once, at most (then the oldest go first)
 
 
@@ -76,7 +78,8 @@ class ConnectionGate:
         self._refusals: dict[str, tuple[float, int]] = {}  # source -> (window start, refusals in it)
         self.refused = 0  # connections refused (shut down) so far
         self.refused_by: dict[str, int] = {"per_source": 0, "total": 0, "held_off": 0}
-        self._tokens: dict[str, tuple[float, float]] = {}  # held-off source -> (connections it may open, when)
+        # Held-off sources' connections a second: one second's worth at most.
+        self._tokens = TokenBucket(limits.held_off_rate, limits.held_off_rate, MAX_HELD_OFF)
         self.held_changes = 0  # counts sources held off and let go (the listener's filter follows it)
 
     def __len__(self) -> int:
@@ -96,7 +99,7 @@ class ConnectionGate:
         return None
 
     def _why_not(self, source: str, now: float) -> str | None:
-        if source in self.held_off and self.is_held_off(source, now) and not self._take_token(source, now):
+        if source in self.held_off and self.is_held_off(source, now) and not self._tokens.take(source, 1.0, now):
             self.refused_by["held_off"] += 1
             return (f"source {source} is held off (its handshakes keep being refused): "
                     f"{self.limits.held_off_rate:g} new connections a second at most")
@@ -107,15 +110,6 @@ class ConnectionGate:
             self.refused_by["total"] += 1
             return f"the frontend holds {self.limits.total} connections, its bound max_connections"
         return None
-
-    def _take_token(self, source: str, now: float) -> bool:
-        """May held-off ``source`` open one more connection now (a token bucket of one second)?"""
-        rate = self.limits.held_off_rate
-        tokens, at = self._tokens.get(source, (rate, now))
-        tokens = min(rate, tokens + (now - at) * rate)
-        ok = tokens >= 1.0
-        self._tokens[source] = (tokens - 1.0 if ok else tokens, now)
-        return ok
 
     def closed(self, fd: int) -> None:
         """The connection on ``fd`` is gone (or was never admitted: then nothing changes)."""
@@ -154,7 +148,7 @@ class ConnectionGate:
         if now < until:
             return True
         del self.held_off[source]
-        self._tokens.pop(source, None)
+        self._tokens.forget(source)
         self.held_changes += 1
         return False
 

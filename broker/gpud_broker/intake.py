@@ -30,10 +30,12 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
+from gpud.ratelog import TokenBucket
+
 MAX_WAIT_S = 1.0  # a waiting message goes after this long, whatever is in flight
 MAX_WAITING = 1024  # messages of one sender waiting, at most
 FORGET_S = 600.0  # an echo in flight whose reply was never seen is forgotten after this long
-MAX_BUCKETS = 4096  # senders whose rate is tracked at once (then those with a full bucket are forgotten)
+MAX_BUCKETS = 4096  # senders whose rate is tracked at once (then the least recently used is forgotten)
 
 
 @dataclass(slots=True)
@@ -52,8 +54,7 @@ class EchoShare:
                  max_waiting: int = MAX_WAITING, rate: float = 0.0) -> None:
         self.share = share
         self.rate = rate  # echo payload bytes a second per sender (0: no bound)
-        self.burst = max(rate, share)  # what a sender's bucket holds at most
-        self.buckets: dict[Hashable, tuple[float, float]] = {}  # sender -> (bytes it may send, as of when)
+        self.buckets = TokenBucket(rate, max(rate, share), MAX_BUCKETS)  # sender -> echo bytes it may send
         self.max_waiting_bytes = max_waiting_bytes
         self.max_wait_s = max_wait_s
         self.max_waiting = max_waiting
@@ -127,24 +128,7 @@ class EchoShare:
         held = self.bytes_of.get(sender, 0)
         if held > 0 and held + echo[1] > self.share:
             return True
-        bucket = self.buckets.get(sender) if self.rate > 0 and echo[1] > 0 else None
-        return bucket is not None and bucket[0] + (now - bucket[1]) * self.rate <= 0
-
-    def _spend(self, sender: Hashable, nbytes: int, now: float) -> None:
-        """Take ``nbytes`` from ``sender``'s bucket (below 0: it spent more than it had, for one
-        echo may be larger than what is left; it waits until the bucket is above 0 again)."""
-        buckets, burst, rate = self.buckets, self.burst, self.rate
-        bucket = buckets.get(sender)
-        if bucket is None:
-            if len(buckets) >= MAX_BUCKETS:  # forget those full by now; or all
-                for s in [s for s, (t, at) in buckets.items() if t + (now - at) * rate >= burst]:
-                    del buckets[s]
-                if len(buckets) >= MAX_BUCKETS:
-                    buckets.clear()
-            tokens = burst
-        else:
-            tokens = min(burst, bucket[0] + (now - bucket[1]) * rate)
-        buckets[sender] = (tokens - nbytes, now)
+        return self.rate > 0 and echo[1] > 0 and self.buckets.level(sender, now) <= 0
 
     def _fly(self, sender: Hashable, echo: tuple[bytes, int], now: float, route: bytes) -> None:
         rid, nbytes = echo
@@ -159,8 +143,8 @@ class EchoShare:
             return
         self.in_flight[rid] = (sender, nbytes, now, route)
         self.bytes_of[sender] = self.bytes_of.get(sender, 0) + nbytes
-        if self.rate > 0:
-            self._spend(sender, nbytes, now)
+        if self.rate > 0:  # one echo may be larger than what is left: it overdraws, later ones wait
+            self.buckets.spend(sender, nbytes, now)
         self.routes[route] = self.routes.get(route, 0) + 1
 
     def _land(self, sender: Hashable, nbytes: int, since: float, route: bytes) -> None:

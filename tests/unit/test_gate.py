@@ -12,7 +12,7 @@ import zmq
 import zmq.utils.z85
 
 from gpud.clock import FakeClock
-from gpud.ratelog import OTHERS, RateLimit, WindowCount
+from gpud.ratelog import OTHERS, RateLimit, TokenBucket, WindowCount
 from gpud.security import load_public_key
 from gpud_broker.gate import ConnectionGate, ConnectionLimits, default_limits, source_of
 
@@ -170,3 +170,28 @@ def test_rate_limit_bounds_the_sources_logged_in_full_per_interval() -> None:
     clock.advance(10.0)
     assert limit.due() == [(OTHERS, 96)]
     assert limit(1000) == 0  # a new interval: new sources are logged again
+
+
+def test_a_token_bucket_fills_at_its_rate_up_to_its_burst_and_may_be_overdrawn() -> None:
+    b = TokenBucket(rate=2.0, burst=4.0)
+    assert b.level("s", 0.0) == 4.0  # never seen: full
+    assert [b.take("s", 1.0, 0.0) for _ in range(5)] == [True] * 4 + [False]
+    assert b.level("s", 0.0) == 0.0 and b.level("other", 0.0) == 4.0  # each sender its own
+    assert not b.take("s", 1.0, 0.4) and b.take("s", 1.0, 0.5)  # 2 a second: one after half a second
+    assert b.level("s", 100.0) == 4.0  # never past the burst
+    b.spend("s", 10.0, 100.0)  # an overdraft: nothing left until it is paid back
+    assert b.level("s", 100.0) == -6.0 and not b.take("s", 1.0, 103.0)
+    assert b.take("s", 1.0, 103.5)  # 7 back after 3.5 s: -6 + 7 = 1
+    b.forget("s")
+    assert b.level("s", 103.5) == 4.0
+
+
+def test_a_token_bucket_forgets_the_least_recently_used_sender_only() -> None:
+    b = TokenBucket(rate=1.0, burst=1.0, max_senders=3)
+    for s in ("a", "b", "c"):
+        b.spend(s, 5.0, 0.0)
+    b.spend("a", 1.0, 0.0)  # a is the most recent now; b the least
+    b.spend("d", 1.0, 0.0)  # a fourth: b is forgotten, nobody else
+    assert len(b) == 3
+    assert b.level("b", 0.0) == 1.0  # forgotten: full again
+    assert (b.level("a", 0.0), b.level("c", 0.0), b.level("d", 0.0)) == (-5.0, -4.0, 0.0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpud_broker.intake import EchoShare
+from gpud_broker.intake import MAX_BUCKETS, EchoShare
 
 KiB = 1 << 10
 A, B = "alice", "bob"
@@ -130,3 +130,28 @@ def test_an_echo_may_overdraw_the_bucket_and_an_empty_echo_costs_nothing() -> No
     assert s.take(B, msg("next"), None, (rid(3), 10), 0.001) is False
     assert s.ready(9.9) == []  # its debt: 10 s at this rate
     assert [w.frames[1] for w in s.ready(10.1)] == [b"next"]
+
+
+def test_a_flood_of_routing_ids_does_not_reset_another_senders_rate() -> None:
+    # security none: each routing id is a sender. B overdraws its bucket and goes on sending; a
+    # flood of fresh routing ids, each with one echo, passes MAX_BUCKETS three times meanwhile:
+    # B's bucket is never forgotten (it was used more recently than the flood's oldest), so B's
+    # debt stays its own.
+    s = EchoShare(share=100, max_waiting_bytes=10_000, max_wait_s=0.0, rate=1.0)  # the bucket: one share
+    t = 0.0
+    assert s.take(B, msg("b0"), None, (rid(0), 100), t) is True
+    s.answered(rid(0))
+    n = 1
+    for i in range(3 * MAX_BUCKETS):
+        t += 1e-6
+        flooder = b"flood-%d" % i
+        assert s.take(flooder, [flooder, b"x"], None, (rid(10**6 + i), 10), t) is True
+        s.answered(rid(10**6 + i))
+        if i % (MAX_BUCKETS // 4) == 0:  # B's next echo: it waits (its bucket is spent) or goes
+            s.take(B, msg(f"b{n}"), None, (rid(n), 10), t)
+            s.ready(t)  # max_wait_s 0: it goes, spending its 10 bytes
+            s.answered(rid(n))
+            n += 1
+    assert len(s.buckets) == MAX_BUCKETS  # bounded
+    assert n > 10
+    assert s.buckets.level(B, t) < -10 * (n - 2)  # every echo of B's spent: never reset to a full bucket

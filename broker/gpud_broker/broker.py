@@ -85,6 +85,7 @@ SIDE_STEP = 8  # the same, per round of the loop that polled them readable (then
 WAITING_SHARES = 16  # a sender's messages waiting behind its echoes in flight: this many shares of bytes at most
 _NEW_WORK = (protocol.CMD_BYTES[Command.REQUEST], protocol.CMD_BYTES[Command.CALL], protocol.CMD_BYTES[Command.PUT])
 _WHO_WORKER = frozenset((protocol.CMD_BYTES[Command.READY], protocol.CMD_BYTES[Command.BATCH]))  # worker messages read with their key's name
+Decoded = protocol.Message | GpudError | None  # a client message as the handlers get it: decoded, why it could not be, or not yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,12 +205,15 @@ class Broker:
         one table by (serving, draining): chosen when either changes, never tested per message."""
         self._on_client = MethodType(self._CLIENT_HANDLERS[(self._serving, self._refusing)], self)
 
-    def _serve_client(self, frames: list[bytes], tenant: str | None = None, msg: protocol.Message | None = None) -> None:
-        """Serving: the message goes to the core (``msg``: decoded already, by ``_take``)."""
+    def _serve_client(self, frames: list[bytes], tenant: str | None = None, msg: Decoded = None) -> None:
+        """Serving: the message goes to the core (``msg``: decoded already by ``_take``, or why it
+        could not be: it is not decoded again)."""
         ident = frames[0]
         try:
             if msg is None:
                 msg = protocol.decode(frames[1:], Peer.CLIENT, self.config.max_message_bytes)
+            elif isinstance(msg, GpudError):
+                raise msg
             self.core.on_client(ident, msg, tenant)
         except GpudError as exc:
             self._bad(self.frontend, Peer.CLIENT, ident, frames, exc, tenant.partition(" ")[0] if tenant else None, tenant)
@@ -218,19 +222,19 @@ class Broker:
             self._bad(self.frontend, Peer.CLIENT, ident, frames, InternalError("internal error in the broker"))
 
     def _serve_client_draining(self, frames: list[bytes], tenant: str | None = None,
-                               msg: protocol.Message | None = None) -> None:
+                               msg: Decoded = None) -> None:
         """Serving while draining: new requests and session calls are answered SHUTTING_DOWN (the
         client may go to the other broker); retries of known ids, pings and cancels are served."""
         if not self._refused_as_new_work(frames):
             self._serve_client(frames, tenant, msg)
 
-    def _vote_client(self, frames: list[bytes], tenant: str | None = None, msg: protocol.Message | None = None) -> None:
+    def _vote_client(self, frames: list[bytes], tenant: str | None = None, msg: Decoded = None) -> None:
         """Not serving (the passive broker of a pair): the pair's vote decides."""
         assert self.pair is not None
         self.pair.on_client(frames, tenant)
 
     def _vote_client_draining(self, frames: list[bytes], tenant: str | None = None,
-                              msg: protocol.Message | None = None) -> None:
+                              msg: Decoded = None) -> None:
         """Not serving while draining: new work is answered SHUTTING_DOWN, the rest is sent to the
         peer as a passive broker's answer is (a stopping broker never takes over on a vote). Once
         it has handed its work to the peer, everything is sent there."""
@@ -462,14 +466,15 @@ class Broker:
     def _take(self, frames: list[Any], user: str | None) -> None:
         """A client message through the echo share (``intake.EchoShare``): to the core now, kept
         waiting behind its sender's echoes in flight, or answered BUSY when too much waits. It is
-        decoded here, once (a malformed one goes on undecoded: its handler answers the error)."""
+        decoded here, once (a malformed one goes on with why: its handler answers the error)."""
         sender = user.partition(" ")[0] if user else frames[0]  # a tenant (CURVE), else a routing id
-        msg = echo = None
+        msg: Decoded = None
+        echo = None
         try:
             try:
                 msg = protocol.decode(frames[1:], Peer.CLIENT, self.config.max_message_bytes)
-            except GpudError:
-                pass
+            except GpudError as exc:
+                msg = exc
             else:
                 if msg.command is Command.REQUEST and msg.frames and msg.header.get("kind") == "echo":
                     rid = msg.header.get("id")

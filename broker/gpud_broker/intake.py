@@ -44,7 +44,7 @@ class Waiting:
     user: str | None
     echo: tuple[bytes, int] | None  # (id, payload bytes) when it is an echo
     since: float
-    msg: Any = None  # the message decoded, when the shell decoded it already
+    msg: Any = None  # the message decoded (or why it could not be), when the shell decoded it already
 
 
 class EchoShare:

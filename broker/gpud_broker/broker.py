@@ -732,12 +732,12 @@ class Broker:
                 log.warning("%d more bad message(s) or refused connection(s) from other senders in the last %gs "
                             "(each sender's first is logged, %d senders at most per %gs)", n, BAD_LOG_S, BAD_LOG_SOURCES, BAD_LOG_S)
                 continue
-            what, who = cast(tuple[str, str], source)
+            what, who = cast(tuple[str, "str | bytes"], source)
             if what == "connection":
                 log.warning("refused %d more frontend connection(s) from %s in the last %gs", n, who, BAD_LOG_S)
-            else:
+            else:  # a peer's bad messages (its sender unformatted), or the intake's and cuts' lines
                 log.warning("%d more bad message(s) from %s %s in the last %gs (logged: the first of each sender)",
-                            n, what, who, BAD_LOG_S)
+                            n, what, _who(who) if what in _PEER_NAMES.values() else who, BAD_LOG_S)
 
     def _flush(self) -> None:
         """Send what the core queued: each peer's messages in order, runs of small ones as BATCHes.
@@ -873,15 +873,16 @@ class Broker:
         ``user``: a client's ZAP User-Id (CURVE)."""
         counters = self.core.counters
         counters["bad_messages"] += 1
-        who = f"tenant {tenant}" if tenant is not None else ident.hex()[:16]
-        source = (peer.name.lower(), who)
+        # Counted first, and nothing formatted unless a line is logged or a connection closed:
+        # past the allowance, a flood's message costs two look-ups and a counter.
+        source = (_PEER_NAMES[peer], tenant if tenant is not None else ident)
         held = self._bad_log(source)
         if held is not None:
-            log.warning("bad message from %s %s: %s %s%s", source[0], who, exc.code, exc.message,
+            log.warning("bad message from %s %s: %s %s%s", source[0], _who(source[1]), exc.code, exc.message,
                         f" ({held} more bad message(s) from it since its last line)" if held else "")
         n = self._bad_count(source)
         if n >= BAD_CUT and sock is self.frontend:
-            self._cut(ident, who, user)
+            self._cut(ident, _who(source[1]), user)
         answer = n <= BAD_ANSWERED
         rid = protocol.peek_id(frames[1:]) if answer or ident in self.intake.routes else None
         if rid is not None and self.intake.in_flight:
@@ -935,6 +936,14 @@ class Broker:
             log.warning("closed the frontend connection of client %s from %s: %d bad messages within %gs%s%s", who, peer,
                         BAD_CUT, BAD_WINDOW_S, f"; its key is refused for {BAD_HOLD_OFF_S:g}s" if held_off else "",
                         f" ({held} more closed since the last report)" if held else "")
+
+
+_PEER_NAMES = {peer: peer.name.lower() for peer in Peer}
+
+
+def _who(sender: str | bytes) -> str:
+    """A bad message's sender as its log line names it: a tenant, else its routing id (hex)."""
+    return f"tenant {sender}" if isinstance(sender, str) else sender.hex()[:16]
 
 
 def _tcp_port(endpoint: str) -> int | None:

@@ -702,6 +702,20 @@ class Ready:
     replica_of: str
     simulated: bool
     isolation: tuple[str, str, int, frozenset[str]]  # parse_isolation: level, job network, pool users, kinds
+    incarnation: bytes = b""  # its process's (16 random bytes made at its start; b"": not said)
+    holds: frozenset[bytes] = frozenset()  # the ids it runs or keeps a RESULT of (§4.2)
+
+
+MAX_HOLDS = 10_000  # ids a READY's ``holds`` may name
+
+
+def parse_holds(value: Any) -> frozenset[bytes]:
+    """A READY's ``holds``: at most MAX_HOLDS ids (InvalidRequest otherwise)."""
+    if value is None:
+        return frozenset()
+    if type(value) is not list or len(value) > MAX_HOLDS or not all(type(i) is bytes and len(i) == ID_BYTES for i in value):
+        raise InvalidRequest(f"field 'holds' must be a list of at most {MAX_HOLDS} ids")
+    return frozenset(value)
 
 
 def parse_ready(header: dict[str, Any]) -> Ready:
@@ -730,9 +744,13 @@ def parse_ready(header: dict[str, Any]) -> Ready:
             replica_of=opt(header, "replica_of", str, "")[:128],
             simulated=bool(header.get("simulated", False)),
             isolation=parse_isolation(header),
+            incarnation=opt(header, "incarnation", bytes, b""),
+            holds=parse_holds(header.get("holds")),
         )
     except InvalidRequest as exc:
         raise ProtocolError(exc.message) from None
+    if ready.incarnation and len(ready.incarnation) != ID_BYTES:
+        raise ProtocolError(f"READY 'incarnation' must be {ID_BYTES} bytes")
     if not (0 <= ready.cpu_milli and 0 <= ready.host_mem and 1 <= ready.slots <= MAX_SLOTS
             and 0 <= ready.heartbeat_ms <= 600_000 and 0 <= ready.liveness <= 100):
         raise ProtocolError("READY has a value out of range")

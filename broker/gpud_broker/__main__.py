@@ -167,6 +167,7 @@ def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | Non
         spool_ram_bytes=b.spool_ram_bytes,
         stage_ttl=b.stage_ttl,
         stage_idle_s=b.stage_idle_s,
+        worker_resume_periods=b.worker_resume_periods,
     )
 
 

@@ -56,6 +56,9 @@ class BrokerConfig:
     spool_ram_bytes: int = DEFAULT_RAM_BYTES  # staged bytes held in memory at most (small files)
     stage_ttl: float = DEFAULT_STAGE_TTL_S  # seconds an upload no job claims is kept after its last PUT
     stage_idle_s: float = DEFAULT_STAGE_IDLE_S  # seconds a placed staged job's worker may wait for its upload
+    # A worker silent past its liveness is suspended for this many liveness periods before it is
+    # removed: its process, if alive, resumes with its work (PROTOCOL.md §4.2). 0: removed at once.
+    worker_resume_periods: int = 3
 
     def __post_init__(self) -> None:
         if self.policy not in FACTORIES:

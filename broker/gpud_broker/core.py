@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 
 COUNTERS = ("requests", "retries", "errors", "bad_messages", "bad_routes", "worker_losses", "takeovers",
             "job_timeouts", "session_replays", "refused_workers", "fd_pauses", "refused_connections",
-            "bad_unanswered", "cut_connections")
+            "bad_unanswered", "cut_connections", "worker_suspensions")
 MAX_OWNERS = 1 << 18  # routing ids whose authenticated sender is remembered (oldest forgotten first)
 MAX_USERS = 4096  # ZAP User-Ids whose parse is remembered
 
@@ -463,6 +463,8 @@ class BrokerCore:
             self.send_worker(identity, protocol.encode(Peer.WORKER, Command.DISCONNECT, {"reason": "unknown worker"}))
             return
         worker.liveness.heard(self.now)
+        if worker.suspended_at:
+            self.workers.resume(worker)
         if cmd is Command.RESULT:
             self.results.on_result(worker, msg, raw_header)
         elif cmd is Command.HEARTBEAT:
@@ -571,14 +573,11 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ timers
 
-    def tick(self, now: float) -> None:
-        """Heartbeats out, dead workers out, expired queue entries and leases, old replies."""
+    def tick(self, now: float, caught_up: bool = True) -> None:
+        """Heartbeats out, dead workers out, expired queue entries and leases, old replies.
+        ``caught_up``: every worker message waiting was read (else no worker is judged silent)."""
         self.now = now
-        for worker in self.registry:
-            if worker.liveness.expired(now):
-                self.workers.lost(worker, f"silent for {worker.liveness.silence(now):.1f}s")
-            elif worker.liveness.beat_due(now):
-                self.workers.beat(worker)
+        self.workers.check_liveness(now, caught_up)
         self.takeover.tick(now)
         self.leases.forget_lost()
         if not self.active:

@@ -82,6 +82,9 @@ class WorkerRecord:
     pool_held: dict[str, int] = field(default_factory=dict)  # tenant -> pool users its live grants hold
     pool_index: PoolIndex | None = None  # its registry's, which the ledger keeps as it counts pool_held
     pos: int = -1  # index in WorkerRegistry.workers while registered (O(1) removal)
+    incarnation: bytes = b""  # its process's, as READY said (b"": not said: it never resumes)
+    suspended_at: float = 0.0  # when it was suspended, silent past its liveness (0: live)
+    draining_before: bool = False  # its draining mark before that (restored when it resumes)
 
     @property
     def free_cpu(self) -> int:
@@ -177,6 +180,7 @@ class WorkerRegistry:
         simulated: bool = False,
         instance_id: str = "",
         replica_of: str = "",
+        incarnation: bytes = b"",
     ) -> WorkerRecord:
         """Register a worker. The caller removes any earlier worker of the same name first."""
         worker = WorkerRecord(
@@ -191,6 +195,7 @@ class WorkerRegistry:
             simulated=simulated,
             instance_id=instance_id,
             replica_of=replica_of,
+            incarnation=incarnation,
             connected_at=now,
             draining=name in self.drained,
             pool_index=self.pool_index,
@@ -207,6 +212,16 @@ class WorkerRegistry:
         for gpu in worker.gpus:
             self.gpus[gpu.uuid] = gpu
         return worker
+
+    def rebind(self, worker: WorkerRecord, identity: bytes) -> None:
+        """``worker`` is reached at a new connection, ``identity``, from now on (it resumed)."""
+        if self.by_identity.get(worker.identity) is worker:
+            del self.by_identity[worker.identity]
+        stale = self.by_identity.get(identity)
+        if stale is not None and stale is not worker:  # a caller that did not remove it first
+            self.remove(stale)
+        worker.identity = identity
+        self.by_identity[identity] = worker
 
     def remove(self, worker: WorkerRecord) -> None:
         if self.by_identity.get(worker.identity) is worker:

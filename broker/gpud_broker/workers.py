@@ -1,5 +1,6 @@
-"""The broker's side of a worker's membership: its READY (admitted or refused), its heartbeats
-(GPU state, what it runs, the epochs it has seen), the broker's heartbeats to it, its loss, and the
+"""The broker's side of a worker's membership: its READY (admitted, refused, or resuming a
+suspended worker of the same process), its heartbeats (GPU state, what it runs, the epochs it has
+seen), the broker's heartbeats to it, its silence (suspended, then lost), its loss, and the
 operator's drain marks. Pure: no sockets.
 
 What a worker reports about the work it was given (RESULT, START) is ``results``'; placing that
@@ -14,6 +15,7 @@ from typing import Any, Protocol
 
 from gpud import protocol
 from gpud.errors import GpudError, ProtocolError, SessionLost, WorkerLost
+from gpud.heartbeat import Liveness
 from gpud.protocol import Command, Peer, Ready
 from gpud_broker.accounts import Accounts
 from gpud_broker.config import BrokerConfig
@@ -92,10 +94,17 @@ class WorkerDialog:
         if why is not None:
             self.refuse(identity, ready.name, why)
             return
+        if (previous is not None and previous is not current and previous.suspended_at
+                and ready.incarnation and ready.incarnation == previous.incarnation):
+            if current is not None:
+                self.lost(current, "sent READY again")
+            self._resume_on(identity, previous, ready)
+            return
         if current is not None:
             self.lost(current, "sent READY again")
         if previous is not None and previous is not current:
-            self.lost(previous, "silent past its liveness, and a new connection of the same name came")
+            self.lost(previous, "silent past its liveness, and a new connection of the same name came"
+                      + (" from another process" if previous.suspended_at else ""))
         self._admit(identity, ready)
 
     def _refusal(self, ready: Ready, current: WorkerRecord | None, previous: WorkerRecord | None,
@@ -123,6 +132,7 @@ class WorkerDialog:
             name=ready.name, identity=identity, hostname=ready.hostname, gpus=ready.gpus,
             cpu_milli=ready.cpu_milli, host_mem=ready.host_mem, slots=ready.slots, policy=policy,
             now=core.now, simulated=ready.simulated, instance_id=ready.instance_id, replica_of=ready.replica_of,
+            incarnation=ready.incarnation,
         )
         worker.isolation, worker.job_network, worker.pool_users, worker.pool_kinds = ready.isolation
         self.registry.pool_index.file(worker)
@@ -133,10 +143,42 @@ class WorkerDialog:
             "worker %s ready: %d GPU(s)%s, %d slots, heartbeat %.3fs x %d", ready.name, len(ready.gpus),
             " (simulated)" if worker.simulated else "", ready.slots, policy.interval, policy.liveness,
         )
+        self._welcome(identity, policy.interval, policy.liveness)
+        self.dispatcher.place_queued()
+
+    def _welcome(self, identity: bytes, interval: float, liveness: int, resumed: dict[str, Any] | None = None) -> None:
+        core = self.core
         self.send_worker(identity, protocol.encode(Peer.WORKER, Command.WELCOME, {
-            "heartbeat_ms": round(policy.interval * 1000), "liveness": policy.liveness, "broker": core.config.name,
+            "heartbeat_ms": round(interval * 1000), "liveness": liveness, "broker": core.config.name,
             "active": core.active, "epoch": core.epoch, "acks": core.acking,
-            "max_message_bytes": core.config.max_message_bytes}))
+            "max_message_bytes": core.config.max_message_bytes, **(resumed or {})}))
+
+    def _resume_on(self, identity: bytes, worker: WorkerRecord, ready: Ready) -> None:
+        """The process of suspended ``worker`` is back on a new connection (``identity``): its
+        record is rebound to it and reconciled with what its READY ``holds`` (PROTOCOL.md §4.2):
+        bound work it no longer holds ends there, work it holds that the broker took off it (placed
+        again, or ended) is named in the WELCOME's ``stop``."""
+        core = self.core
+        policy = core.config.heartbeat.negotiate(ready.heartbeat_ms / 1000.0, ready.liveness)
+        self.registry.rebind(worker, identity)
+        worker.liveness = Liveness(policy, core.now)
+        holds = ready.holds
+        gone = [t for t in worker.assigned.values() if t.id not in holds]
+        for task in gone:
+            self._take_off(worker, task, "its worker came back without it")
+        for sid in self.leases.on_worker(worker.name):
+            if sid not in holds:
+                self.session_ends.lost(sid, worker.name)
+        tasks = core.tasks.tasks
+        stop = []
+        for rid in holds:
+            t = tasks.get(rid)
+            if rid not in worker.assigned and t is not None and t.kind in ("job", "echo"):
+                stop.append(rid)
+        self._resume(worker, "on a new connection, the same process")
+        log.info("worker %s resumed: %d task(s) kept, %d ended, %d to stop there",
+                 worker.name, len(worker.assigned), len(gone), len(stop))
+        self._welcome(identity, policy.interval, policy.liveness, {"resumed": True, "stop": sorted(stop)})
         self.dispatcher.place_queued()
 
     def refuse(self, identity: bytes, name: str, reason: str) -> None:
@@ -211,6 +253,79 @@ class WorkerDialog:
         seq = worker.liveness.sent(core.now)
         self.send_worker(worker.identity, protocol.encode(Peer.WORKER, Command.HEARTBEAT, {
             "seq": seq, "active": core.active, "epoch": core.epoch, "acks": core.acking}))
+
+    # ------------------------------------------------------------------ silence
+
+    def check_liveness(self, now: float, caught_up: bool = True) -> None:
+        """Once per tick: a worker silent past its liveness is suspended (an active broker with a
+        grace window) or lost; one suspended past its grace window is lost; the others are sent
+        their heartbeat when due (a suspended one too: a stalled process that wakes hears us).
+        ``caught_up`` False: worker messages still wait to be read, so none is judged silent now."""
+        for worker in self.registry:
+            if caught_up and self._lost_to_silence(worker, now):
+                continue
+            if worker.liveness.beat_due(now):
+                self.beat(worker)
+
+    def _lost_to_silence(self, worker: WorkerRecord, now: float) -> bool:
+        """Judge ``worker``'s silence: suspended, or lost (returns whether it was lost)."""
+        live, periods = worker.liveness, self.core.config.worker_resume_periods
+        if worker.suspended_at:
+            if now - worker.suspended_at <= periods * live.policy.expiry:
+                return False
+            self.lost(worker, f"silent for {live.silence(now):.1f}s, not back in its grace window")
+            return True
+        if not live.expired(now):
+            return False
+        if periods <= 0 or not self.core.active:
+            self.lost(worker, f"silent for {live.silence(now):.1f}s")
+            return True
+        self._suspend(worker, now)
+        return False
+
+    def _suspend(self, worker: WorkerRecord, now: float) -> None:
+        """``worker`` is silent past its liveness: nothing new goes to it, and its work that may
+        be placed again is, now; what may have begun stays bound to it (PROTOCOL.md §4.2)."""
+        core = self.core
+        core.counters["worker_suspensions"] += 1
+        worker.suspended_at = now
+        worker.draining_before = worker.draining
+        self.dispatcher.set_draining(worker, True)
+        core.queue.drop_reservations_on(worker.name)
+        again = [t for t in worker.assigned.values() if t.state is State.RUNNING and t.kind != "call"
+                 and t.need is not None and (t.retryable or not self.starts.may_have_begun(t))]
+        log.warning("worker %s silent for %.1fs: suspended for %d liveness period(s); %d task(s) placed again, "
+                    "%d kept for it", worker.name, worker.liveness.silence(now), core.config.worker_resume_periods,
+                    len(again), len(worker.assigned) - len(again))
+        for task in again:
+            self._take_off(worker, task, "its worker went silent")
+
+    def resume(self, worker: WorkerRecord) -> None:
+        """A message came on suspended ``worker``'s connection: it is live again."""
+        self._resume(worker, "it was heard again")
+        self.dispatcher.place_queued()
+
+    def _resume(self, worker: WorkerRecord, why: str) -> None:
+        log.warning("worker %s is back after %.1fs suspended (%s); its work stays on it",
+                    worker.name, self.core.now - worker.suspended_at, why)
+        worker.suspended_at = 0.0
+        self.dispatcher.set_draining(worker, worker.draining_before or worker.name in self.registry.drained)
+
+    def _take_off(self, worker: WorkerRecord, task: Task, why: str) -> None:
+        """Take ``task`` off live ``worker`` (its slot freed, its grant refunded) and place it
+        again or fail it, as its worker's loss would (PROTOCOL.md §4.3; a CALL: WORKER_LOST)."""
+        core = self.core
+        worker.assigned.pop(task.id, None)
+        if task.state is not State.RUNNING:
+            return
+        if task.grant is not None:
+            self.dispatcher.freed(worker)
+            self.accounts.refund(task.grant, task.tenant, task.kind == "session", core.now, worker)
+        loss = on_loss(self.starts, task)
+        if loss is Loss.REPLACE:
+            self.dispatcher.place_again(task, worker.name, why)
+        else:
+            core.fail(task, WorkerLost(f"worker {worker.name} lost it ({why})"))
 
     # ------------------------------------------------------------------ loss
 

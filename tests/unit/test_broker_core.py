@@ -416,7 +416,8 @@ def echo_on_w1_of_two(h: Harness, payload: bytes) -> None:
     assert h.one_dispatch(W1).header["id"] == rid(1)
 
 
-def test_silent_worker_is_removed_and_its_echo_runs_elsewhere(h: Harness) -> None:
+def test_silent_worker_is_removed_and_its_echo_runs_elsewhere() -> None:
+    h = Harness(worker_resume_periods=0)  # no grace window: removed at once (PROTOCOL.md §4.2)
     echo_on_w1_of_two(h, b"data")
     h.advance(2.5)
     h.heartbeat(W2, 1)  # w2 stays alive, w1 says nothing
@@ -436,7 +437,8 @@ def test_silent_worker_is_removed_and_its_echo_runs_elsewhere(h: Harness) -> Non
     h.assert_idle()
 
 
-def test_retry_never_goes_back_to_the_same_worker(h: Harness) -> None:
+def test_retry_never_goes_back_to_the_same_worker() -> None:
+    h = Harness(worker_resume_periods=0)
     h.ready(W1, "w1")
     h.take_worker()
     h.request(C1, rid(1))
@@ -454,7 +456,7 @@ def test_retry_never_goes_back_to_the_same_worker(h: Harness) -> None:
 
 
 def test_worker_lost_fails_plain_jobs_and_replaces_idempotent_ones() -> None:
-    h = Harness(policy="balanced")  # spreads: both jobs go to w1's two idle GPUs
+    h = Harness(policy="balanced", worker_resume_periods=0)  # spreads: both jobs go to w1's two idle GPUs
     h.ready(W1, "w1", ngpus=2)
     h.ready(W2, "w2")
     h.take_worker()

@@ -1,0 +1,303 @@
+"""A worker silent past its liveness whose process still lives (PROTOCOL.md §4.2): suspended, not
+removed; resumed on its connection or, by its READY's incarnation, on a new one; reconciled with
+what its READY holds; lost as before when another process comes or its grace window ends.
+
+BrokerCore driven directly on a fake clock (the harness of ``test_broker_core``): heartbeat 1 s x 3,
+so silence is judged after 3 s and the grace window (3 periods) lasts 9 s more.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpud import protocol as P
+from gpud.errors import ProtocolError
+from gpud.protocol import Command, Message, Peer
+from tests.unit.test_broker_core import C1, C2, W1, W2, W3, Harness, error_code, open_session, rid
+
+INC = b"\x01" * 16  # w1's process
+OTHER = b"\x02" * 16  # a new process of w1
+JOB, IDEM = rid(1), rid(2)
+
+
+def two_workers(**config: Any) -> Harness:
+    """w1 (incarnation INC, 2 GPUs, sorted first by the spreading policy) and w2 ready."""
+    h = Harness(policy="balanced", **config)
+    h.ready(W1, "w1", ngpus=2, incarnation=INC)
+    h.ready(W2, "w2")
+    h.take_worker()
+    return h
+
+
+def started_jobs_on_w1(h: Harness) -> None:
+    """A plain job JOB and an idempotent one IDEM dispatched to w1 and told GO: both may have begun."""
+    h.request(C1, JOB, kind="job", argv=["train.py"])
+    h.request(C2, IDEM, kind="job", argv=["render.py"], idempotent=True)
+    assert [(i, m.header["id"]) for i, m, _ in h.take_worker()] == [(W1, JOB), (W1, IDEM)]
+    h.worker(W1, Command.START, {"ids": [JOB, IDEM]})
+    assert [m.command for _, m, _ in h.take_worker()] == [Command.GO]
+
+
+def silence_w1(h: Harness) -> None:
+    """w1 says nothing for 3.5 s (w2 keeps beating): past its liveness."""
+    h.advance(3.0)
+    h.heartbeat(W2, 1)
+    h.tick(0.5)
+
+
+def resume_ready(h: Harness, ident: bytes, holds: list[bytes], incarnation: bytes = INC, user: str | None = None) -> Message:
+    """w1's READY on connection ``ident``; returns the one message it got back."""
+    header = {"name": "w1", "gpus": [{"uuid": f"GPU-w1-{i}", "index": i, "model": "A100", "mem": 16 << 30, "cc": [8, 0]}
+                                     for i in range(2)],
+              "cpu_milli": 8000, "host_mem": 64 << 30, "slots": 8, "incarnation": incarnation, "holds": holds}
+    enc = P.encode(Peer.WORKER, Command.READY, header)
+    h.core.now = h.clock.monotonic()
+    h.core.on_worker(ident, P.decode(enc, Peer.WORKER), enc[2], user)
+    out = [(i, m) for i, m, _ in h.take_worker()]
+    welcome = [m for i, m in out if i == ident]
+    assert len(welcome) == 1, out
+    return welcome[0]
+
+
+def test_a_silent_worker_is_suspended_its_safe_work_placed_again_and_the_rest_kept() -> None:
+    h = two_workers()
+    started_jobs_on_w1(h)
+    silence_w1(h)
+    w1 = h.core.registry.by_name["w1"]
+    assert h.core.registry.get(W1) is w1 and w1.suspended_at and h.core.counters["worker_losses"] == 0
+    # The idempotent job runs again elsewhere at once; the plain one waits for w1, unanswered.
+    d = h.one_dispatch(W2)
+    assert d.header["id"] == IDEM
+    assert list(w1.assigned) == [JOB] and h.take_client() == []
+    # Nothing new goes to a suspended worker, though it has a free GPU (w2's is taken): it waits.
+    h.request(C1, rid(3), kind="job", argv=["x"])
+    assert h.take_worker() == [] and len(h.core.queue) == 1
+    h.heartbeat(W1, 1)  # heard again: live, and what waited goes to it
+    assert h.one_dispatch(W1).header["id"] == rid(3)
+
+
+def test_heard_again_on_its_connection_it_resumes_and_its_result_is_taken_once() -> None:
+    h = two_workers()
+    started_jobs_on_w1(h)
+    silence_w1(h)
+    h.one_dispatch(W2)  # IDEM again
+    h.result(W1, JOB, exit_code=7)  # the stalled process wakes: its RESULT on the same connection
+    reply = h.one_reply(C1)
+    assert reply.header["id"] == JOB and reply.header["exit_code"] == 7
+    w1 = h.core.registry.by_name["w1"]
+    assert not w1.suspended_at and not w1.draining and h.core.counters["worker_losses"] == 0
+    h.result(W1, JOB, exit_code=7)
+    assert h.take_client() == []  # once
+    h.result(W1, IDEM, exit_code=0)  # its copy of the job placed again: stale, dropped
+    assert h.take_client() == []
+    h.result(W2, IDEM, exit_code=0)
+    assert h.one_reply(C2).header["id"] == IDEM
+    h.request(C1, rid(4), kind="job", argv=["x"])  # placeable again (two free GPUs: it comes first)
+    assert h.one_dispatch(W1).header["id"] == rid(4)
+    h.result(W1, rid(4), exit_code=0)
+    h.take_client()
+    h.assert_idle()
+
+
+def test_a_ready_of_the_same_process_resumes_on_the_new_connection_and_stops_what_went_elsewhere() -> None:
+    h = two_workers()
+    started_jobs_on_w1(h)
+    silence_w1(h)
+    h.one_dispatch(W2)  # IDEM again, on w2
+    welcome = resume_ready(h, W3, holds=[JOB, IDEM])
+    assert welcome.command is Command.WELCOME and welcome.header["resumed"] is True
+    assert welcome.header["stop"] == [IDEM]  # the retry's result is the one: w1 kills its copy
+    w1 = h.core.registry.by_name["w1"]
+    assert h.core.registry.get(W3) is w1 and h.core.registry.get(W1) is None
+    assert list(w1.assigned) == [JOB] and h.core.counters["worker_losses"] == 0
+    h.result(W3, JOB, exit_code=0)
+    assert h.one_reply(C1).header["id"] == JOB
+    h.result(W3, JOB, exit_code=0)
+    assert h.take_client() == []
+    h.result(W2, IDEM, exit_code=0)
+    assert h.one_reply(C2).header["id"] == IDEM
+    h.assert_idle()
+
+
+def test_work_the_returning_process_no_longer_holds_ends_as_lost() -> None:
+    h = Harness()
+    h.ready(W1, "w1", incarnation=INC)  # alone: its session and job share its GPU
+    h.take_worker()
+    sid = rid(100)
+    open_session(h, sid)
+    h.request(C1, JOB, kind="job", argv=["train.py"], need={"gpu_milli": 500})
+    assert h.one_dispatch(W1).header["id"] == JOB
+    h.worker(W1, Command.START, {"ids": [JOB]})
+    h.take_worker()
+    silence_w1(h)
+    welcome = resume_ready(h, W3, holds=[])
+    assert welcome.header["resumed"] is True and welcome.header["stop"] == []
+    [(_, reply, _)] = h.take_client()
+    assert reply.header["id"] == JOB and error_code(reply) == "WORKER_LOST"
+    assert sid not in h.core.sessions
+    h.client(C1, Command.CALL, {"id": rid(101), "session": sid, "op": "info"})
+    assert error_code(h.one_reply(C1)) == "SESSION_LOST"
+    h.assert_idle()
+
+
+def test_a_session_kept_through_a_suspension_takes_its_next_call_on_the_new_connection() -> None:
+    h = Harness()
+    h.ready(W1, "w1", incarnation=INC)
+    h.ready(W2, "w2")
+    h.take_worker()
+    sid = rid(100)
+    open_session(h, sid)
+    silence_w1(h)
+    assert sid in h.core.sessions
+    h.client(C1, Command.CALL, {"id": rid(101), "session": sid, "op": "info"})
+    call = h.one_dispatch(W1)  # the old connection: a stalled process reads it once it wakes
+    assert call.header["session"] == sid
+    holds = [sid]  # that call was lost with the old connection: it is not held
+    welcome = resume_ready(h, W3, holds=holds)
+    assert welcome.header["resumed"] is True
+    reply = h.one_reply(C1)
+    assert reply.header["id"] == rid(101) and error_code(reply) == "WORKER_LOST"
+    h.client(C1, Command.CALL, {"id": rid(102), "session": sid, "op": "info"})
+    assert h.one_dispatch(W3).header["id"] == rid(102)
+    h.result(W3, rid(102), info={})
+    assert h.one_reply(C1).header["ok"] is True and sid in h.core.sessions
+
+
+def test_another_incarnation_is_a_restart_its_begun_work_lost_at_once() -> None:
+    h = two_workers()
+    started_jobs_on_w1(h)
+    silence_w1(h)
+    h.one_dispatch(W2)
+    welcome = resume_ready(h, W3, holds=[JOB], incarnation=OTHER)
+    assert welcome.command is Command.WELCOME and "resumed" not in welcome.header
+    [(_, reply, _)] = h.take_client()
+    assert reply.header["id"] == JOB and error_code(reply) == "WORKER_LOST"
+    assert h.core.counters["worker_losses"] == 1
+    assert h.core.registry.by_name["w1"].incarnation == OTHER and h.core.registry.by_name["w1"].assigned == {}
+
+
+def test_a_worker_that_said_no_incarnation_never_resumes_by_ready() -> None:
+    h = Harness(policy="balanced")
+    h.ready(W1, "w1", ngpus=2)
+    h.ready(W2, "w2")
+    h.take_worker()
+    started_jobs_on_w1(h)
+    silence_w1(h)
+    h.one_dispatch(W2)
+    welcome = resume_ready(h, W3, holds=[JOB], incarnation=b"")
+    assert "resumed" not in welcome.header
+    assert error_code(h.take_client()[0][1]) == "WORKER_LOST"
+
+
+def test_past_its_grace_window_the_worker_is_lost_as_before() -> None:
+    h = two_workers()
+    started_jobs_on_w1(h)
+    silence_w1(h)
+    h.one_dispatch(W2)
+    for _ in range(8):  # 8 s of the 9 s window: still suspended, JOB unanswered
+        h.advance(1.0)
+        h.heartbeat(W2, 2)
+        h.tick()
+    assert h.core.registry.get(W1) is not None and h.take_client() == []
+    h.advance(1.0)
+    h.heartbeat(W2, 3)
+    h.tick(0.5)
+    assert h.core.registry.get(W1) is None and "GPU-w1-0" not in h.core.registry.gpus
+    [(_, reply, _)] = h.take_client()
+    assert reply.header["id"] == JOB and error_code(reply) == "WORKER_LOST"
+    welcome = resume_ready(h, W3, holds=[JOB])  # too late: a plain admission, its job gone
+    assert "resumed" not in welcome.header and h.core.registry.by_name["w1"].assigned == {}
+
+
+def test_no_grace_window_configured_removes_at_once() -> None:
+    h = two_workers(worker_resume_periods=0)
+    started_jobs_on_w1(h)
+    silence_w1(h)
+    assert h.core.registry.get(W1) is None
+    assert error_code(h.take_client()[0][1]) == "WORKER_LOST"
+
+
+def test_a_passive_broker_removes_a_silent_worker_at_once() -> None:
+    h = Harness()
+    h.core.become_passive()
+    h.ready(W1, "w1", incarnation=INC)
+    h.tick(3.5)
+    assert h.core.registry.get(W1) is None and h.core.counters["worker_suspensions"] == 0
+
+
+def test_a_resume_under_curve_needs_the_key_of_its_name() -> None:
+    h = Harness(policy="balanced")
+    h.core.worker_names_bound = True
+    enc = P.encode(Peer.WORKER, Command.READY, {
+        "name": "w1", "gpus": [{"uuid": f"GPU-w1-{i}", "index": i, "model": "A100", "mem": 16 << 30, "cc": [8, 0]}
+                               for i in range(2)], "slots": 8, "incarnation": INC})
+    h.core.on_worker(W1, P.decode(enc, Peer.WORKER), enc[2], "w1")
+    h.take_worker()
+    h.request(C1, JOB, kind="job", argv=["train.py"])
+    h.one_dispatch(W1)
+    h.worker(W1, Command.START, {"ids": [JOB]})
+    h.take_worker()
+    h.tick(3.5)
+    # Another key's holder that learned w1's incarnation cannot take its work.
+    refused = resume_ready(h, W3, holds=[JOB], user="w9")
+    assert refused.command is Command.DISCONNECT and "workers/w9.key" in refused.header["reason"]
+    w1 = h.core.registry.by_name["w1"]
+    assert w1.identity == W1 and w1.suspended_at and list(w1.assigned) == [JOB]
+    assert resume_ready(h, W3, holds=[JOB], user="w1").header["resumed"] is True
+
+
+def test_while_worker_messages_wait_unread_no_worker_is_judged_silent() -> None:
+    h = two_workers()
+    started_jobs_on_w1(h)
+    h.advance(3.0)
+    h.heartbeat(W2, 1)
+    h.clock.advance(0.5)
+    h.core.tick(h.clock.monotonic(), caught_up=False)  # a backlog: w1's messages may be in it
+    w1 = h.core.registry.by_name["w1"]
+    assert not w1.suspended_at and h.take_worker() == []
+    h.heartbeat(W1, 1)  # read from the backlog: live
+    h.tick()
+    assert not w1.suspended_at
+
+
+def test_any_message_not_only_a_heartbeat_keeps_a_worker_live() -> None:
+    h = two_workers()
+    started_jobs_on_w1(h)
+    for n in range(5):  # 5 s without a HEARTBEAT from w1, but START again each second
+        h.advance(1.0)
+        h.heartbeat(W2, n)
+        h.worker(W1, Command.START, {"ids": [JOB]})
+        h.tick()
+    assert not h.core.registry.by_name["w1"].suspended_at
+    assert h.core.counters["worker_suspensions"] == 0
+
+
+# --------------------------------------------------------------------------- READY's new fields
+
+
+def test_ready_incarnation_and_holds_are_read() -> None:
+    base: dict[str, Any] = {"name": "w1", "gpus": []}
+    ready = P.parse_ready({**base, "incarnation": INC, "holds": [JOB, IDEM]})
+    assert ready.incarnation == INC and ready.holds == {JOB, IDEM}
+    assert P.parse_ready(base).incarnation == b"" and P.parse_ready(base).holds == frozenset()
+
+
+@pytest.mark.parametrize("bad", [{"incarnation": b"short"}, {"incarnation": "not bytes"}, {"holds": [b"x"]},
+                                 {"holds": "ids"}, {"holds": [JOB] * (P.MAX_HOLDS + 1)}])
+def test_a_ready_with_a_bad_incarnation_or_holds_is_malformed(bad: dict[str, Any]) -> None:
+    with pytest.raises(ProtocolError):
+        P.parse_ready({"name": "w1", "gpus": [], **bad})
+
+
+def test_a_malformed_ready_of_a_suspended_worker_changes_nothing() -> None:
+    h = two_workers()
+    started_jobs_on_w1(h)
+    silence_w1(h)
+    h.one_dispatch(W2)
+    h.worker(W3, Command.READY, {"name": "w1", "gpus": [], "incarnation": INC, "holds": "everything"})
+    [(who, msg, _)] = h.take_worker()
+    assert who == W3 and msg.command is Command.ERROR
+    w1 = h.core.registry.by_name["w1"]
+    assert w1.identity == W1 and w1.suspended_at and list(w1.assigned) == [JOB] and h.take_client() == []

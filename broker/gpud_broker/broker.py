@@ -65,6 +65,7 @@ from gpud_standby.pair import Pair, PairConfig
 log = logging.getLogger(__name__)
 
 BATCH = 256  # messages drained from one socket before looking at the others
+CATCH_UP = 64  # batches of worker messages read, at most, before workers' silence is judged
 TICK_S = 0.05  # how often timers run (heartbeats, expiries)
 DROP_LOG_S = 10.0  # at most one log line per this many seconds for dropped client messages
 FD_RESERVE = 64  # descriptors kept free: nearer the limit the frontend stops accepting connections
@@ -614,6 +615,7 @@ class Broker:
             # Sent after each socket's batch: what results freed is dispatched before the clients'
             # new requests are read (a worker must not idle through a batch of them).
             got = self._drain_workers(back) if busy or back in ready else 0
+            backlog = got == BATCH  # more waits: a worker behind it is not silent
             if to_workers or to_clients:
                 self._flush()
             if intake.waiting:
@@ -653,7 +655,9 @@ class Broker:
                     self._serve_security()
                 if admin is not None:
                     self._drain(admin, self._on_admin)
-                core.tick(now)
+                caught_up = not backlog or self._catch_up_workers(back)
+                now = monotonic()
+                core.tick(now, caught_up)
                 if self._syn_fd is not None and (self._syn_changes != self.gate.held_changes or (
                         self._syn_filtered and now >= self._fd_check_at)):
                     self._filter_held_off(now)
@@ -801,6 +805,19 @@ class Broker:
                 return n
             self._on_worker(frames, user)
         return BATCH
+
+    def _catch_up_workers(self, sock: zmq.Socket[bytes]) -> bool:
+        """Read what waits on the backend (CATCH_UP batches at most) before workers' silence is
+        judged: a backlog in the broker's input is not a worker's silence. Returns whether it
+        was all read."""
+        for _ in range(CATCH_UP):
+            self.core.now = time.monotonic()
+            got = self._drain_workers(sock)
+            if self._to_workers or self._to_clients:
+                self._flush()
+            if got < BATCH:
+                return True
+        return False
 
     def _on_worker(self, frames: list[bytes], user: str | None = None) -> None:
         ident = frames[0]

@@ -228,6 +228,10 @@ class Worker:
         self.running: dict[bytes, tuple[str, float, list[str]]] = {}  # id -> kind, since, gpus
         self.gpu_faults: dict[str, str] = {}  # GPUs out of service (probe.failed()): uuid -> reason
         self._job_cancels: dict[bytes, threading.Event] = {}  # set: kill the job, answer GPU_FAULT
+        self._stopped: set[bytes] = set()  # jobs the broker said to stop (killed, no RESULT: PROTOCOL.md §4.2)
+        # This process's, in every READY: a broker that suspended us for silence tells our
+        # reconnection from a restart by it, and keeps our running work (PROTOCOL.md §4.2).
+        self.incarnation = os.urandom(protocol.ID_BYTES)
         self.results: queue.SimpleQueue[tuple[int, bytes, list[Any]]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -311,8 +315,36 @@ class Worker:
             "simulated": self.probe.simulated,
             "instance_id": self.config.instance_id,
             "replica_of": self.config.replica_of,
+            "incarnation": self.incarnation,
+            "holds": self._holds()[:protocol.MAX_HOLDS],
             **self.runner.ready_fields(),
         }
+
+    def _holds(self) -> list[bytes]:
+        """The ids of what this worker runs or keeps a RESULT of (READY's ``holds``)."""
+        return list({*self.running, *self.calls, *self.sessions, *self.unacked})
+
+    def _stop_work(self, ids: list[Any]) -> None:
+        """The broker took these jobs off us while it thought us gone (placed them again, or
+        ended them): each is killed, or never started, and gets no RESULT (PROTOCOL.md §4.2)."""
+        for rid in ids:
+            if type(rid) is not bytes:
+                continue
+            self.unacked.pop(rid, None)
+            self.staged_out.pop(rid, None)
+            entry = self.running.get(rid)
+            if entry is None or entry[0] != "job":
+                continue
+            log.warning("job %s: stopped, the broker took it off this worker while it thought it gone",
+                        protocol.id_text(rid))
+            self._stopped.add(rid)
+            if rid in self.fetches:  # its inputs still come: it never began
+                self._end_fetch(rid)
+            self._job_cancels.setdefault(rid, threading.Event()).set()
+            wait = self.start_waits.get(rid)
+            if wait is not None and not wait.answered.is_set():
+                wait.go = False
+                wait.answered.set()
 
     def run(self) -> None:
         """Serve until stop(); then drain for at most ``drain_timeout`` and disconnect."""
@@ -557,6 +589,9 @@ class Worker:
             log.info("registered with broker %s (heartbeat %dms x %s)", link.endpoint, hb, lv)
             notify.status(f"registered with {link.endpoint}")
             self._broker_state(idx, link, header if "active" in header else {**header, "active": True, "epoch": 0}, now)
+            stop = header.get("stop")
+            if header.get("resumed") is True and type(stop) is list and stop and idx == self.active_idx:
+                self._stop_work(stop)
             self._beat(link, now)
         elif cmd is Command.DISCONNECT:
             reason = header.get("reason")
@@ -622,6 +657,7 @@ class Worker:
         self.running.pop(rid, None)
         self.calls.discard(rid)
         self.owner.pop(rid, None)
+        self._stopped.discard(rid)
         if rid in self.fetches:  # it failed while its inputs came (its job thread gave up)
             self._end_fetch(rid)
         to = self.active_idx if self.active_idx is not None else idx
@@ -755,6 +791,8 @@ class Worker:
             out = self.runner.run(rid, spec, inputs, visible, tenant, cancel,
                                   JobGrant.from_wire(dispatch.get("grant")), lambda: self._await_go(rid, cancel),
                                   gpus=uuids)
+            if rid in self._stopped:
+                raise JobNotStarted(protocol.id_text(rid))
             if cancel.is_set():
                 failed = next((u for u in uuids if u in self.gpu_faults), uuids[0])
                 raise GpuFault(f"GPU {failed} failed ({self.gpu_faults.get(failed, 'health check')}) while the job ran; the job was killed")
@@ -783,7 +821,9 @@ class Worker:
                 self.staged_out[rid] = (files, time.monotonic())
             self._result(idx, rid, header, result)
         except (JobNotStarted, FetchAbandoned):
-            log.info("job %s: not started (%s)", protocol.id_text(rid), "the worker is stopping" if self._stop.is_set() else "START refused")
+            why = ("stopped by the broker" if rid in self._stopped else
+                   "the worker is stopping" if self._stop.is_set() else "START refused")
+            log.info("job %s: no RESULT (%s)", protocol.id_text(rid), why)
             self.results.put((idx, rid, []))  # no RESULT: the loop only forgets it
             self._wake()
         except GpudError as exc:
@@ -793,6 +833,7 @@ class Worker:
             self._error(idx, rid, InternalError(f"the worker failed to run the job: {exc.__class__.__name__}"))
         finally:
             self._job_cancels.pop(rid, None)
+            self._stopped.discard(rid)
 
     # ---------------------------------------------------------------- staged inputs (PROTOCOL.md §11.3)
 

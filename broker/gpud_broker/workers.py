@@ -94,8 +94,7 @@ class WorkerDialog:
         if why is not None:
             self.refuse(identity, ready.name, why)
             return
-        if (previous is not None and previous is not current and previous.suspended_at
-                and ready.incarnation and ready.incarnation == previous.incarnation):
+        if previous is not None and previous is not current and self._same_process(ready, previous):
             if current is not None:
                 self.lost(current, "sent READY again")
             self._resume_on(identity, previous, ready)
@@ -114,7 +113,8 @@ class WorkerDialog:
         if self.core.worker_names_bound and user != name:
             return (f"refused: this worker's key is workers/{user}.key, which admits "
                     f"worker {user} only, not {name}: start it with --name {user}")
-        if previous is not None and previous is not current and not previous.liveness.expired(now):
+        if (previous is not None and previous is not current and not previous.liveness.expired(now)
+                and not self._same_process(ready, previous)):
             return (f"refused: worker {name} is already connected from host {previous.hostname} (for "
                     f"{now - previous.connected_at:.0f}s); give each worker a name of its own (--name)")
         replaced = {w.name for w in (current, previous) if w is not None}
@@ -123,6 +123,11 @@ class WorkerDialog:
             if holder is not None and holder.worker.name not in replaced:
                 return f"refused: GPU {gpu.uuid} is already registered by worker {holder.worker.name}"
         return None
+
+    @staticmethod
+    def _same_process(ready: Ready, worker: WorkerRecord) -> bool:
+        """``ready`` comes from the process of ``worker``, on another connection (its incarnation)."""
+        return bool(ready.incarnation) and ready.incarnation == worker.incarnation
 
     def _admit(self, identity: bytes, ready: Ready) -> None:
         """Register the worker ``ready`` describes, welcome it, and place what waits."""
@@ -154,7 +159,7 @@ class WorkerDialog:
             "max_message_bytes": core.config.max_message_bytes, **(resumed or {})}))
 
     def _resume_on(self, identity: bytes, worker: WorkerRecord, ready: Ready) -> None:
-        """The process of suspended ``worker`` is back on a new connection (``identity``): its
+        """The process of ``worker`` (suspended, or its old connection cut) is on a new one (``identity``): its
         record is rebound to it and reconciled with what its READY ``holds`` (PROTOCOL.md §4.2):
         bound work it no longer holds ends there, work it holds that the broker took off it (placed
         again, or ended) is named in the WELCOME's ``stop``."""
@@ -162,20 +167,23 @@ class WorkerDialog:
         policy = core.config.heartbeat.negotiate(ready.heartbeat_ms / 1000.0, ready.liveness)
         self.registry.rebind(worker, identity)
         worker.liveness = Liveness(policy, core.now)
-        holds = ready.holds
-        gone = [t for t in worker.assigned.values() if t.id not in holds]
-        for task in gone:
-            self._take_off(worker, task, "its worker came back without it")
-        for sid in self.leases.on_worker(worker.name):
-            if sid not in holds:
-                self.session_ends.lost(sid, worker.name)
-        tasks = core.tasks.tasks
-        stop = []
-        for rid in holds:
-            t = tasks.get(rid)
-            if rid not in worker.assigned and t is not None and t.kind in ("job", "echo"):
-                stop.append(rid)
-        self._resume(worker, "on a new connection, the same process")
+        gone: list[Task] = []
+        stop: list[bytes] = []
+        if core.active and not core.hold:  # a passive or settling broker decides nothing (§9.4)
+            holds = ready.holds
+            gone = [t for t in worker.assigned.values() if t.id not in holds]
+            for task in gone:
+                self._take_off(worker, task, "its worker came back without it")
+            for sid in self.leases.on_worker(worker.name):
+                if sid not in holds:
+                    self.session_ends.lost(sid, worker.name)
+            tasks = core.tasks.tasks
+            for rid in holds:
+                t = tasks.get(rid)
+                if rid not in worker.assigned and t is not None and t.kind in ("job", "echo"):
+                    stop.append(rid)
+        if worker.suspended_at:
+            self._resume(worker, "on a new connection, the same process")
         log.info("worker %s resumed: %d task(s) kept, %d ended, %d to stop there",
                  worker.name, len(worker.assigned), len(gone), len(stop))
         self._welcome(identity, policy.interval, policy.liveness, {"resumed": True, "stop": sorted(stop)})

@@ -165,6 +165,32 @@ def test_a_session_kept_through_a_suspension_takes_its_next_call_on_the_new_conn
     assert h.one_reply(C1).header["ok"] is True and sid in h.core.sessions
 
 
+def test_a_cut_connection_the_same_process_replaced_resumes_at_once_not_after_its_silence() -> None:
+    h = two_workers()
+    started_jobs_on_w1(h)
+    h.advance(0.5)  # w1 live; its TCP connection is cut, it reconnects and says READY
+    welcome = resume_ready(h, W3, holds=[JOB, IDEM])
+    assert welcome.command is Command.WELCOME and welcome.header["resumed"] is True and welcome.header["stop"] == []
+    w1 = h.core.registry.by_name["w1"]
+    assert h.core.registry.get(W3) is w1 and sorted(w1.assigned) == [JOB, IDEM]
+    # Another process of the name while w1 is live is still refused (PROTOCOL.md §4.2).
+    refused = resume_ready(h, W2 + b"x", holds=[], incarnation=OTHER)
+    assert refused.command is Command.DISCONNECT and "already connected" in refused.header["reason"]
+    for r in (JOB, IDEM):
+        h.result(W3, r, exit_code=0)
+    assert sorted(m.header["id"] for _, m, _ in h.take_client()) == [JOB, IDEM]
+    h.assert_idle()
+
+
+def test_a_passive_broker_rebinds_a_returning_process_and_ends_nothing() -> None:
+    h = two_workers()
+    started_jobs_on_w1(h)
+    h.core.become_passive()
+    welcome = resume_ready(h, W3, holds=[])
+    assert welcome.header["resumed"] is True and welcome.header["stop"] == []
+    assert sorted(h.core.registry.by_name["w1"].assigned) == [JOB, IDEM] and h.take_client() == []
+
+
 def test_another_incarnation_is_a_restart_its_begun_work_lost_at_once() -> None:
     h = two_workers()
     started_jobs_on_w1(h)

@@ -85,6 +85,7 @@ class WorkerRecord:
     incarnation: bytes = b""  # its process's, as READY said (b"": not said: it never resumes)
     suspended_at: float = 0.0  # when it was suspended, silent past its liveness (0: live)
     draining_before: bool = False  # its draining mark before that (restored when it resumes)
+    taken_off: set[bytes] = field(default_factory=set)  # its jobs placed again while suspended
 
     @property
     def free_cpu(self) -> int:

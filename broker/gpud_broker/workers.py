@@ -305,18 +305,25 @@ class WorkerDialog:
         log.warning("worker %s silent for %.1fs: suspended for %d liveness period(s); %d task(s) placed again, "
                     "%d kept for it", worker.name, worker.liveness.silence(now), core.config.worker_resume_periods,
                     len(again), len(worker.assigned) - len(again))
+        worker.taken_off = {t.id for t in again if t.kind == "job"}
         for task in again:
             self._take_off(worker, task, "its worker went silent")
 
     def resume(self, worker: WorkerRecord) -> None:
-        """A message came on suspended ``worker``'s connection: it is live again."""
+        """A message came on suspended ``worker``'s connection: it is live again. The jobs placed
+        again meanwhile are named in a WELCOME's ``stop``: its copies must not run on."""
+        stop = sorted(worker.taken_off)
         self._resume(worker, "it was heard again")
+        if stop:
+            policy = worker.liveness.policy
+            self._welcome(worker.identity, policy.interval, policy.liveness, {"resumed": True, "stop": stop})
         self.dispatcher.place_queued()
 
     def _resume(self, worker: WorkerRecord, why: str) -> None:
         log.warning("worker %s is back after %.1fs suspended (%s); its work stays on it",
                     worker.name, self.core.now - worker.suspended_at, why)
         worker.suspended_at = 0.0
+        worker.taken_off = set()
         self.dispatcher.set_draining(worker, worker.draining_before or worker.name in self.registry.drained)
 
     def _take_off(self, worker: WorkerRecord, task: Task, why: str) -> None:

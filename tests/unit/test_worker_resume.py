@@ -74,8 +74,10 @@ def test_a_silent_worker_is_suspended_its_safe_work_placed_again_and_the_rest_ke
     # Nothing new goes to a suspended worker, though it has a free GPU (w2's is taken): it waits.
     h.request(C1, rid(3), kind="job", argv=["x"])
     assert h.take_worker() == [] and len(h.core.queue) == 1
-    h.heartbeat(W1, 1)  # heard again: live, and what waited goes to it
-    assert h.one_dispatch(W1).header["id"] == rid(3)
+    h.heartbeat(W1, 1)  # heard again: live, told to stop its copy of IDEM, and what waited goes to it
+    out = h.take_worker()
+    assert [(i, m.command) for i, m, _ in out] == [(W1, Command.WELCOME), (W1, Command.DISPATCH)]
+    assert out[0][1].header["stop"] == [IDEM] and out[1][1].header["id"] == rid(3)
 
 
 def test_heard_again_on_its_connection_it_resumes_and_its_result_is_taken_once() -> None:
@@ -84,6 +86,9 @@ def test_heard_again_on_its_connection_it_resumes_and_its_result_is_taken_once()
     silence_w1(h)
     h.one_dispatch(W2)  # IDEM again
     h.result(W1, JOB, exit_code=7)  # the stalled process wakes: its RESULT on the same connection
+    [(who, welcome, _)] = h.take_worker()  # its copy of IDEM must not run on
+    assert who == W1 and welcome.command is Command.WELCOME and welcome.header["resumed"] is True
+    assert welcome.header["stop"] == [IDEM]
     reply = h.one_reply(C1)
     assert reply.header["id"] == JOB and reply.header["exit_code"] == 7
     w1 = h.core.registry.by_name["w1"]

@@ -395,9 +395,16 @@ class WorkerDialog:
         else:
             registry.drained.discard(name)
         w = registry.by_name.get(name)
-        if w is not None and w.draining != drained:
-            self.dispatcher.set_draining(w, drained)
+        if w is not None:
+            self._mark(w, drained)
         self.marks_changed()
+
+    def _mark(self, worker: WorkerRecord, drained: bool) -> None:
+        """The operator's drain mark on ``worker``; a suspended one takes it when it resumes."""
+        if worker.suspended_at:
+            worker.draining_before = drained
+        elif worker.draining != drained:
+            self.dispatcher.set_draining(worker, drained)
 
     def marks_changed(self) -> None:
         """The operator drained or cordoned something (or undid it): replicate the marks."""
@@ -408,7 +415,6 @@ class WorkerDialog:
         registry = self.registry
         registry.drained, registry.cordoned = set(drained), set(cordoned)
         for w in registry.by_identity.values():
-            if w.draining != (w.name in registry.drained):
-                self.dispatcher.set_draining(w, w.name in registry.drained)
+            self._mark(w, w.name in registry.drained)
             for gpu in w.gpus:
                 gpu.cordoned = gpu.uuid in registry.cordoned

@@ -250,6 +250,20 @@ def test_no_grace_window_configured_removes_at_once() -> None:
     assert error_code(h.take_client()[0][1]) == "WORKER_LOST"
 
 
+def test_an_operator_undrain_of_a_suspended_worker_waits_for_it_to_resume() -> None:
+    h = two_workers()
+    started_jobs_on_w1(h)
+    h.core.workers.mark_drained("w1", True)
+    silence_w1(h)
+    h.core.workers.mark_drained("w1", False)
+    w1 = h.core.registry.by_name["w1"]
+    assert w1.draining and not w1.has_slot  # still suspended: nothing goes to it
+    assert h.core.dispatcher.open_workers == h.core.dispatcher.count_open_workers()
+    h.heartbeat(W1, 1)
+    assert not w1.draining and w1.has_slot
+    assert h.core.dispatcher.open_workers == h.core.dispatcher.count_open_workers()
+
+
 def test_a_passive_broker_removes_a_silent_worker_at_once() -> None:
     h = Harness()
     h.core.become_passive()

@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 
 BATCH = 256  # messages drained from one socket before looking at the others
 CATCH_UP = 64  # batches of worker messages read, at most, before workers' silence is judged
+STALL_S = 0.25  # a loop turn this long after the last: the broker itself stalled (no worker's silence)
 TICK_S = 0.05  # how often timers run (heartbeats, expiries)
 DROP_LOG_S = 10.0  # at most one log line per this many seconds for dropped client messages
 FD_RESERVE = 64  # descriptors kept free: nearer the limit the frontend stops accepting connections
@@ -611,6 +612,8 @@ class Broker:
                 if side and ready:
                     self._serve_security(ready, SIDE_STEP)
             now = monotonic()
+            if now - core.now > STALL_S:  # frozen, or a long turn: it heard nobody meanwhile
+                core.workers.stalled(now - core.now, now)
             core.now = now
             # Sent after each socket's batch: what results freed is dispatched before the clients'
             # new requests are read (a worker must not idle through a batch of them).

@@ -275,6 +275,15 @@ class WorkerDialog:
             if worker.liveness.beat_due(now):
                 self.beat(worker)
 
+    def stalled(self, gap: float, now: float) -> None:
+        """The broker's own loop did not turn for ``gap`` seconds (a stall, a freeze, one long
+        turn): it read nothing meanwhile, so that time is no worker's silence, nor its grace."""
+        for worker in self.registry:
+            live = worker.liveness
+            live.last_heard = min(now, live.last_heard + gap)
+            if worker.suspended_at:
+                worker.suspended_at = min(now, worker.suspended_at + gap)
+
     def _lost_to_silence(self, worker: WorkerRecord, now: float) -> bool:
         """Judge ``worker``'s silence: suspended, or lost (returns whether it was lost)."""
         live, periods = worker.liveness, self.core.config.worker_resume_periods

@@ -206,7 +206,9 @@ def test_core_counts_requests_latency_errors_and_losses() -> None:
     c.worker(Command.DISCONNECT, {"reason": "bye"})
     assert c.core.counters["worker_losses"] == 0  # a goodbye is no loss
     c.worker(Command.READY, {"name": "w2", "gpus": []}, ident=b"conn-w2")
-    c.core.tick(1000.0)  # silent far past its liveness
+    c.core.tick(1000.0)  # silent far past its liveness: suspended (PROTOCOL.md §4.2)
+    assert (c.core.counters["worker_suspensions"], c.core.counters["worker_losses"]) == (1, 0)
+    c.core.tick(2000.0)  # and not back in its grace window: lost
     assert c.core.counters["worker_losses"] == 1
 
 

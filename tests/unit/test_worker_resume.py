@@ -307,6 +307,24 @@ def test_while_worker_messages_wait_unread_no_worker_is_judged_silent() -> None:
     assert not w1.suspended_at
 
 
+def test_time_the_broker_itself_stood_still_is_no_workers_silence() -> None:
+    h = two_workers()
+    started_jobs_on_w1(h)
+    h.advance(0.5)
+    h.heartbeat(W1, 1)
+    h.clock.advance(5.0)  # the broker's loop stood still for 5 s (frozen): it heard nobody
+    h.core.workers.stalled(5.0, h.clock.monotonic())
+    h.tick(0.5)  # 5.5 s since w1 was heard, 0.5 s of them listened through
+    assert not h.core.registry.by_name["w1"].suspended_at and h.core.counters["worker_suspensions"] == 0
+    h.tick(2.6)  # 3.1 s listened through: past its liveness now
+    w1 = h.core.registry.by_name["w1"]
+    assert w1.suspended_at
+    h.clock.advance(20.0)  # stood still again: its grace window does not run out meanwhile
+    h.core.workers.stalled(20.0, h.clock.monotonic())
+    h.tick(0.5)
+    assert h.core.registry.get(W1) is w1 and w1.suspended_at
+
+
 def test_any_message_not_only_a_heartbeat_keeps_a_worker_live() -> None:
     h = two_workers()
     started_jobs_on_w1(h)

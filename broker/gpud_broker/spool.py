@@ -8,7 +8,9 @@ clock of its own: the caller passes the time.
 
 Disk I/O is off the broker's loop: writes to spooled files, reads of them, and their removal, go
 in order to one thread of the spool's own (``_SpoolIO``), which counts each write done and
-signals ``io.fd`` (an eventfd for the loop's poller). A chunk is held by the spool at once (its
+signals ``io.fd`` (an eventfd for the loop's poller) after each read, and after writes once it
+has caught up with its queue or every ``SIGNAL_EVERY_WRITES`` of them: one wake-up of the loop
+per batch. A chunk is held by the spool at once (its
 bookkeeping), its bytes on disk once its write is done (``written``). The chunk's own buffer is
 kept until then, and after it until the chunk is read once (a worker fetches each chunk once)
 while the memory copies of chunks on disk stay under ``hold_bytes``: a worker that keeps up with
@@ -44,6 +46,7 @@ DEFAULT_STAGE_IDLE_S = 10.0  # seconds a placed staged job's worker may wait for
 
 
 IO_NICE = 10  # the spool's disk thread runs this much nicer than the broker (Linux: per thread)
+SIGNAL_EVERY_WRITES = 8  # the disk thread tells the loop of its writes at least this often while behind
 HOLD_BYTES = 64 << 20  # bytes of chunks on disk kept in memory too, at most, for reads that need no disk
 HOLD_MIN_BYTES = 64 << 10  # smaller chunks are not kept (read from the disk if asked for): few entries to keep
 # A read from the spool's files waits for the disk thread: (the read's callback, the bytes or the error)
@@ -113,8 +116,15 @@ class _SpoolIO:
         except OSError as exc:
             log.debug("spool: cannot lower the disk thread's priority: %s", exc)
         ticket = self.done
+        unsignalled = 0  # writes done that the loop has not been told of yet
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:  # caught up: tell the loop of what is done before waiting
+                if unsignalled:
+                    unsignalled = 0
+                    self._signal()
+                item = self._queue.get()
             if item is None:
                 return
             kind, fd = item[0], item[1]
@@ -147,7 +157,10 @@ class _SpoolIO:
                 self.backlog -= len(data)
                 self.done = ticket
                 self._progress.notify_all()
-            self._signal()
+            unsignalled += 1
+            if unsignalled >= SIGNAL_EVERY_WRITES:
+                unsignalled = 0
+                self._signal()
 
     def _signal(self) -> None:
         if self._fd >= 0:

@@ -258,6 +258,7 @@ class Worker:
         # with what their job thread needs once complete: (fetch, link index, DISPATCH header, gpus, tenant).
         self.fetches: dict[bytes, Fetch] = {}
         self._fetch_room = False  # a job thread wrote a fetched chunk: the loop may ask for more
+        self._polling = False  # the loop is about to poll, or polls: what a job thread tells it must wake it
         # Staged outputs of finished jobs, held until their RESULT is ACKed: id -> (files, when made).
         self.staged_out: dict[bytes, tuple[list[bytes], float]] = {}
 
@@ -389,11 +390,13 @@ class Worker:
             # Poll only after a round that found nothing to do: while work keeps coming, reading
             # until empty costs fewer system calls than a poll per round.
             if not busy:
-                if self._wake_r in dict(poller.poll(50)):
+                self._polling = True  # from here a job thread's written chunk wakes the poll
+                if not self._fetch_room and self._wake_r in dict(poller.poll(50)):
                     try:
                         os.read(self._wake_r, 65536)
                     except BlockingIOError:
                         pass
+                self._polling = False
             busy = False
             if not self.results.empty():
                 self._flush_results()
@@ -858,11 +861,13 @@ class Worker:
         self._fetch_more(rid, now)
 
     def _fetch_written(self) -> None:
-        """(Job thread) A fetched chunk is written: the loop may ask for more. Woken once: the
-        loop clears the flag before it reads how many chunks are written."""
+        """(Job thread) A fetched chunk is written: the loop may ask for more. Woken once (the
+        loop clears the flag before it reads how many chunks are written), and only if it polls:
+        a loop still at work sees the flag in its next round, before it would poll."""
         if not self._fetch_room:
             self._fetch_room = True
-            self._wake()
+            if self._polling:
+                self._wake()
 
     def _fetch_more(self, rid: bytes, now: float) -> None:
         fetch = self.fetches.get(rid)

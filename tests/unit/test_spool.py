@@ -227,6 +227,37 @@ def test_a_read_queued_behind_a_write_reads_what_it_wrote_and_none_waits(tmp_pat
     spool.close()
 
 
+def test_the_disk_thread_tells_the_loop_of_a_batch_of_writes_once_and_of_the_last_write_too(tmp_path: Path) -> None:
+    import select
+    import time
+
+    from gpud_broker.spool import SIGNAL_EVERY_WRITES
+
+    spool = Spool(str(tmp_path), ram_bytes=0, hold_bytes=0)
+    n = 2 * SIGNAL_EVERY_WRITES + 4
+    up = spool.open(JOB, "acme", None, (n * 100,), now=0.0)
+    io = spool.io
+    fd = io.fd  # the loop's poller has it before any write
+    started = io._start
+    io._start = lambda: None  # type: ignore[method-assign]  # all the writes queue before the thread runs: a batch
+    for i in range(n):
+        spool.write(up, 0, i * 100, memoryview(b"x" * 100), now=0.0)
+    io._start = started  # type: ignore[method-assign]
+    io._start()
+    io.wait(up.ticket)
+    signals = 0
+    deadline = time.monotonic() + 5.0
+    while signals < 3 and time.monotonic() < deadline:  # every 8 writes while behind, then once caught up
+        if select.select([fd], [], [], 0.1)[0]:
+            signals += os.eventfd_read(fd)
+    time.sleep(0.1)
+    if select.select([fd], [], [], 0)[0]:
+        signals += os.eventfd_read(fd)
+    assert io.done == n
+    assert signals == 3  # not one per write (20), and the last writes are not left untold (2)
+    spool.close()
+
+
 def _no_delivery(got: bytes | OSError) -> None:
     raise AssertionError(f"a read from memory was delivered later: {got!r}")
 

@@ -57,8 +57,9 @@ class _SpoolIO:
     """Writes to spooled files, reads of them, then their closing and removal, in order, on a
     thread of its own: a write or a read can wait on the disk, and freeing a large file's blocks
     can take the file system a second, which the broker's loop must never wait for. Writes are
-    numbered (tickets, from 1); ``done`` is the last one finished. Each write and read finished
-    makes ``fd`` (an eventfd) readable; a read's bytes wait in ``reads`` for the loop. A read
+    numbered (tickets, from 1); ``done`` is the last one finished. Each read finished makes ``fd``
+    (an eventfd) readable, and writes finished do once the thread has caught up with its queue or
+    every ``SIGNAL_EVERY_WRITES`` of them; a read's bytes wait in ``reads`` for the loop. A read
     queued after a write of the same bytes reads what it wrote (one thread, in order)."""
 
     def __init__(self) -> None:

@@ -102,8 +102,10 @@ class WorkerDialog:
         if current is not None:
             self.lost(current, "sent READY again")
         if previous is not None and previous is not current:
+            # Silent past its liveness (else refused above), suspended or not yet: the READY is
+            # another process's where it names its incarnation (the same one resumed above).
             self.lost(previous, "silent past its liveness, and a new connection of the same name came"
-                      + (" from another process" if previous.suspended_at else ""))
+                      + (" from another process" if ready.incarnation else ""))
         self._admit(identity, ready)
 
     def _refusal(self, ready: Ready, current: WorkerRecord | None, previous: WorkerRecord | None,

@@ -68,10 +68,21 @@ class _SpoolIO:
         self._fd = -1  # the eventfd, made when first asked for (``fd``)
         self.issued = 0  # the last ticket handed out
         self.done = 0  # the last ticket whose write finished (set by the thread only)
-        self.backlog = 0  # bytes queued, not written yet
+        # Bytes queued (by the loop only) and written (by the thread only): each side writes its
+        # own count and reads the other's, so neither takes a lock per write. A lock the loop
+        # shares with a thread 10 nicer is a priority inversion: when the thread is preempted
+        # holding it, the loop waits until a busy CPU runs the thread again.
+        self._queued_bytes = 0
+        self._written_bytes = 0
+        self._waiters = 0  # threads in ``wait`` (tests, a passive broker's apply): notified only then
         self.failed: list[tuple[bytes, OSError]] = []  # (the upload's job id, error) of writes that failed
         self.reads: collections.deque[tuple[Delivery, bytes | OSError]] = collections.deque()  # finished reads
         self._progress = threading.Condition()
+
+    @property
+    def backlog(self) -> int:
+        """Bytes queued, not written yet."""
+        return self._queued_bytes - self._written_bytes
 
     @property
     def fd(self) -> int:
@@ -90,8 +101,7 @@ class _SpoolIO:
         (``Staging``)."""
         self._start()
         self.issued += 1
-        with self._progress:
-            self.backlog += len(data)
+        self._queued_bytes += len(data)
         self._queue.put(("w", fd, offset, data, job))
         return self.issued
 
@@ -103,7 +113,11 @@ class _SpoolIO:
     def wait(self, ticket: int) -> None:
         """Block until write ``ticket`` is done (a passive broker's apply, and tests)."""
         with self._progress:
-            self._progress.wait_for(lambda: self.done >= ticket, timeout=30.0)
+            self._waiters += 1  # before the test of ``done``: a write done after it notifies
+            try:
+                self._progress.wait_for(lambda: self.done >= ticket, timeout=30.0)
+            finally:
+                self._waiters -= 1
 
     def reap(self, fd: int, path: str) -> None:
         """Close ``fd`` and remove ``path`` once the writes and reads queued before are done."""
@@ -154,10 +168,11 @@ class _SpoolIO:
             except OSError as exc:
                 log.error("spool: cannot write a staged file: %s", exc)
                 self.failed.append((job, exc))
-            with self._progress:
-                self.backlog -= len(data)
-                self.done = ticket
-                self._progress.notify_all()
+            self._written_bytes += len(data)
+            self.done = ticket  # after the count: what ``done`` covers is out of the backlog
+            if self._waiters:  # read after ``done`` is set: a waiter that missed it is counted
+                with self._progress:
+                    self._progress.notify_all()
             unsignalled += 1
             if unsignalled >= SIGNAL_EVERY_WRITES:
                 unsignalled = 0

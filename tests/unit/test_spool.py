@@ -323,3 +323,37 @@ def test_tiny_chunks_are_not_held_in_memory_so_a_flood_of_them_keeps_no_entry_ea
     spool.io.stop()
     assert spool.read(up, 0, 9_990, 10) == b"x" * 10
     spool.close()
+
+
+def test_the_backlog_counts_bytes_queued_and_not_written_and_waiters_are_woken(tmp_path: Path) -> None:
+    """The loop and the disk thread each keep their own count (no lock between a thread 10 nicer
+    and the loop): the backlog is what is queued and not written, and every thread waiting for
+    a ticket is woken once its write is done, whether it began waiting before or after."""
+    spool = Spool(str(tmp_path), ram_bytes=0, hold_bytes=0)
+    up = spool.open(JOB, "acme", None, (40 * 1000,), now=0.0)
+    io = spool.io
+    started = io._start
+    io._start = lambda: None  # type: ignore[method-assign]  # the writes queue before the thread runs
+    tickets = []
+    for i in range(40):
+        spool.write(up, 0, i * 1000, memoryview(b"y" * 1000), now=0.0)
+        tickets.append(up.ticket)
+    assert io.backlog == 40 * 1000 and io.done == 0
+    woken: list[int] = []
+    waiters = [threading.Thread(target=lambda t=t: (io.wait(t), woken.append(t))) for t in tickets[::8]]
+    for w in waiters:
+        w.start()
+    io._start = started  # type: ignore[method-assign]
+    io._start()
+    io.wait(tickets[-1])
+    for w in waiters:
+        w.join(timeout=10)
+    assert sorted(woken) == tickets[::8]
+    assert io.backlog == 0 and io.done == io.issued == tickets[-1]
+    late = threading.Thread(target=lambda: (io.wait(tickets[3]), woken.append(-1)))  # done already: returns at once
+    late.start()
+    late.join(timeout=10)
+    assert woken[-1] == -1
+    with open(tmp_path / f"{JOB.hex()}-0", "rb") as f:
+        assert f.read() == b"y" * 40 * 1000
+    spool.close()

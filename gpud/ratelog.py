@@ -5,16 +5,34 @@ the rest are counted; a count is reported with the source's next full line, or o
 interval is over (``due``), so a flood costs a few lines per interval and is never silent.
 ``WindowCount``, for answers: per source, the events of each window counted, so that the first so
 many are answered and the rest only counted. ``TokenBucket``, for rates: per sender, a bucket of
-tokens that fills at a steady rate up to a burst, taken from as it acts. Pure: the caller passes
-the clock (or the time).
+tokens that fills at a steady rate up to a burst, taken from as it acts. Each remembers so many
+sources at most: past that, the one seen least recently is forgotten (``remember``), so that a flood
+of new sources (fresh routing ids) costs the busiest ones, a flooder's count among them, nothing.
+Pure: the caller passes the clock (or the time).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 OTHERS = "others"  # the source that new sources share once ``max_new`` are logged in one interval
-MAX_SOURCES = 4096  # sources remembered at most (then forgotten all at once: each logs again)
+MAX_SOURCES = 4096  # sources remembered at most (then the least recently seen is forgotten)
+
+V = TypeVar("V")
+
+
+def remember(table: dict[Hashable, V], source: Hashable, value: V, bound: int) -> tuple[Hashable, V] | None:
+    """Set ``source``'s ``value`` in ``table`` as its most recently seen (a dict keeps its keys in
+    the order they were put: the least recently seen first). A new source in a ``table`` of
+    ``bound`` sources forgets the least recently seen one: returned, (source, value), else None.
+    ``value`` must not be None."""
+    forgot = None
+    if table.pop(source, None) is None and len(table) >= bound:
+        oldest = next(iter(table))
+        forgot = oldest, table.pop(oldest)
+    table[source] = value
+    return forgot
 
 
 class RateLimit:
@@ -22,13 +40,16 @@ class RateLimit:
 
     ``max_new`` (0: no bound): sources logged in full at most per interval, whoever they are; past
     it, events of new sources count under ``OTHERS`` (a peer with a fresh address or routing id per
-    event is a few lines, not one per event)."""
+    event is a few lines, not one per event). At most ``max_sources`` sources are remembered
+    (and ``OTHERS``): a forgotten one's count held back goes to ``OTHERS``, reported as theirs."""
 
-    def __init__(self, interval: float, clock: Callable[[], float], max_new: int = 0) -> None:
+    def __init__(self, interval: float, clock: Callable[[], float], max_new: int = 0,
+                 max_sources: int = MAX_SOURCES) -> None:
         self.interval = interval
         self.clock = clock
         self.max_new = max_new
-        self.seen: dict[Hashable, tuple[float, int]] = {}  # source -> (its last full line, held since)
+        self.max_sources = max_sources
+        self.seen: dict[Hashable, tuple[float, int]] = {}  # source -> (its last full line, held since), least recently seen first
         self._window = float("-inf")  # when the current interval of ``max_new`` began
         self._new = 0  # sources logged in full in it
 
@@ -38,7 +59,7 @@ class RateLimit:
         now = self.clock()
         last = self.seen.get(source)
         if last is not None and now - last[0] < self.interval:
-            self.seen[source] = (last[0], last[1] + 1)
+            remember(self.seen, source, (last[0], last[1] + 1), self.max_sources)
             return None
         if self.max_new and source != OTHERS:
             if now - self._window >= self.interval:
@@ -46,9 +67,10 @@ class RateLimit:
             if self._new >= self.max_new:
                 return self(OTHERS)
             self._new += 1
-        if len(self.seen) >= MAX_SOURCES:
-            self.seen.clear()
-        self.seen[source] = (now, 0)
+        forgot = remember(self.seen, source, (now, 0), self.max_sources)
+        if forgot is not None and forgot[1][1]:  # its count is not lost: it is reported as others'
+            at, held = self.seen.pop(OTHERS, (now, 0))
+            self.seen[OTHERS] = (at, held + forgot[1][1])
         return 0 if last is None else last[1]
 
     def due(self) -> list[tuple[Hashable, int]]:
@@ -64,12 +86,14 @@ class RateLimit:
 class WindowCount:
     """Each source's events counted in fixed windows of ``window`` seconds (a window begins at the
     source's first event after its last one ended): the caller answers, say, the first so many of
-    each window and not the rest."""
+    each window and not the rest. At most ``max_sources`` sources are remembered: a new one past
+    that forgets the least recently seen (which counts afresh if it comes back)."""
 
-    def __init__(self, window: float, clock: Callable[[], float]) -> None:
+    def __init__(self, window: float, clock: Callable[[], float], max_sources: int = MAX_SOURCES) -> None:
         self.window = window
         self.clock = clock
-        self.used: dict[Hashable, tuple[float, int]] = {}  # source -> (its window's start, events in it)
+        self.max_sources = max_sources
+        self.used: dict[Hashable, tuple[float, int]] = {}  # source -> (its window's start, events in it), least recently seen first
 
     def __call__(self, source: Hashable) -> int:
         """This event's number in its source's window (1 for the first)."""
@@ -77,9 +101,7 @@ class WindowCount:
         start, n = self.used.get(source, (now, 0))
         if now - start >= self.window:
             start, n = now, 0
-        if len(self.used) >= MAX_SOURCES and source not in self.used:
-            self.used.clear()
-        self.used[source] = (start, n + 1)
+        remember(self.used, source, (start, n + 1), self.max_sources)
         return n + 1
 
 
@@ -122,7 +144,4 @@ class TokenBucket:
         self.buckets.pop(sender, None)
 
     def _put(self, sender: Hashable, tokens: float, now: float) -> None:
-        buckets = self.buckets
-        if buckets.pop(sender, None) is None and len(buckets) >= self.max_senders:
-            del buckets[next(iter(buckets))]  # the least recently used
-        buckets[sender] = (tokens, now)
+        remember(self.buckets, sender, (tokens, now), self.max_senders)

@@ -35,6 +35,7 @@ Settle = Callable[[WorkerRecord, Any, Any], None]  # a heartbeat's worker, epoch
 
 MAX_RUNNING_KEPT = 1000  # entries of a heartbeat's running list kept (more: it may be cut short)
 MAX_GPU_STATES = 64  # entries of a heartbeat's GPU list looked at
+HEARD_SINCE_S = 1e-6  # a stall's credit leaves a worker's last_heard this far before the stall's end at most
 
 
 class WorkerCore(Protocol):
@@ -74,6 +75,7 @@ class WorkerDialog:
         self.settle = settle  # the takeover's (``Takeover.heard``): a heartbeat may end its settling
         self.starts = starts
         self.send_worker = send_worker
+        self._credits: dict[str, tuple[float, float, float]] = {}  # name -> (last_heard as credited, credit given in its silence, its longest stall)
 
     # ------------------------------------------------------------------ READY
 
@@ -279,12 +281,24 @@ class WorkerDialog:
 
     def stalled(self, gap: float, now: float) -> None:
         """The broker's own loop did not turn for ``gap`` seconds (a stall, a freeze, one long
-        turn): it read nothing meanwhile, so that time is no worker's silence, nor its grace."""
+        turn): it read nothing meanwhile, so that time is no worker's silence, nor its grace. The
+        credit is capped (PROTOCOL.md §4.2): within one silence of a worker (until it is heard
+        again), at most its longest stall plus one liveness expiry, so that a broker whose every
+        turn is slow still judges a worker that sends nothing silent, and lost, in bounded time."""
+        credits: dict[str, tuple[float, float, float]] = {}
         for worker in self.registry:
             live = worker.liveness
-            live.last_heard = min(now, live.last_heard + gap)
+            marker, given, longest = self._credits.get(worker.name, (live.last_heard, 0.0, 0.0))
+            if marker != live.last_heard:  # heard since its last credit: a new silence
+                given = longest = 0.0
+            longest = max(longest, gap)
+            credit = max(0.0, min(gap, longest + live.policy.expiry - given))
+            # Just short of ``now``: a message read at ``now`` then tells that it was heard since.
+            live.last_heard = max(live.last_heard, min(now - HEARD_SINCE_S, live.last_heard + credit))
             if worker.suspended_at:
-                worker.suspended_at = min(now, worker.suspended_at + gap)
+                worker.suspended_at = min(now, worker.suspended_at + credit)
+            credits[worker.name] = (live.last_heard, given + credit, longest)
+        self._credits = credits  # the workers gone since are forgotten
 
     def _lost_to_silence(self, worker: WorkerRecord, now: float) -> bool:
         """Judge ``worker``'s silence: suspended, or lost (returns whether it was lost)."""

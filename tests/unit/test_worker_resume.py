@@ -325,6 +325,59 @@ def test_time_the_broker_itself_stood_still_is_no_workers_silence() -> None:
     assert h.core.registry.get(W1) is w1 and w1.suspended_at
 
 
+TURN_S = 0.3  # a slow loop turn: past STALL_S, each one reported to ``stalled``
+
+
+def slow_turn(h: Harness, seconds: float, heard: tuple[bytes, ...]) -> None:
+    """One loop turn of ``seconds`` as the socket shell makes it: the stall told first, then the
+    messages of the workers ``heard`` read, then the tick."""
+    h.clock.advance(seconds)
+    now = h.clock.monotonic()
+    h.core.workers.stalled(seconds, now)
+    h.core.now = now
+    for ident in heard:
+        h.heartbeat(ident, 1)
+    h.core.tick(now)
+
+
+def test_a_broker_whose_every_turn_is_slow_still_loses_a_silent_worker_in_bounded_time() -> None:
+    from gpud_broker.broker import STALL_S
+
+    assert TURN_S > STALL_S
+    h = two_workers()
+    started_jobs_on_w1(h)
+    w1 = h.core.registry.by_name["w1"]
+    expiry, periods = w1.liveness.policy.expiry, h.core.config.worker_resume_periods
+    start = h.clock.monotonic()
+    suspended = lost = None
+    while lost is None and h.clock.monotonic() - start < 60.0:
+        slow_turn(h, TURN_S, heard=(W2,))  # w2 is heard every turn, w1 never again
+        if suspended is None and w1.suspended_at:
+            suspended = h.clock.monotonic() - start
+        if h.core.registry.get(W1) is None:
+            lost = h.clock.monotonic() - start
+    # Credit per silence: its longest stall (one turn) plus one expiry; then its liveness, its grace.
+    assert suspended is not None and expiry < suspended <= 2 * expiry + 2 * TURN_S + 1e-6
+    assert lost is not None and lost <= (2 + periods) * expiry + 3 * TURN_S + 1e-6
+    assert error_code(h.take_client()[0][1]) == "WORKER_LOST"
+    w2 = h.core.registry.by_name["w2"]
+    assert not w2.suspended_at and h.core.counters["worker_suspensions"] == 1  # heard each turn: live
+
+
+def test_long_stalls_one_after_another_lose_no_worker_heard_between_them() -> None:
+    h = two_workers(worker_resume_periods=0)  # no grace window: a silence judged is a loss
+    started_jobs_on_w1(h)
+    for stall in (20.0, 20.0, 7.0, 20.0):
+        # The tick comes before the backlog is handed over (a freeze: libzmq's I/O thread stood
+        # still too): the stall alone must not make anyone silent. Then both are read.
+        slow_turn(h, stall, heard=())
+        slow_turn(h, TURN_S, heard=(W1, W2))
+    for _ in range(20):
+        slow_turn(h, TURN_S, heard=(W1, W2))
+    assert h.core.registry.get(W1) is not None and h.core.counters["worker_losses"] == 0
+    assert h.take_client() == []
+
+
 def test_any_message_not_only_a_heartbeat_keeps_a_worker_live() -> None:
     h = two_workers()
     started_jobs_on_w1(h)

@@ -37,6 +37,10 @@ _TABLE = (
         "workers",
         """Connected workers: host, GPUs, slots in use, draining, running work, last heard.
 
+        STATE is ok, draining, or SUSPENDED with the time left of its grace window: the worker
+        is silent past its liveness, nothing new goes to it, and it is lost unless heard again
+        before then. --json gives suspended and grace_left_s (seconds; null when not suspended).
+
         Example: gpudctl workers
         """,
     ),

@@ -86,6 +86,11 @@ def _gpu_row(gpu: GpuRecord, work: dict[str, dict[str, int]]) -> dict[str, Any]:
     }
 
 
+def _grace_window(core: BrokerCore, w: WorkerRecord) -> float:
+    """Seconds a suspended worker has, from its suspension, to be heard again before it is lost."""
+    return core.config.worker_resume_periods * w.liveness.policy.expiry
+
+
 def _worker_row(core: BrokerCore, w: WorkerRecord) -> dict[str, Any]:
     now = core.now
     return {
@@ -98,6 +103,9 @@ def _worker_row(core: BrokerCore, w: WorkerRecord) -> dict[str, Any]:
         "host_mem": w.host_mem,
         "simulated": w.simulated,
         "draining": w.draining,
+        # Silent past its liveness and not yet lost (PROTOCOL.md §4.2): the seconds left of its grace window.
+        "suspended": bool(w.suspended_at),
+        "grace_left_s": round(max(0.0, w.suspended_at + _grace_window(core, w) - now), 3) if w.suspended_at else None,
         "replica_of": w.replica_of or None,
         "isolation": w.isolation or None,
         "job_network": w.job_network or None,

@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 
 COUNTERS = ("requests", "retries", "errors", "bad_messages", "bad_routes", "worker_losses", "takeovers",
             "job_timeouts", "session_replays", "refused_workers", "fd_pauses", "refused_connections",
-            "bad_unanswered", "cut_connections", "worker_suspensions")
+            "bad_unanswered", "cut_connections", "worker_suspensions", "worker_resumes")
 MAX_OWNERS = 1 << 18  # routing ids whose authenticated sender is remembered (oldest forgotten first)
 MAX_USERS = 4096  # ZAP User-Ids whose parse is remembered
 

@@ -77,6 +77,9 @@ class BrokerCollector(Collector):
         # Workers and their GPUs.
         workers = list(core.registry.by_identity.values())
         out.append(GaugeMetricFamily("gpud_workers", "Connected workers (GPU VMs).", value=len(workers)))
+        out.append(GaugeMetricFamily(
+            "gpud_workers_suspended", "Connected workers suspended now: silent past their liveness, in their grace window "
+            "(counted in gpud_workers; nothing new is placed on them).", value=sum(1 for w in workers if w.suspended_at)))
         inflight = GaugeMetricFamily("gpud_worker_inflight_requests", "Requests dispatched to a worker and not answered.", labels=["worker"])
         draining = GaugeMetricFamily("gpud_worker_draining", "1 while a worker takes no new work.", labels=["worker"])
         heard = GaugeMetricFamily("gpud_worker_last_heard_seconds", "Seconds since a worker was last heard.", labels=["worker"])
@@ -190,6 +193,10 @@ class BrokerCollector(Collector):
             CounterMetricFamily("gpud_request_messages", "REQUEST messages received from clients (with retries and refusals).", value=c.get("requests", 0)),
             CounterMetricFamily("gpud_retries", "Requests resent with a known id (answered from the first one, never run again).", value=c.get("retries", 0)),
             CounterMetricFamily("gpud_worker_losses", "Workers lost without a goodbye (silent, or reconnected under the same name).", value=c.get("worker_losses", 0)),
+            CounterMetricFamily("gpud_worker_suspensions", "Times a worker was suspended, silent past its liveness "
+                                "(each then resumed, or lost after its grace window).", value=c.get("worker_suspensions", 0)),
+            CounterMetricFamily("gpud_worker_resumes", "Times a suspended worker was heard again, or came back as the same "
+                                "process on a new connection, within its grace window.", value=c.get("worker_resumes", 0)),
             CounterMetricFamily("gpud_bad_messages", "Messages refused as malformed or not allowed.", value=c.get("bad_messages", 0)),
             CounterMetricFamily("gpud_failovers", "Times this broker took the active role of its pair.", value=c.get("takeovers", 0)),
             GaugeMetricFamily("gpud_active", "1 while this broker accepts work (standalone, or the active one of its pair).",

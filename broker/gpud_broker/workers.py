@@ -345,6 +345,7 @@ class WorkerDialog:
         self.dispatcher.place_queued()
 
     def _resume(self, worker: WorkerRecord, why: str) -> None:
+        self.core.counters["worker_resumes"] += 1
         log.warning("worker %s is back after %.1fs suspended (%s); its work stays on it",
                     worker.name, self.core.now - worker.suspended_at, why)
         worker.suspended_at = 0.0

@@ -341,11 +341,17 @@ def _isolation_text(w: Mapping[str, Any]) -> str:
     return "RLIMITS ONLY" if level == "rlimits only" else "?"
 
 
+def _worker_state(w: Mapping[str, Any]) -> str:
+    """``SUSPENDED 7s left`` (silent, its grace window running out: shouted), ``draining`` or ``ok``."""
+    if w.get("suspended") is True:
+        return f"SUSPENDED {_duration(_num(w.get('grace_left_s')))} left"
+    return "draining" if w.get("draining") is True else "ok"
+
+
 def _format_workers(result: Any, width: int | None) -> list[str]:
     rows = [
         (w.get("name"), w.get("hostname") or "-", int(_num(w.get("gpus"))),
-         f"{int(_num(w.get('inflight')))}/{int(_num(w.get('slots')))}",
-         "draining" if w.get("draining") is True else "ok",
+         f"{int(_num(w.get('inflight')))}/{int(_num(w.get('slots')))}", _worker_state(w),
          len(w.get("running") or []) if isinstance(w.get("running"), list) else 0,
          _duration(_num(w.get("last_heard_s"))), _isolation_text(w), "SIM" if w.get("simulated") is True else "")
         for w in _rows(result)

@@ -142,6 +142,15 @@ def test_columns_are_as_wide_as_their_content_and_cut_only_beyond_the_width() ->
     assert all(len(line) <= 40 for line in narrow.splitlines()) and "~" in narrow
 
 
+def test_a_suspended_worker_is_shown_suspended_with_its_grace_left() -> None:
+    row = {"name": "w1", "hostname": "h", "gpus": 1, "inflight": 1, "slots": 8, "draining": True,
+           "suspended": True, "grace_left_s": 7.8, "running": [], "last_heard_s": 4.2}
+    lines = render_result("workers", [row, {**row, "name": "w2", "suspended": False, "grace_left_s": None,
+                                            "draining": False, "last_heard_s": 0.1}]).splitlines()
+    assert "SUSPENDED 7s left" in lines[1] and "draining" not in lines[1]  # its drain is the suspension's
+    assert " ok " in lines[2] and "SUSPENDED" not in lines[2]
+
+
 def test_tasks_name_gpus_as_gpus_does() -> None:
     task = {"id": "cd" * 16, "state": "running", "kind": "job", "tenant": "t", "worker": "gpu-vm-1",
             "gpus": ["SIM-gpu-vm-1-0-0123456789"], "gpu_names": ["gpu-vm-1/0"], "age_s": 3}

@@ -378,6 +378,27 @@ def test_long_stalls_one_after_another_lose_no_worker_heard_between_them() -> No
     assert h.take_client() == []
 
 
+def test_the_workers_command_shows_a_suspended_worker_and_its_grace_left_and_resumes_are_counted() -> None:
+    from gpud_broker.commands import ADMIN
+
+    h = two_workers()
+    started_jobs_on_w1(h)
+    silence_w1(h)  # suspended 0.5 s after its silence passed 3 s
+    h.advance(2.0)
+    rows = {r["name"]: r for r in ADMIN.dispatch(h.core, "workers", {})}
+    window = h.core.config.worker_resume_periods * h.core.registry.by_name["w1"].liveness.policy.expiry
+    assert rows["w1"]["suspended"] is True and rows["w1"]["grace_left_s"] == pytest.approx(window - 2.0)
+    assert rows["w2"]["suspended"] is False and rows["w2"]["grace_left_s"] is None
+    assert h.core.counters["worker_suspensions"] == 1 and h.core.counters["worker_resumes"] == 0
+    h.heartbeat(W1, 1)
+    rows = {r["name"]: r for r in ADMIN.dispatch(h.core, "workers", {})}
+    assert rows["w1"]["suspended"] is False and rows["w1"]["grace_left_s"] is None
+    assert h.core.counters["worker_resumes"] == 1
+    silence_w1(h)  # again, and back by a READY of its process this time
+    resume_ready(h, W3, holds=[JOB])
+    assert (h.core.counters["worker_suspensions"], h.core.counters["worker_resumes"]) == (2, 2)
+
+
 def test_any_message_not_only_a_heartbeat_keeps_a_worker_live() -> None:
     h = two_workers()
     started_jobs_on_w1(h)

@@ -399,6 +399,23 @@ def test_the_workers_command_shows_a_suspended_worker_and_its_grace_left_and_res
     assert (h.core.counters["worker_suspensions"], h.core.counters["worker_resumes"]) == (2, 2)
 
 
+@pytest.mark.xfail(strict=True, reason="known loss, not fixed: a standalone broker drops a RESULT from a connection "
+                   "it does not know, and its worker, told no ACKs, kept no copy to send again")
+def test_a_result_sent_on_a_connection_the_broker_does_not_know_yet_reaches_its_client() -> None:
+    h = two_workers()
+    started_jobs_on_w1(h)
+    # libzmq reconnected w1's socket by itself (a cut connection): a new routing id, W3, that the
+    # broker does not know. The job ends and its RESULT goes there before w1 hears it must reconnect.
+    h.result(W3, JOB, exit_code=0)
+    [(who, told, _)] = h.take_worker()
+    assert who == W3 and told.command is Command.DISCONNECT and told.header["reason"] == "unknown worker"
+    # Its process says READY on a new socket; it holds only IDEM: it sent JOB's RESULT, and a
+    # standalone broker sends no ACKs, so it kept no copy (PROTOCOL.md §9.4).
+    resume_ready(h, b"conn-w1-again", holds=[IDEM])
+    reply = h.one_reply(C1)
+    assert reply.header["id"] == JOB and reply.header.get("exit_code") == 0, reply.header
+
+
 def test_any_message_not_only_a_heartbeat_keeps_a_worker_live() -> None:
     h = two_workers()
     started_jobs_on_w1(h)

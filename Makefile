@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check gpud cli broker worker standby libclient tests bench
 
 typecheck: $(STAMP)
-	$(BIN)/mypy -p gpud -p gpud_cli -p gpud_client
+	$(BIN)/mypy -p gpud -p gpud_cli -p gpud_client -p gpud_broker -p gpud_worker -p gpud_standby
 
 check: lint typecheck test
 

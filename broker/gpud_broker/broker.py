@@ -491,14 +491,14 @@ class Broker:
         elif took is None:
             rid = protocol.peek_id(frames[1:])
             shown = f"tenant {sender}" if isinstance(sender, str) else "this client"
-            exc = Busy(f"{shown} has too many messages waiting behind its echoes (tenant_echo_bytes_in_flight "
-                       f"{self.intake.share}, tenant_echo_bytes_per_s {self.intake.rate:g}); try later")
+            busy = Busy(f"{shown} has too many messages waiting behind its echoes (tenant_echo_bytes_in_flight "
+                        f"{self.intake.share}, tenant_echo_bytes_per_s {self.intake.rate:g}); try later")
             held = self._bad_log(("intake", shown))
             if held is not None:
-                log.warning("refused a message of %s: %s%s", shown, exc.message,
+                log.warning("refused a message of %s: %s%s", shown, busy.message,
                             f" ({held} more since its last line)" if held else "")
             if rid is not None:
-                send_frames(self.frontend, [frames[0], *protocol.error_reply(rid, exc)])
+                send_frames(self.frontend, [frames[0], *protocol.error_reply(rid, busy)])
 
     def _let_waiting_go(self) -> None:
         """Hand the core the waiting messages whose turn it is (their sender's echoes answered)."""

@@ -241,6 +241,7 @@ class WorkerSection:
     session_staging: int = _key(8 << 20, _at_least(4096))  # a session process's shared copy buffer
     compile_user: str = _key("nobody", _nonempty)  # as root, nvcc runs as this user
     drain_timeout: float = _key(30.0, _at_least(0))
+    reconnect_max: float = _key(5.0, _above(0))  # seconds: the longest wait between reconnects to a silent broker
     replica_of: str = _key("")  # the worker whose work this one takes first when it is lost
     data_bind: str = _key("", _optional_endpoint)  # where clients send session CALLs directly; empty: nowhere
     data_advertise: str = _key("", _optional_endpoint)  # the endpoint clients are told (empty: from data_bind)

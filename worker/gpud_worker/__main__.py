@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 _D = WorkerSection()  # the defaults, for the help texts
 FLAGS = {"brokers": "broker", **{key: key for key in (
     "name", "simulate", "gpu_model", "gpu_mem", "slots", "heartbeat_ms", "liveness", "workdir",
-    "job_user_prefix", "job_uids", "session_idle", "session_processes", "session_staging", "compile_user", "drain_timeout", "fault_file", "instance_id", "replica_of", "data_bind", "data_advertise", "data_ports",
+    "job_user_prefix", "job_uids", "session_idle", "session_processes", "session_staging", "compile_user", "drain_timeout", "reconnect_max", "fault_file", "instance_id", "replica_of", "data_bind", "data_advertise", "data_ports",
     "cgroups", "cgroup_parent", "job_memory", "mps", "mps_pipe_dir", "mps_log_dir", "job_network", "job_tmp_size",
     "job_dir_size", "max_job_output_bytes")}, "probation_s": "probation"}
 """[worker] key -> its flag's argparse dest (--broker, repeated, gives brokers)."""
@@ -70,6 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"a job's output files together (default {_D.max_job_output_bytes})")
     p.add_argument("--compile-user", default=None, metavar="USER", help=f"as root, compile CUDA C as this unprivileged user (default {_D.compile_user})")
     p.add_argument("--drain-timeout", type=float, help=f"seconds running work may take to finish on SIGTERM (default {_D.drain_timeout:g})")
+    p.add_argument("--reconnect-max", type=float, metavar="SECONDS",
+                   help=f"longest wait before reconnecting to a silent broker; the wait doubles from 0.1 s (default {_D.reconnect_max:g})")
     p.add_argument("--replica-of", default=None, metavar="WORKER",
                    help="take the work of worker WORKER first when it is lost (its replica)")
     p.add_argument("--data-bind", default=None, metavar="ENDPOINT",
@@ -248,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
         host_mem=_host_mem(),
         session_idle=w.session_idle,
         drain_timeout=w.drain_timeout,
+        reconnect_max=w.reconnect_max,
         curve=curve,
         instance_id=resolve_instance_id(w.instance_id),
         replica_of=w.replica_of,

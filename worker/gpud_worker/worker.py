@@ -448,7 +448,7 @@ class Worker:
         link.active = False
         self._choose_active(now)
         cfg = self.config
-        link.backoff = cfg.reconnect_min if link.backoff == 0 else min(link.backoff * 2, cfg.reconnect_max)
+        link.backoff = min(cfg.reconnect_min if link.backoff == 0 else link.backoff * 2, cfg.reconnect_max)
         link.retry_at = now + link.backoff * (0.5 + random.random() / 2)
 
     def _shutdown(self) -> None:

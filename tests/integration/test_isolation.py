@@ -42,6 +42,7 @@ from gpud_worker.cgroups import (
 )
 from gpud_worker.jobs import JobLimits, JobRunner, UserPool
 from gpud_worker.sandbox import Sandbox
+from tests.waiting import Gate
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces and pool users need root")
 
@@ -80,8 +81,8 @@ def test_the_worker_reports_namespaces(cluster: LocalCluster) -> None:
 def test_proc_shows_only_the_jobs_own_processes(cluster: LocalCluster, alice: CurveKeys, bob: CurveKeys) -> None:
     """bob's job looks for alice's running job (and its token on the command line) in /proc."""
     secret = "--api-token=" + os.urandom(8).hex()
-    with client(cluster, alice) as a, client(cluster, bob) as b:
-        running = a.submit(["sh", "-c", "sleep 5; echo done", "sh", secret], gpu_milli=1, time_limit=60)
+    with client(cluster, alice) as a, client(cluster, bob) as b, Gate() as gate:
+        running = a.submit(["sh", "-c", gate.shell(5) + "; echo done", "sh", secret], gpu_milli=1, time_limit=60)
         deadline = time.monotonic() + 20
         while not any(secret in " ".join(cmdline) for cmdline in _cmdlines()):  # as the VM sees it
             assert time.monotonic() < deadline, "alice's job did not start"
@@ -93,6 +94,7 @@ def test_proc_shows_only_the_jobs_own_processes(cluster: LocalCluster, alice: Cu
         pids = sorted(int(line.split()[0]) for line in r.stdout.decode().splitlines())
         assert pids[:2] == [1, 2] and len(pids) <= 4, r.stdout  # gpud-init, sh and its subshells
         assert b"gpud-init" in r.stdout and b"gpud.cli" not in r.stdout  # not the worker's command line
+        gate.open()
         assert running.wait().stdout == b"done\n"
 
 
@@ -215,9 +217,9 @@ def test_a_job_sees_only_its_granted_gpus_nodes(stand_in_gpu_nodes: list[str]) -
 def test_one_tenant_cannot_take_every_pool_user(cluster: LocalCluster, alice: CurveKeys, bob: CurveKeys) -> None:
     """alice floods the worker (4 pool users, share 1/2) with long jobs; bob's job still runs at
     once, while alice's are held to two at a time. Four jobs: without the share they would take
-    every pool user, and each job more is 8 s of the test's wait."""
-    with client(cluster, alice) as a, client(cluster, bob) as b:
-        flood = [a.submit(["sleep", "8"], gpu_milli=1, time_limit=30) for _ in range(4)]
+    every pool user. Each lasts 8 s, or until bob's job is done (the gate)."""
+    with client(cluster, alice) as a, client(cluster, bob) as b, Gate() as gate:
+        flood = [a.submit(["sh", "-c", gate.shell(8)], gpu_milli=1, time_limit=30) for _ in range(4)]
         deadline = time.monotonic() + 20
         while admin_call(cluster.admin, "workers")[0]["pool_free"] > 2:
             assert time.monotonic() < deadline
@@ -226,6 +228,7 @@ def test_one_tenant_cannot_take_every_pool_user(cluster: LocalCluster, alice: Cu
         r = b.run(["id", "-u"], gpu_milli=1, timeout=20)
         took = time.monotonic() - started
         row = admin_call(cluster.admin, "workers")[0]
+        gate.open()
         results = [j.wait() for j in flood]
     assert r.exit_code == 0
     assert took < 8, f"bob's job waited {took:.1f}s for alice's flood"  # it did not wait for a sleep to end

@@ -18,7 +18,7 @@ from gpud import protocol as P
 from gpud.protocol import Command, Peer
 from gpud_cli.cluster import LocalCluster
 from gpud_client import BUILTIN, Client, OutOfMemory, SessionLost, WorkerLost
-from tests.waiting import wait_for
+from tests.waiting import Gate, wait_for
 
 HB = ["--heartbeat-ms", "200"]
 
@@ -184,6 +184,12 @@ def test_busy_worker_reports_running_work(cluster: LocalCluster, client: Client)
     assert job.wait().exit_code == 0
 
 
+def running_on(c: LocalCluster, worker: str) -> set[str]:
+    """The ids (hex) of the work ``worker`` runs, as the broker's status lists it (from its
+    heartbeats)."""
+    return {r["id"] for w in c.status()["workers"] if w["name"] == worker for r in w["running"]}
+
+
 @pytest.fixture()
 def small_cluster(job_user_prefix: str | None) -> Iterator[LocalCluster]:
     with LocalCluster(workers=2, gpus_per_worker=1, heartbeat_ms=200, job_user_prefix=job_user_prefix,
@@ -193,10 +199,11 @@ def small_cluster(job_user_prefix: str | None) -> Iterator[LocalCluster]:
 
 def test_killed_worker_removed_and_its_work_placed_elsewhere(small_cluster: LocalCluster) -> None:
     c = small_cluster
-    with Client(c.frontend, timeout=60) as client:
-        # One whole-GPU job per worker runs; the rest wait in the broker's queue.
-        jobs = [client.submit(["sh", "-c", "sleep 1.5; echo done"], gpu_milli=1000, time_limit=30, idempotent=True)
-                for _ in range(4)]
+    with Client(c.frontend, timeout=60) as client, Gate() as gate:
+        # One whole-GPU job per worker runs; the rest wait in the broker's queue. Each runs until
+        # w0 is gone (the gate), 20 s at most.
+        jobs = [client.submit(["sh", "-c", gate.shell(20) + "; echo done"], gpu_milli=1000, time_limit=30,
+                              idempotent=True) for _ in range(4)]
         fragile = None
 
         def on_both():  # type: ignore[no-untyped-def]
@@ -207,6 +214,7 @@ def test_killed_worker_removed_and_its_work_placed_elsewhere(small_cluster: Loca
         c.kill_worker("w0", signal.SIGKILL)
         st = wait_for(lambda: (s := c.status())["counts"]["workers"] == 1 and s, what="w0 removed")
         assert [w["name"] for w in st["workers"]] == ["w1"]
+        gate.open()
         fragile = client.submit(["sleep", "0.1"], gpu_milli=1000, time_limit=30)
         results = [j.wait() for j in jobs]
         assert all(r.exit_code == 0 and r.stdout == b"done\n" for r in results)
@@ -223,17 +231,14 @@ def test_non_idempotent_job_on_killed_worker_gets_worker_lost(small_cluster: Loc
         wait_for(lambda: c.status()["counts"]["running"] == 2, what="both jobs dispatched")
         # Begun, not only dispatched: a job its worker had not started yet would be placed again.
         wait_for(lambda: " started as " in c.log_tail("w1", 200), what="w1's job started")
+        [on_w1] = wait_for(lambda: [j for j in jobs if j.id.hex() in running_on(c, "w1")],
+                           what="w1's job in its heartbeat's running list")
         c.kill_worker("w1", signal.SIGKILL)
-        outcomes = []
-        for j in jobs:
-            try:
-                outcomes.append(j.wait(timeout=5).exit_code)
-            except WorkerLost:
-                outcomes.append("lost")
-            except Exception as exc:  # the other job keeps running on w0 past the wait
-                outcomes.append(type(exc).__name__)
-        assert "lost" in outcomes
-        c.kill_worker("w0", signal.SIGKILL)  # not drained at the close: the test is over
+        with pytest.raises(WorkerLost):  # not placed again: it had begun, and may not run twice
+            on_w1.wait(timeout=30)
+        # The test is over: neither w0's job drained at the close, nor the broker's wait for it.
+        c.kill_worker("w0", signal.SIGKILL)
+        c.kill_broker("broker")
 
 
 def test_session_of_vanished_client_is_reclaimed(small_cluster: LocalCluster) -> None:

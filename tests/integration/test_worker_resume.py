@@ -24,6 +24,7 @@ from gpud.errors import WorkerLost
 from gpud_cli.cluster import LocalCluster, admin_call
 from gpud_client import Client, Session
 from tests.integration.chaos import executions
+from tests.waiting import Gate
 
 N = 64  # floats in bob's buffer
 
@@ -87,8 +88,8 @@ def check_alice_and_bob_served(c: LocalCluster, pending: Any, short_id: str, s: 
 def test_a_frozen_worker_keeps_its_job_and_the_other_tenants_session(cluster: LocalCluster) -> None:
     c = cluster
     bob, s, ptr = bobs_session(c)
-    with Client(c.frontend, timeout=30, curve=c.client_keys("alice")) as alice:
-        pending = alice.submit(["sh", "-c", "sleep 3; echo alice-done"], gpu_milli=100)
+    with Client(c.frontend, timeout=30, curve=c.client_keys("alice")) as alice, Gate() as gate:
+        pending = alice.submit(["sh", "-c", gate.shell(10) + "; echo alice-done"], gpu_milli=100)
         short_id = pending.id.hex()[:12]
         assert wait_for(lambda: job_started(c, short_id)), c.log_tail("w0")
         proc = c.worker_procs["w0"]
@@ -98,6 +99,8 @@ def test_a_frozen_worker_keeps_its_job_and_the_other_tenants_session(cluster: Lo
             time.sleep(0.5)  # well past its liveness, well inside its grace window
         finally:
             proc.send_signal(signal.SIGCONT)
+        assert wait_for(lambda: "is back after" in c.log_tail("broker", 200)), c.log_tail("broker")
+        gate.open()  # the job ran through the freeze; it may end now
         check_alice_and_bob_served(c, pending, short_id, s, ptr)
         assert "is back after" in (c.rundir / "broker.log").read_text()  # type: ignore[operator]
     s.close()
@@ -108,8 +111,8 @@ def test_a_cut_connection_resumes_by_incarnation(cluster: LocalCluster) -> None:
     c = cluster
     bob, s, ptr = bobs_session(c)
     port = urlparse(str(c.backend)).port
-    with Client(c.frontend, timeout=30, curve=c.client_keys("alice")) as alice:
-        pending = alice.submit(["sh", "-c", "sleep 3; echo alice-done"], gpu_milli=100)
+    with Client(c.frontend, timeout=30, curve=c.client_keys("alice")) as alice, Gate() as gate:
+        pending = alice.submit(["sh", "-c", gate.shell(10) + "; echo alice-done"], gpu_milli=100)
         short_id = pending.id.hex()[:12]
         assert wait_for(lambda: job_started(c, short_id)), c.log_tail("w0")
         # The worker's TCP connection to the broker's backend is aborted (a network fault): its
@@ -118,6 +121,7 @@ def test_a_cut_connection_resumes_by_incarnation(cluster: LocalCluster) -> None:
         assert cut.returncode == 0, cut.stderr
         log = c.rundir / "broker.log"  # type: ignore[operator]
         assert wait_for(lambda: "w0 resumed" in log.read_text()), c.log_tail("broker")
+        gate.open()  # the job ran through the cut; it may end now
         check_alice_and_bob_served(c, pending, short_id, s, ptr)
     s.close()
     bob.close()
@@ -140,8 +144,8 @@ def test_a_restarted_worker_is_a_new_process_its_job_lost_as_before(cluster: Loc
 
 def test_a_job_placed_again_while_its_worker_was_frozen_is_killed_there_not_resumed(cluster: LocalCluster) -> None:
     c = cluster
-    with Client(c.frontend, timeout=30, curve=c.client_keys("alice")) as alice:
-        pending = alice.submit(["sh", "-c", "sleep 4; echo again"], gpu_milli=100, idempotent=True)
+    with Client(c.frontend, timeout=30, curve=c.client_keys("alice")) as alice, Gate() as gate:
+        pending = alice.submit(["sh", "-c", gate.shell(10) + "; echo again"], gpu_milli=100, idempotent=True)
         short_id = pending.id.hex()[:12]
         assert wait_for(lambda: job_started(c, short_id)), c.log_tail("w0")
         c.add_worker("w1")  # after the job went to w0: where it goes when w0 is suspended
@@ -156,6 +160,7 @@ def test_a_job_placed_again_while_its_worker_was_frozen_is_killed_there_not_resu
         w0_log = c.rundir / "w0.log"  # type: ignore[operator]
         assert wait_for(lambda: f"{short_id}" in w0_log.read_text() and "stopped by the broker" in w0_log.read_text()), \
             c.log_tail("w0")
+        gate.open()  # w0's copy is stopped: w1's may end
         got = pending.wait()
         assert got.exit_code == 0 and got.stdout == b"again\n" and got.worker == "w1", got
         assert counters(c)["worker_losses"] == 0

@@ -277,3 +277,6 @@ def test_nothing_outlives_the_worker(sig: signal.Signals) -> None:
         worker.wait(10)  # SIGTERM: it does not wait for the stuck call
         wait_for(lambda: all(gone(p.pid) for p in helpers), "the worker's helper processes to end", timeout=10)
         del idle
+        # The test is over: the broker's close would wait 10 s for the stuck call's answer (from
+        # a worker that is gone, or not yet judged gone after a SIGKILL).
+        c.kill_broker("broker")

@@ -18,6 +18,10 @@ from pathlib import Path
 from gpud.errors import GpudError
 from gpud_client import Client
 
+RECONNECT_MAX = ["--reconnect-max", "0.5"]
+"""Worker flags for a test that waits for workers to be back with a restarted broker: they retry a
+dead one every 0.5 s at most, not every 5 s (the default backoff is not what such a test is about)."""
+
 _JOB = re.compile(r"job ([0-9a-f]{12})[0-9a-f]* started")
 _ECHO = re.compile(r"echo ([0-9a-f]{12})\b")
 

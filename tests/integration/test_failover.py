@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpud_cli.cluster import LocalCluster
-from tests.integration.chaos import duplicates, executions, run_load
+from tests.integration.chaos import RECONNECT_MAX, duplicates, executions, run_load
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
@@ -29,8 +29,10 @@ def pair(tmp_path: Path) -> Iterator[LocalCluster]:
     # (1 s x 3). Under load on a small machine a daemon's loop is starved for most of a second
     # (broker turns of 0.8 s wall for 0.13 s of CPU measured on 2 shared cores); a liveness of
     # 0.75 s made that a second failure (a worker judged lost: its started jobs WORKER_LOST).
+    # Workers retry a dead broker at least every 0.5 s (RECONNECT_MAX), not every 5 s: the fail-back
+    # waits for them to be back with the restarted primary, and the backoff is not what it tests.
     with LocalCluster(workers=2, gpus_per_worker=2, pair=True, heartbeat_ms=250, liveness=12, rundir=tmp_path,
-                      worker_args=["--log-level", "DEBUG", "--slots", "128"]) as c:
+                      worker_args=["--log-level", "DEBUG", "--slots", "128", *RECONNECT_MAX]) as c:
         c.wait_active()
         yield c
 
@@ -84,7 +86,7 @@ def test_broker_failover_under_load_then_fail_back(pair: LocalCluster) -> None:
     st = _wait_synced(pair, "primary")
     assert st["peer_state"] == "active"
     # One failure at a time: the pair is whole again once the workers are back with the restarted
-    # primary too (they retry a dead broker every few seconds). Killing the backup before that is a
+    # primary too (they retry a dead broker every half second here). Killing the backup before that is a
     # second failure, in which the primary cannot know what ran on a worker it never heard from.
     _wait_workers_known(pair, "primary")
     _kill_under_load(pair, "backup", rng)

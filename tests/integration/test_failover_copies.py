@@ -18,6 +18,7 @@ import pytest
 
 from gpud_cli.cluster import LocalCluster, admin_call
 from gpud_client import Client
+from tests.integration.chaos import RECONNECT_MAX
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(180) if hasattr(pytest.mark, "timeout") else []
@@ -48,7 +49,7 @@ class Kill:
 def test_relayed_copies_cut_by_a_broker_failover_keep_their_bytes(tmp_path: Path) -> None:
     data = np.random.default_rng(7).integers(0, 255, SIZE, dtype=np.uint8)
     with LocalCluster(workers=1, gpus_per_worker=1, pair=True, heartbeat_ms=250, liveness=12, rundir=tmp_path,
-                      direct=False) as c:
+                      direct=False, worker_args=RECONNECT_MAX) as c:
         c.wait_active()
         with Client(c.frontends, timeout=60, chunk_bytes=CHUNK, chunk_window=2) as client, \
                 client.session(mem=2 * SIZE) as s:

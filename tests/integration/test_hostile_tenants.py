@@ -555,3 +555,7 @@ def test_a_queue_flood_at_the_budgets_limits_keeps_the_brokers_memory_under_thei
             b.close()
             ctx.term()
         assert c.broker.poll() is None
+        # The test is over: the close would wait for the worker's drain of its 20 s job (cut at the
+        # close's 15 s), and the broker's for its answer.
+        c.kill_worker("w0")
+        c.kill_broker("broker")

@@ -64,6 +64,7 @@ def test_defaults_are_the_daemons_defaults(tmp_path: Path) -> None:
     assert broker_config(cfg) == BrokerConfig()
     w = WorkerConfig(name="x", brokers=())
     assert (cfg.worker.slots, cfg.worker.session_idle, cfg.worker.drain_timeout) == (w.slots, w.session_idle, w.drain_timeout)
+    assert cfg.worker.reconnect_max == w.reconnect_max
     assert (cfg.worker.heartbeat_ms / 1000, cfg.worker.liveness) == (w.heartbeat.interval, w.heartbeat.liveness)
 
 

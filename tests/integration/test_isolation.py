@@ -42,7 +42,7 @@ from gpud_worker.cgroups import (
 )
 from gpud_worker.jobs import JobLimits, JobRunner, UserPool
 from gpud_worker.sandbox import Sandbox
-from tests.waiting import Gate
+from tests.waiting import Gate, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces and pool users need root")
 
@@ -291,8 +291,9 @@ def test_two_local_clusters_do_not_touch_each_others_jobs() -> None:
             LocalCluster(workers=1, heartbeat_ms=200, dynamic_uid_base=UID_BASE) as two:
         mine, theirs = one.uid_blocks["w0"], two.uid_blocks["w0"]
         assert set(mine).isdisjoint(theirs)
-        with Client(one.frontend, timeout=60) as c1, Client(two.frontend, timeout=60) as c2:
-            long = c1.submit(["sh", "-c", "sleep 4; id -u"], gpu_milli=1, time_limit=30)
+        with Client(one.frontend, timeout=60) as c1, Client(two.frontend, timeout=60) as c2, Gate() as gate:
+            # The long job runs until the other cluster has run (and cleaned up after) ten jobs.
+            long = c1.submit(["sh", "-c", gate.shell(20) + "; id -u"], gpu_milli=1, time_limit=30)
             done = threading.Event()
             users = []
 
@@ -303,12 +304,14 @@ def test_two_local_clusters_do_not_touch_each_others_jobs() -> None:
             t = threading.Thread(target=churn)
             t.start()
             try:
+                wait_for(lambda: len(users) >= 10 or long.done(), "ten jobs of the other cluster")
+                gate.open()
                 r = long.wait()
             finally:
                 done.set()
                 t.join()
     assert r.exit_code == 0 and int(r.stdout) in mine  # not killed by the other cluster's cleanup
-    assert users and all(u in theirs for u in users)
+    assert len(users) >= 10 and all(u in theirs for u in users)
 
 
 def test_cgroup_v1_limits_memory_and_denies_the_gpus_not_granted(stand_in_gpu_nodes: list[str], tmp_path: Path) -> None:

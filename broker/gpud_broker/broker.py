@@ -86,7 +86,9 @@ SIDE_BATCH = 64  # ZAP requests, and events of each monitor, handled per tick at
 SIDE_STEP = 8  # the same, per round of the loop that polled them readable (then the sockets' turn, and a poll again)
 WAITING_SHARES = 16  # a sender's messages waiting behind its echoes in flight: this many shares of bytes at most
 _NEW_WORK = (protocol.CMD_BYTES[Command.REQUEST], protocol.CMD_BYTES[Command.CALL], protocol.CMD_BYTES[Command.PUT])
-_WHO_WORKER = frozenset((protocol.CMD_BYTES[Command.READY], protocol.CMD_BYTES[Command.BATCH]))  # worker messages read with their key's name
+# Worker messages read with their key's name: READY, and a FETCH (or a BATCH of them) on a data
+# connection, which the broker binds to a worker by that name (PROTOCOL.md §11.3).
+_WHO_WORKER = frozenset(protocol.CMD_BYTES[c] for c in (Command.READY, Command.BATCH, Command.FETCH))
 Decoded = protocol.Message | GpudError | None  # a client message as the handlers get it: decoded, why it could not be, or not yet
 
 
@@ -798,7 +800,7 @@ class Broker:
         return BATCH
 
     def _drain_workers(self, sock: zmq.Socket[bytes]) -> int:
-        """``_drain`` for the backend: a READY (or a BATCH) with its worker's key name under CURVE."""
+        """``_drain`` for the backend: a READY, a FETCH (or a BATCH) with its worker's key name under CURVE."""
         if self.zap is None:
             return self._drain(sock, self._on_worker)
         for n in range(BATCH):
@@ -844,7 +846,7 @@ class Broker:
     def _from_worker(self, ident: bytes, msg: protocol.Message, raw: bytes, frames: list[bytes] | None,
                      user: str | None = None) -> None:
         """One message of a worker, alone or out of a BATCH (``frames`` None: rebuilt when needed).
-        ``user``: its key's name (CURVE; read for READY and BATCH only)."""
+        ``user``: its key's name (CURVE; read for READY, FETCH and BATCH only)."""
         try:
             self.core.on_worker(ident, msg, raw, user)
         except Exception as exc:

@@ -63,7 +63,8 @@ log = logging.getLogger(__name__)
 
 COUNTERS = ("requests", "retries", "errors", "bad_messages", "bad_routes", "worker_losses", "takeovers",
             "job_timeouts", "session_replays", "refused_workers", "fd_pauses", "refused_connections",
-            "bad_unanswered", "cut_connections", "worker_suspensions", "worker_resumes")
+            "bad_unanswered", "cut_connections", "worker_suspensions", "worker_resumes", "fetches_on_control",
+            "fetches_on_data")
 MAX_OWNERS = 1 << 18  # routing ids whose authenticated sender is remembered (oldest forgotten first)
 MAX_USERS = 4096  # ZAP User-Ids whose parse is remembered
 
@@ -452,13 +453,16 @@ class BrokerCore:
     # ------------------------------------------------------------------ worker dialog
 
     def on_worker(self, identity: bytes, msg: Message, raw_header: bytes, user: str | None = None) -> None:
-        """``user``: for a READY under CURVE, the name of the worker's key (the ZAP User-Id)."""
+        """``user``: for a READY or a FETCH under CURVE, the name of the worker's key (the ZAP User-Id)."""
         cmd = msg.command
         worker = self.registry.by_identity.get(identity)
         if cmd is Command.READY:
             self.workers.on_ready(identity, worker, msg.header, user)
             return
         if worker is None:
+            if cmd is Command.FETCH and "worker" in msg.header:
+                self._on_data_fetch(identity, msg.header, user)
+                return
             log.info("%s from an unknown worker connection; asking it to reconnect", cmd.name)
             self.send_worker(identity, protocol.encode(Peer.WORKER, Command.DISCONNECT, {"reason": "unknown worker"}))
             return
@@ -470,6 +474,7 @@ class BrokerCore:
         elif cmd is Command.HEARTBEAT:
             self.workers.on_heartbeat(worker, msg.header)
         elif cmd is Command.FETCH:
+            self.counters["fetches_on_control"] += 1
             if self.active:
                 self.staging.on_fetch(self, worker, msg.header)
         elif cmd is Command.CHUNK:
@@ -484,6 +489,22 @@ class BrokerCore:
             self.workers.lost(worker, "disconnected", graceful=True)
         else:
             raise UnknownCommand(f"command {cmd.name} is not valid from a worker")
+
+    def _on_data_fetch(self, identity: bytes, header: dict[str, Any], user: str | None) -> None:
+        """A FETCH on a worker's data connection (PROTOCOL.md §11.3), served on that connection
+        only for the worker it names, when that worker is registered, the incarnation is the
+        one its READY said and, under CURVE, the connection's key is that worker's. Anything
+        else is a bad message (raised: the shell counts and answers it); it touches nothing of
+        the worker named, whose liveness is its control connection's alone."""
+        name = header.get("worker")
+        worker = self.registry.by_name.get(name) if type(name) is str else None
+        if (worker is None or not worker.incarnation or header.get("incarnation") != worker.incarnation
+                or (self.worker_names_bound and user != worker.name)):
+            raise InvalidRequest("a FETCH on a data connection must name a connected worker and its incarnation, "
+                                 "and come with that worker's key")
+        self.counters["fetches_on_data"] += 1
+        if self.active:
+            self.staging.on_fetch(self, worker, header, identity)
 
     def worker_gone(self, name: str) -> None:
         """Worker ``name`` left the registry: the settling and the output pulls stop waiting for it."""

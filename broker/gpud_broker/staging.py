@@ -209,20 +209,22 @@ class Staging:
                 self.spool.mark_read(up, i, start)  # its memory copy is let go once on disk
                 self._send_chunk(core, identity, up.job, i, start, frame)
             else:
-                self._answer_fetch(core, identity, up, i, start, n)
+                self._answer_fetch(core, identity, up, i, start, n, up.fetcher or "")
         if len(still) < len(up.waiting):  # bytes came for the worker: it is not starved
             up.starved = core.now if still else 0.0
         up.waiting = still
 
-    def _answer_fetch(self, core: BrokerCore, identity: bytes, up: Upload, index: int, offset: int, nbytes: int) -> None:
-        """CHUNK with the bytes a worker's FETCH asks for, which the spool holds: now when they
-        are in memory, else once the spool's disk thread has read them (never waiting for it)."""
+    def _answer_fetch(self, core: BrokerCore, identity: bytes, up: Upload, index: int, offset: int, nbytes: int,
+                      name: str) -> None:
+        """CHUNK, to ``identity`` (the connection the FETCH came on), with the bytes a worker's
+        FETCH asks for, which the spool holds: now when they are in memory, else once the
+        spool's disk thread has read them (never waiting for it), while the job is still on
+        worker ``name``."""
         job = up.job
 
         def deliver(got: bytes | OSError) -> None:
             task = core.tasks.tasks.get(job)
-            worker = core.registry.by_identity.get(identity)
-            if self.spool.uploads.get(job) is not up or task is None or worker is None or task.worker != worker.name:
+            if self.spool.uploads.get(job) is not up or task is None or task.worker != name or name not in core.registry.by_name:
                 return  # it ended, or was placed elsewhere, meanwhile
             if isinstance(got, OSError):
                 self._read_failed(core, task, got)
@@ -369,7 +371,10 @@ class Staging:
 
     # ------------------------------------------------------------------ workers: FETCH
 
-    def on_fetch(self, core: BrokerCore, worker: WorkerRecord, header: dict[str, Any]) -> None:
+    def on_fetch(self, core: BrokerCore, worker: WorkerRecord, header: dict[str, Any], identity: bytes | None = None) -> None:
+        """A FETCH of ``worker``'s, on its data connection ``identity`` (None: on its control
+        connection), answered on the connection it came on (PROTOCOL.md §11.3)."""
+        to = worker.identity if identity is None else identity
         rid = protocol.get_id(header)
         try:
             index = protocol.req(header, "file", int)
@@ -390,16 +395,16 @@ class Staging:
                 if up.held:
                     self._let_held_go(core, up)
             if offset >= 0 and offset + nbytes > up.have[index]:  # still coming: answered when it is here
-                ask = (worker.identity, index, offset, nbytes)
+                ask = (to, index, offset, nbytes)
                 if ask not in up.waiting and len(up.waiting) < MAX_WAITING:
                     if not up.waiting:
                         up.starved = core.now
                     up.waiting.append(ask)
                 return
-            self._answer_fetch(core, worker.identity, up, index, offset, nbytes)
+            self._answer_fetch(core, to, up, index, offset, nbytes, worker.name)
         except (GpudError, IndexError) as exc:
             err = exc if isinstance(exc, GpudError) else InvalidRequest("no such staged file")
-            core.send_worker(worker.identity, protocol.encode(Peer.WORKER, Command.ERROR,
+            core.send_worker(to, protocol.encode(Peer.WORKER, Command.ERROR,
                                                               {"code": err.code, "message": err.message, "id": rid}))
 
     # ------------------------------------------------------------------ outputs: pulled from workers, read by clients

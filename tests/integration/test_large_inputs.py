@@ -176,7 +176,10 @@ def test_300mb_and_1gib_inputs_and_300mb_outputs_while_another_client_works_on_t
     assert stalls(pair, before) == []
     silent = [r.getMessage() for r in caplog.records if "silent" in r.getMessage()]
     assert silent == [], "a client took its broker for silent"
-    spool = admin_call(pair.admin_of("primary"), "status")["spool"]
+    status = admin_call(pair.admin_of("primary"), "status")
+    # Every staged byte went to the worker on its data connection, none ahead of the control dialog.
+    assert status["counters"]["fetches_on_data"] >= 1324 and status["counters"]["fetches_on_control"] == 0
+    spool = status["spool"]
     # The inputs went with their jobs; the outputs stay stage_ttl after their last read (a retry's).
     assert (spool["uploads"], spool["reserved"], spool["stored"]) == (1, 300 * MiB, 300 * MiB)
 
@@ -224,4 +227,7 @@ def test_sigkill_of_the_active_broker_mid_upload_runs_the_job_exactly_once(pair:
     pair.kill_broker(active)
     assert stored < len(data), "the upload was over before the kill"
     ran_once(thread, result, data, worker_logs, jobs_before)
-    assert pair.wait_active() != active
+    now_active = pair.wait_active()
+    assert now_active != active
+    # The worker asked the new active broker again, on its data connection to it.
+    assert admin_call(pair.admin_of(now_active), "status")["counters"]["fetches_on_data"] > 0

@@ -3,14 +3,18 @@ their own, bound by the broker's core to the worker they name only when that is 
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import Any
 
 import pytest
+import zmq
 
 from gpud import protocol as P
 from gpud.errors import GpudError
 from gpud.heartbeat import HeartbeatPolicy
 from gpud.protocol import Command, Peer
+from gpud_worker.fetch import IO_NICE, _io_threads, data_context
 from tests.unit.test_broker_core import W1, W2, Harness
 from tests.unit.test_staging import DATA, JOB, put, replies, stage_all, staged_job
 
@@ -153,3 +157,20 @@ def test_a_flood_of_unbound_fetches_changes_nothing_of_the_worker_it_names() -> 
     data_fetch(h, data, worker=name, incarnation=inc)
     (to, msg, _), = h.take_worker()
     assert to == data and msg.command is Command.CHUNK
+
+
+def test_the_data_connections_io_thread_runs_io_nice_nicer_and_the_other_contexts_do_not() -> None:
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    before = set(os.listdir("/proc/self/task"))
+    control = zmq.Context(io_threads=1)
+    control.socket(zmq.DEALER).close(0)  # another context's I/O thread
+    ctx = data_context()
+    try:
+        (new,) = _io_threads() - before
+        assert os.getpriority(os.PRIO_PROCESS, int(new)) == min(19, mine + IO_NICE)
+        started = set(os.listdir("/proc/self/task")) - before - {new}  # the control context's threads
+        assert started and all(os.getpriority(os.PRIO_PROCESS, int(tid)) == mine for tid in started)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    finally:
+        ctx.destroy(0)
+        control.destroy(0)

@@ -9,6 +9,10 @@ writes each input file from the chunks as they come (``StagedFile.copy_to``, cal
 runner where it writes inline inputs), so the worker's loop never touches the disk and each byte
 is written once. A chunk taken counts against the window until it is written: the loop asks for
 more only as the job's thread keeps up (``busy``), which bounds the memory held.
+
+The FETCHes and their CHUNKs travel on each broker link's data connection, a socket of a ZeroMQ
+context of their own (``data_context``) whose one I/O thread runs IO_NICE nicer, so that moving
+the bulk bytes yields the CPU to the control connection's heartbeats, DISPATCHes and RESULTs.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import zmq
 
 from gpud.protocol import id_text
 from gpud.transfer import CHUNK_BYTES, WINDOW, ChunkWindow, pwrite_all
@@ -28,6 +35,9 @@ log = logging.getLogger(__name__)
 
 ABANDON_WAIT_S = 600.0  # a job thread waits at most this long for its next chunk
 WRITE_NICE = 10  # how much nicer a job thread writes fetched inputs (as root)
+IO_NICE = 10  # how much nicer the data connections' I/O thread runs than the process
+IO_PREFIX = 7  # the data context's thread names begin "7/" (ZMQ_THREAD_NAME_PREFIX)
+IO_THREAD = f"{IO_PREFIX}/ZMQbg/IO/0"  # what libzmq then names its one I/O thread (/proc/self/task/TID/comm)
 
 
 class FetchAbandoned(Exception):
@@ -139,3 +149,38 @@ class StagedFile:
         """Write the whole file to ``out`` (a new, empty file); raises FetchAbandoned when the
         fetch ends first."""
         self.fetch.write_file(out, self.index)
+
+
+def data_context() -> zmq.Context[Any]:
+    """A ZeroMQ context for the broker links' data connections (PROTOCOL.md §11.3): one I/O
+    thread, IO_NICE nicer than the caller (raising one's nice needs no privilege). libzmq starts
+    the thread with the context's first socket and names it a moment later; its name's prefix
+    (IO_PREFIX) tells it from other contexts' I/O threads, and so does its being new."""
+    before = set(os.listdir("/proc/self/task"))
+    ctx: zmq.Context[Any] = zmq.Context(io_threads=1)
+    ctx.set(zmq.THREAD_NAME_PREFIX, IO_PREFIX)
+    ctx.socket(zmq.DEALER).close(0)
+    deadline = time.monotonic() + 2.0
+    while not (new := _io_threads() - before) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    for tid in new:
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), min(19, os.getpriority(os.PRIO_PROCESS, int(tid)) + IO_NICE))
+        except OSError as exc:
+            log.warning("cannot make the data connections' I/O thread nicer: %s", exc)
+    if not new:
+        log.warning("the data connections' I/O thread was not found: it runs as nice as the loop")
+    return ctx
+
+
+def _io_threads() -> set[str]:
+    """The ids of this process's threads named as a data context's I/O thread."""
+    found = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == IO_THREAD:
+                    found.add(tid)
+        except OSError:
+            continue  # it ended meanwhile
+    return found

@@ -45,7 +45,7 @@ from gpud.security import HANDSHAKE_FAILURES, CurveKeys, HandshakeLog, apply_cli
 from gpud.sockets import NOBLOCK, recv_frames, send_frames
 from gpud_worker.data import DataSocket, SessionSocket
 from gpud_worker.device import Device, DeviceSession
-from gpud_worker.fetch import Fetch, FetchAbandoned, StagedFile
+from gpud_worker.fetch import Fetch, FetchAbandoned, StagedFile, data_context
 from gpud_worker.gpu import GpuProbe
 from gpud_worker.jobs import JobGrant, JobRunner
 
@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 HOUSEKEEPING_S = 0.02  # how often liveness, heartbeats and idle sessions are looked at
 UNACKED_TTL_S = 600.0  # seconds a RESULT is kept for a broker that never ACKs it
 STAGE_OUTPUTS_ABOVE = 8 << 20  # output files larger together are staged: fetched by the broker (PROTOCOL.md §11.5)
+DATA_DRAIN = 64  # messages of a data connection handled per loop turn at most (each a chunk, 1 MiB)
 
 # Where a session call's answer goes: an int is the index of the broker link it came on; bytes are
 # the routing id of the client that sent it on the session's own socket.
@@ -98,15 +99,20 @@ class WorkerConfig:
 
 
 class BrokerLink:
-    """One DEALER connection to one broker, with its liveness and reconnect backoff."""
+    """The connections to one broker, with their liveness and reconnect backoff: the control
+    connection (``sock``: the worker dialog) and, with ``data_ctx``, the data connection
+    (``data_sock``, a socket of that context: the staged inputs' FETCHes and their CHUNKs,
+    PROTOCOL.md §11.3), opened, closed and opened again together."""
 
     def __init__(self, ctx: zmq.Context[Any], endpoint: str, policy: HeartbeatPolicy, now: float,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None, data_ctx: zmq.Context[Any] | None = None) -> None:
         self.ctx = ctx
+        self.data_ctx = data_ctx
         self.endpoint = endpoint
         self.policy = policy
         self.curve = curve
         self.sock: zmq.Socket[bytes] | None = None
+        self.data_sock: zmq.Socket[bytes] | None = None
         self.monitor: zmq.Socket[bytes] | None = None  # handshake failures (CURVE only)
         self.handshakes = HandshakeLog("broker", skip_auth=False)
         self.liveness = Liveness(policy, now)
@@ -120,20 +126,30 @@ class BrokerLink:
         # Messages wait here until the loop's turn ends (``flush``): a burst of RESULTs to a burst
         # of DISPATCHes then goes out as one BATCH (PROTOCOL.md §2.1), in the order queued.
         self.out: list[list[Any]] = []
+        self.data_out: list[list[Any]] = []  # the same, for the data connection
 
     def open(self, now: float) -> zmq.Socket[bytes]:
-        sock: zmq.Socket[bytes] = self.ctx.socket(zmq.DEALER)
+        """Connect (the data connection too); returns the control connection's socket."""
+        sock = self._dealer(self.ctx)
+        if self.curve is not None:
+            self.monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
+        sock.connect(self.endpoint)
+        self.sock = sock
+        if self.data_ctx is not None:
+            self.data_sock = self._dealer(self.data_ctx)
+            self.data_sock.connect(self.endpoint)
+        self.welcomed = False
+        self.active = False
+        self.liveness = Liveness(self.policy, now)
+        return sock
+
+    def _dealer(self, ctx: zmq.Context[Any]) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         if self.curve is not None:
             apply_client_keys(sock, self.curve)
-            self.monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
-        sock.connect(self.endpoint)
-        self.sock = sock
-        self.welcomed = False
-        self.active = False
-        self.liveness = Liveness(self.policy, now)
         return sock
 
     def check_handshakes(self) -> None:
@@ -146,15 +162,27 @@ class BrokerLink:
         if self.sock is not None:
             self.out.append(frames)
 
+    def send_data(self, frames: list[Any]) -> None:
+        """Queue one message for this broker's data connection (the control one without it)."""
+        if self.data_sock is not None:
+            self.data_out.append(frames)
+        else:
+            self.send(frames)
+
     def flush(self) -> None:
         """Send what is queued, runs of small messages as one BATCH each."""
         if self.sock is not None:
             for frames in protocol.batched(self.out):
                 send_frames(self.sock, frames)
         self.out.clear()
+        if self.data_out:
+            if self.data_sock is not None:
+                for frames in protocol.batched(self.data_out):
+                    send_frames(self.data_sock, frames)
+            self.data_out.clear()
 
     def close(self) -> None:
-        if self.out:
+        if self.out or self.data_out:
             self.flush()
         if self.sock is not None:
             if self.monitor is not None:
@@ -164,6 +192,9 @@ class BrokerLink:
                 self.monitor = None
             self.sock.close(0)
             self.sock = None
+        if self.data_sock is not None:
+            self.data_sock.close(0)
+            self.data_sock = None
 
 
 class SessionRunner:
@@ -222,6 +253,7 @@ class Worker:
         self.ctx = ctx or zmq.Context.instance()
         now = time.monotonic()
         self.links = [BrokerLink(self.ctx, ep, config.heartbeat, now, config.curve) for ep in config.brokers]
+        self.data_ctx: zmq.Context[Any] | None = None  # the links' data connections' (``run``)
         self.jobs = ThreadPoolExecutor(max_workers=config.slots, thread_name_prefix="job")
         self.sessions: dict[bytes, SessionRunner] = {}
         self._session_threads: list[threading.Thread] = []  # running or ended not long ago
@@ -351,6 +383,10 @@ class Worker:
         """Serve until stop(); then drain for at most ``drain_timeout`` and disconnect."""
         if self.data is not None:
             self.data.start()
+        # The links' data connections share one context of their own, its I/O thread nicer.
+        self.data_ctx = data_context()
+        for link in self.links:
+            link.data_ctx = self.data_ctx
         try:
             self._loop()
         finally:
@@ -374,6 +410,8 @@ class Worker:
             for link in self.links:
                 if link.sock is None and now >= link.retry_at:
                     poller.register(link.open(now), zmq.POLLIN)
+                    if link.data_sock is not None:
+                        poller.register(link.data_sock, zmq.POLLIN)
                     self._send(link, Command.READY, self.ready_header())
                     log.info("connecting to broker %s", link.endpoint)
             if self._stop.is_set():
@@ -385,7 +423,7 @@ class Worker:
                 if not self.running or now >= drain_deadline:
                     return
             for link in self.links:
-                if link.out:
+                if link.out or link.data_out:
                     link.flush()
             # Poll only after a round that found nothing to do: while work keeps coming, reading
             # until empty costs fewer system calls than a poll per round.
@@ -410,6 +448,10 @@ class Worker:
             for i, link in enumerate(self.links):
                 sock = link.sock
                 if sock is not None and self._drain(i, link, sock, poller):
+                    busy = True
+            for i, link in enumerate(self.links):  # the data connections after every control one
+                data = link.data_sock
+                if data is not None and self._drain_data(i, link, data):
                     busy = True
             now = time.monotonic()
             if now < next_housekeeping:
@@ -444,6 +486,8 @@ class Worker:
     def _reconnect(self, link: BrokerLink, poller: zmq.Poller, now: float) -> None:
         if link.sock is not None:
             poller.unregister(link.sock)
+        if link.data_sock is not None:
+            poller.unregister(link.data_sock)
         link.close()
         link.active = False
         self._choose_active(now)
@@ -464,6 +508,8 @@ class Worker:
         for rid in list(self.fetches):
             self._end_fetch(rid)
         self.close_wake_pipe()
+        if self.data_ctx is not None:
+            self.data_ctx.destroy(0)
         if self.data is not None:
             self.data.close()
         self.probe.close()
@@ -551,7 +597,7 @@ class Worker:
                 continue
             if link.liveness.beat_due(now):
                 self._beat(link, now)  # flushes what is queued before it, too
-            elif link.out:
+            elif link.out or link.data_out:
                 link.flush()
 
     def _handle(self, idx: int, link: BrokerLink, msg: protocol.Message, poller: zmq.Poller, now: float) -> None:
@@ -606,18 +652,49 @@ class Worker:
         elif cmd is Command.FETCH:
             self._on_output_fetch(link, header)
         elif cmd is Command.ERROR:
-            rid = header.get("id")
-            if type(rid) is bytes and rid in self.fetches and idx == self.active_idx:
-                # The broker holds no inputs of it placed here: it failed the job or placed it
-                # elsewhere (PROTOCOL.md §11.3). Dropped without a RESULT: its fate is decided.
-                log.info("job %s: dropped (%s)", protocol.id_text(rid), header.get("message"))
-                self._end_fetch(rid)
-                self.running.pop(rid, None)
-                self.owner.pop(rid, None)
-                return
-            log.warning("broker %s reports an error: %s %s", link.endpoint, header.get("code"), header.get("message"))
+            self._on_error(idx, link, header)
         else:
             log.warning("unexpected %s from broker %s", cmd.name, link.endpoint)
+
+    def _on_error(self, idx: int, link: BrokerLink, header: dict[str, Any]) -> None:
+        rid = header.get("id")
+        if type(rid) is bytes and rid in self.fetches and idx == self.active_idx:
+            # The broker holds no inputs of it placed here: it failed the job or placed it
+            # elsewhere (PROTOCOL.md §11.3). Dropped without a RESULT: its fate is decided.
+            log.info("job %s: dropped (%s)", protocol.id_text(rid), header.get("message"))
+            self._end_fetch(rid)
+            self.running.pop(rid, None)
+            self.owner.pop(rid, None)
+            return
+        log.warning("broker %s reports an error: %s %s", link.endpoint, header.get("code"), header.get("message"))
+
+    def _drain_data(self, idx: int, link: BrokerLink, sock: zmq.Socket[bytes]) -> int:
+        """Handle up to DATA_DRAIN queued messages of one broker's data connection (CHUNKs and
+        ERRORs answering our FETCHes, PROTOCOL.md §11.3); returns how many there were. They are
+        not the broker's liveness: its control connection says whether it lives."""
+        for n in range(DATA_DRAIN):
+            try:
+                frames = recv_frames(sock, NOBLOCK, copy_first=3)
+            except zmq.Again:
+                return n
+            now = time.monotonic()
+            try:
+                msg = protocol.decode(frames, Peer.WORKER)
+                batch = protocol.unbatch(msg) if msg.command is Command.BATCH else None
+            except GpudError as exc:
+                log.warning("bad message from broker %s's data connection: %s %s", link.endpoint, exc.code, exc.message)
+                continue
+            except Exception:
+                log.exception("bug while decoding a broker message")
+                continue
+            for one in [msg] if batch is None else [m for m, _ in batch]:
+                if one.command is Command.CHUNK:
+                    self._on_chunk(idx, one.header, one.frames, now)
+                elif one.command is Command.ERROR:
+                    self._on_error(idx, link, one.header)
+                else:
+                    log.warning("unexpected %s on broker %s's data connection", one.command.name, link.endpoint)
+        return DATA_DRAIN
 
     def _broker_state(self, idx: int, link: BrokerLink, header: dict[str, Any], now: float) -> None:
         """A broker said whether it is active, and at which epoch: follow the active one."""
@@ -882,8 +959,12 @@ class Worker:
         link = self.links[self.active_idx] if self.active_idx is not None else None
         if link is None or link.sock is None or not asks:
             return  # asked again once a broker is active (``_choose_active``)
+        # On the data connection, which the broker binds to us by name and incarnation (§11.3).
+        name, incarnation = self.config.name, self.incarnation
         for index, offset, nbytes in asks:
-            self._send(link, Command.FETCH, {"id": rid, "file": index, "offset": offset, "nbytes": nbytes})
+            link.send_data(protocol.encode(Peer.WORKER, Command.FETCH, {
+                "id": rid, "file": index, "offset": offset, "nbytes": nbytes, "worker": name,
+                "incarnation": incarnation}))
 
     def _ask_fetches(self, now: float, again: bool = False, stale: bool = False) -> None:
         """Ask again for outstanding chunks: all of them (``again``: the active broker changed) or

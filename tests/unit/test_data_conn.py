@@ -16,7 +16,15 @@ from gpud.heartbeat import HeartbeatPolicy
 from gpud.protocol import Command, Peer
 from gpud_worker.fetch import IO_NICE, _io_threads, data_context
 from tests.unit.test_broker_core import W1, W2, Harness
-from tests.unit.test_staging import DATA, JOB, put, replies, stage_all, staged_job
+from tests.unit.test_staging import (
+    DATA,
+    JOB,
+    placed_with_its_first_chunk,
+    put,
+    replies,
+    stage_all,
+    staged_job,
+)
 
 INC1 = b"\x11" * 16
 INC2 = b"\x22" * 16
@@ -68,14 +76,7 @@ def test_a_fetch_on_a_data_connection_is_answered_there_and_is_not_the_workers_l
 
 
 def test_a_fetch_that_waits_for_its_bytes_is_answered_on_the_data_connection_it_came_on() -> None:
-    h = Harness(heartbeat=HeartbeatPolicy(30.0, 3))
-    h.ready(W1, "w1", incarnation=INC1)
-    h.take_worker()
-    put(h, 0, sizes=[len(d) for d in DATA])
-    put(h, 1, file=0, offset=0, frames=(DATA[0][:4096],))
-    staged_job(h)
-    replies(h)
-    h.one_dispatch(W1)
+    h = placed_with_its_first_chunk(INC1)
     data_fetch(h, D1, worker="w1", incarnation=INC1, offset=4096)
     assert h.take_worker() == []  # waits for the bytes
     put(h, 2, file=0, offset=4096, frames=(DATA[0][4096:8192],))

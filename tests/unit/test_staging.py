@@ -69,11 +69,11 @@ def fetch_all(h: Harness, ident: bytes = W1, job: bytes = JOB, chunk: int = 3000
     return out
 
 
-def placed_with_its_first_chunk(**config: Any) -> Harness:
-    """A core (``config``) with one worker, W1, which JOB is placed on while its upload has sent
-    only its first chunk (pipelined)."""
+def placed_with_its_first_chunk(incarnation: bytes = b"", **config: Any) -> Harness:
+    """A core (``config``) with one worker, W1 (of ``incarnation``, when given), which JOB is
+    placed on while its upload has sent only its first chunk (pipelined)."""
     h = Harness(heartbeat=HeartbeatPolicy(30.0, 3), **config)
-    h.ready(W1, "w1")
+    h.ready(W1, "w1", **({"incarnation": incarnation} if incarnation else {}))
     h.take_worker()
     put(h, 0, sizes=[len(d) for d in DATA])
     put(h, 1, file=0, offset=0, frames=(DATA[0][:4096],))

@@ -562,26 +562,11 @@ class Worker:
                 return n
             now = time.monotonic()
             link.liveness.heard(now)
-            try:
-                msg = protocol.decode(frames, Peer.WORKER)
-                batch = protocol.unbatch(msg) if msg.command is Command.BATCH else None
-            except GpudError as exc:
-                log.warning("bad message from broker %s: %s %s", link.endpoint, exc.code, exc.message)
-                continue
-            except Exception:
-                log.exception("bug while decoding a broker message")
-                continue
-            if batch is None:
-                self._handle(idx, link, msg, poller, now)
-            else:
-                for one, _ in batch:
-                    self._handle(idx, link, one, poller, now)
-                    if link.sock is not sock:  # it told us to reconnect: the rest was for the old link
-                        break
-                    self._keep_alive()
-            if link.sock is not sock:
-                return n + 1
-            self._keep_alive()
+            for one in _messages(link, frames):
+                self._handle(idx, link, one, poller, now)
+                if link.sock is not sock:  # it told us to reconnect: the rest was for the old link
+                    return n + 1
+                self._keep_alive()
         return 256
 
     def _keep_alive(self) -> None:
@@ -678,16 +663,7 @@ class Worker:
             except zmq.Again:
                 return n
             now = time.monotonic()
-            try:
-                msg = protocol.decode(frames, Peer.WORKER)
-                batch = protocol.unbatch(msg) if msg.command is Command.BATCH else None
-            except GpudError as exc:
-                log.warning("bad message from broker %s's data connection: %s %s", link.endpoint, exc.code, exc.message)
-                continue
-            except Exception:
-                log.exception("bug while decoding a broker message")
-                continue
-            for one in [msg] if batch is None else [m for m, _ in batch]:
+            for one in _messages(link, frames):
                 if one.command is Command.CHUNK:
                     self._on_chunk(idx, one.header, one.frames, now)
                 elif one.command is Command.ERROR:
@@ -1299,6 +1275,19 @@ class Worker:
 
 
 RESULT_HEADROOM = 64 << 10  # bytes of a RESULT kept for its header and frame overheads
+
+
+def _messages(link: BrokerLink, frames: list[Any]) -> list[protocol.Message]:
+    """The messages of what a broker sent: one, or a BATCH's inner ones in order (checked whole
+    first, PROTOCOL.md §2.1); none, logged, for what cannot be decoded."""
+    try:
+        msg = protocol.decode(frames, Peer.WORKER)
+        return [one for one, _ in protocol.unbatch(msg)] if msg.command is Command.BATCH else [msg]
+    except GpudError as exc:
+        log.warning("bad message from broker %s: %s %s", link.endpoint, exc.code, exc.message)
+    except Exception:
+        log.exception("bug while decoding a broker message")
+    return []
 
 
 def check_result_size(header: dict[str, Any], frames: list[Any], max_message_bytes: int) -> None:

@@ -103,7 +103,9 @@ class BrokerCore:
         self.hold = False  # place nothing (passive, or settling after a takeover)
         self.takeover = Takeover(self)
         self.journal: Journal = NULL_JOURNAL  # replication updates not yet sent (a pair's active broker)
-        self.acking = False  # in a pair: workers keep results until ACKed (standalone: no ACKs)
+        # In a pair: what must be durable (ACKs, GOs, PUT REPLYs, output pulls) waits for the peer.
+        # Every broker ACKs results; a standalone one at once (``Results.take_acks``).
+        self.acking = False
         # CURVE: who (tenant and key, the ZAP User-Id) last sent from each routing id. A reply
         # goes to its task's route only while the route's last sender is the task's owner: a
         # connection that took over a routing id under another key never gets another's reply.
@@ -463,6 +465,8 @@ class BrokerCore:
             if cmd is Command.FETCH and "worker" in msg.header:
                 self._on_data_fetch(identity, msg.header, user)
                 return
+            # Dropped: a RESULT among them is kept by its worker until ACKed and sent again after
+            # its WELCOME (PROTOCOL.md §4.2, §9.4).
             log.info("%s from an unknown worker connection; asking it to reconnect", cmd.name)
             self.send_worker(identity, protocol.encode(Peer.WORKER, Command.DISCONNECT, {"reason": "unknown worker"}))
             return

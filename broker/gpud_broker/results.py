@@ -1,6 +1,7 @@
 """What workers report about the work they were given: a job's START (answered GO once its mark
 is durable), a RESULT (the client answered, the work placed again, or the session opened or
-ended), and the ACKs of results once what they changed is durable. Pure: no sockets.
+ended), and the ACKs of results once what they changed is durable (every broker ACKs: a
+standalone one at once, a pair's once its peer holds it). Pure: no sockets.
 
 A RESULT is judged by its wire code: NOT_ACTIVE fences this broker, SHUTTING_DOWN and a GPU fault
 place the work again elsewhere, a staged job that failed before it began is placed again; any
@@ -56,7 +57,7 @@ class ResultCore(Protocol):
     now: float
     config: BrokerConfig
     active: bool
-    acking: bool  # in a pair: workers keep results until ACKed (standalone: no ACKs)
+    acking: bool  # in a pair: what is durable waits for the peer (ACKs, GOs, output pulls)
     fenced: bool
     journal: Journal
     queue: PendingQueue[Task]
@@ -84,7 +85,7 @@ class Results:
         self.stats = stats
         self.send_worker = send_worker
         self.starts = StartGate()  # jobs' STARTs: which may have begun, and the GOs waiting to be durable
-        self.unacked: deque[tuple[int, bytes, bytes]] = deque()  # (seq, worker, RESULT id) to ACK once durable
+        self.unacked: deque[tuple[int, bytes, bytes]] = deque()  # (seq, worker, RESULT id) to ACK once durable (standalone: seq 0, at once)
 
     def clear(self) -> None:
         """Forget the GOs and ACKs owed (the tables they were about are gone)."""
@@ -133,8 +134,8 @@ class Results:
         return {ident: self._go_message(ids) for ident, ids in due.items()}
 
     def take_acks(self) -> dict[bytes, list[bytes]]:
-        """The ACKs due now (their RESULTs' updates are held by the peer, ``journal.durable``), by
-        worker identity: the shell sends one ACK message per worker."""
+        """The ACKs due now (their RESULTs' updates are held by the peer, ``journal.durable``; all
+        of them without a peer), by worker identity: the shell sends one ACK message per worker."""
         pending, durable = self.unacked, self.core.journal.durable
         acks: dict[bytes, list[bytes]] = {}
         while pending and pending[0][0] <= durable:
@@ -146,9 +147,10 @@ class Results:
 
     def on_result(self, worker: WorkerRecord, msg: Message, raw_header: bytes) -> None:
         """A RESULT. A passive broker leaves results unacknowledged: the active one takes them.
-        The ACK waits for what the result changed to be durable (its updates are journalled now)."""
+        The ACK waits for what the result changed to be durable (its updates are journalled now;
+        a standalone broker's journal keeps nothing, so it is due at once, at the loop turn's end)."""
         core = self.core
-        if core.active and self._take(worker, msg, raw_header) and core.acking:
+        if core.active and self._take(worker, msg, raw_header):
             self.unacked.append((core.journal.seq, worker.identity, protocol.get_id(msg.header)))
 
     def _take(self, worker: WorkerRecord, msg: Message, raw_header: bytes) -> bool:

@@ -46,7 +46,6 @@ class WorkerCore(Protocol):
     active: bool
     hold: bool
     epoch: int
-    acking: bool
     fenced: bool
     max_epoch_seen: int
     worker_names_bound: bool  # CURVE: a worker's name must be its key's name
@@ -159,7 +158,7 @@ class WorkerDialog:
         core = self.core
         self.send_worker(identity, protocol.encode(Peer.WORKER, Command.WELCOME, {
             "heartbeat_ms": round(interval * 1000), "liveness": liveness, "broker": core.config.name,
-            "active": core.active, "epoch": core.epoch, "acks": core.acking,
+            "active": core.active, "epoch": core.epoch, "acks": True,
             "max_message_bytes": core.config.max_message_bytes, **(resumed or {})}))
 
     def _resume_on(self, identity: bytes, worker: WorkerRecord, ready: Ready) -> None:
@@ -264,7 +263,7 @@ class WorkerDialog:
         core = self.core
         seq = worker.liveness.sent(core.now)
         self.send_worker(worker.identity, protocol.encode(Peer.WORKER, Command.HEARTBEAT, {
-            "seq": seq, "active": core.active, "epoch": core.epoch, "acks": core.acking}))
+            "seq": seq, "active": core.active, "epoch": core.epoch, "acks": True}))
 
     # ------------------------------------------------------------------ silence
 

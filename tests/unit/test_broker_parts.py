@@ -240,7 +240,7 @@ def test_a_ready_worker_is_welcomed_and_a_gpu_registered_twice_is_refused(parts:
     parts.ready(W1, "w1", uuid="GPU-x")
     [(ident, welcome)] = parts.take()
     assert ident == W1 and welcome.command is Command.WELCOME
-    assert (welcome.header["epoch"], welcome.header["active"], welcome.header["acks"]) == (3, True, False)
+    assert (welcome.header["epoch"], welcome.header["active"], welcome.header["acks"]) == (3, True, True)
     header = {"name": "w2", "gpus": [{"uuid": "GPU-x", "index": 0, "model": "A100", "mem": GiB, "cc": [8, 0]}]}
     parts.workers.on_ready(W2, None, header)
     [(ident, refusal)] = parts.take()

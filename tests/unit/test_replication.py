@@ -170,15 +170,15 @@ def test_results_are_acked_only_once_the_passive_holds_them() -> None:
     assert a.core.take_acks() == {W1: [rid(1)]}
 
 
-def test_a_standalone_broker_sends_no_acks_and_a_passive_one_never() -> None:
+def test_a_standalone_broker_acks_at_once_and_a_passive_one_never() -> None:
     h = Harness()
     h.ready(W1, "w1")
     (_, welcome, _), = h.take_worker()
-    assert (welcome.command, welcome.header["acks"], welcome.header["active"]) == (Command.WELCOME, False, True)
+    assert (welcome.command, welcome.header["acks"], welcome.header["active"]) == (Command.WELCOME, True, True)
     h.request(C1, rid(1))
     h.take_worker()
     h.result(W1, rid(1))
-    assert h.core.take_acks() == {}  # its workers keep nothing: nothing to ACK
+    assert h.core.take_acks() == {W1: [rid(1)]}  # no peer to wait for: due in the turn it came
     p = Harness()
     p.core.become_passive()
     p.core.acking = True

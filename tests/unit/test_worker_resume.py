@@ -399,8 +399,6 @@ def test_the_workers_command_shows_a_suspended_worker_and_its_grace_left_and_res
     assert (h.core.counters["worker_suspensions"], h.core.counters["worker_resumes"]) == (2, 2)
 
 
-@pytest.mark.xfail(strict=True, reason="known loss, not fixed: a standalone broker drops a RESULT from a connection "
-                   "it does not know, and its worker, told no ACKs, kept no copy to send again")
 def test_a_result_sent_on_a_connection_the_broker_does_not_know_yet_reaches_its_client() -> None:
     h = two_workers()
     started_jobs_on_w1(h)
@@ -409,11 +407,18 @@ def test_a_result_sent_on_a_connection_the_broker_does_not_know_yet_reaches_its_
     h.result(W3, JOB, exit_code=0)
     [(who, told, _)] = h.take_worker()
     assert who == W3 and told.command is Command.DISCONNECT and told.header["reason"] == "unknown worker"
-    # Its process says READY on a new socket; it holds only IDEM: it sent JOB's RESULT, and a
-    # standalone broker sends no ACKs, so it kept no copy (PROTOCOL.md §9.4).
-    resume_ready(h, b"conn-w1-again", holds=[IDEM])
+    assert h.take_client() == [] and h.core.take_acks() == {}  # dropped: not taken, so not ACKed
+    # Its process says READY on a new socket. Told that this broker ACKs results, it kept JOB's
+    # RESULT (no ACK came): READY holds it with IDEM, which still runs (PROTOCOL.md §4.2, §9.4).
+    again = b"conn-w1-again"
+    welcome = resume_ready(h, again, holds=[IDEM, JOB])
+    assert welcome.header["acks"] is True and welcome.header["stop"] == []
+    w1 = h.core.registry.by_name["w1"]
+    assert sorted(w1.assigned) == sorted([JOB, IDEM]) and h.take_client() == []  # JOB stays bound
+    h.result(again, JOB, exit_code=0)  # re-sent after the WELCOME
     reply = h.one_reply(C1)
     assert reply.header["id"] == JOB and reply.header.get("exit_code") == 0, reply.header
+    assert h.core.take_acks() == {again: [JOB]}
 
 
 def test_any_message_not_only_a_heartbeat_keeps_a_worker_live() -> None:

@@ -118,7 +118,7 @@ class BrokerLink:
         self.liveness = Liveness(policy, now)
         self.welcomed = False
         self.active = False  # this broker said it is the active one of its pair (WELCOME, HEARTBEAT)
-        self.acks = False  # it ACKs results (a pair's broker): keep each until it does
+        self.acks = False  # it ACKs results (every broker of this version): keep each until it does
         self.epoch = 0  # the epoch it said that with
         self.max_message_bytes = protocol.DEFAULT_MAX_MESSAGE_BYTES  # the largest message it takes (WELCOME)
         self.backoff = 0.0
@@ -420,8 +420,8 @@ class Worker:
                     self.draining = True
                     drain_deadline = now + self.config.drain_timeout
                     self._beat_all(now)
-                if not self.running or now >= drain_deadline:
-                    return
+                if (not self.running and (not self.unacked or self.active_idx is None)) or now >= drain_deadline:
+                    return  # done, and what it answered is ACKed (or no broker is there to ACK it)
             for link in self.links:
                 if link.out or link.data_out:
                     link.flush()
@@ -622,10 +622,15 @@ class Worker:
                 link.max_message_bytes = most
             log.info("registered with broker %s (heartbeat %dms x %s)", link.endpoint, hb, lv)
             notify.status(f"registered with {link.endpoint}")
-            self._broker_state(idx, link, header if "active" in header else {**header, "active": True, "epoch": 0}, now)
+            state = header if "active" in header else {**header, "active": True, "epoch": 0}
+            changed = self._broker_state(idx, link, state, now, follow=False)
             stop = header.get("stop")
             if header.get("resumed") is True and type(stop) is list and stop and idx == self.active_idx:
-                self._stop_work(stop)
+                self._stop_work(stop)  # first: a RESULT the broker has already is not sent again
+            if changed:
+                self._follow_active(now)
+            elif idx == self.active_idx:  # welcomed again by the same one: it may lack them
+                self._resend_results(link)
             self._beat(link, now)
         elif cmd is Command.DISCONNECT:
             reason = header.get("reason")
@@ -672,40 +677,55 @@ class Worker:
                     log.warning("unexpected %s on broker %s's data connection", one.command.name, link.endpoint)
         return DATA_DRAIN
 
-    def _broker_state(self, idx: int, link: BrokerLink, header: dict[str, Any], now: float) -> None:
-        """A broker said whether it is active, and at which epoch: follow the active one."""
+    def _broker_state(self, idx: int, link: BrokerLink, header: dict[str, Any], now: float, follow: bool = True) -> bool:
+        """A broker said whether it is active, and at which epoch: follow the active one (returns
+        whether the active one changed; ``follow`` False: the caller follows it, ``_follow_active``)."""
         active, epoch = header.get("active"), header.get("epoch")
         if type(active) is not bool or type(epoch) is not int:
-            return
+            return False
         link.active, link.epoch = active, epoch
         link.acks = header.get("acks") is True
         if epoch > self.max_epoch:
             self.max_epoch = epoch
-        self._choose_active(now)
+        return self._choose_active(now, follow)
 
-    def _choose_active(self, now: float) -> None:
+    def _choose_active(self, now: float, follow: bool = True) -> bool:
         """The active broker is the live one that says so with the largest epoch. When it
-        changes, every unacknowledged RESULT goes to the new one, then a HEARTBEAT (§9.4)."""
+        changes, every unacknowledged RESULT goes to the new one, then a HEARTBEAT (§9.4;
+        ``follow`` False: the caller does, ``_follow_active``). Returns whether it changed."""
         best: int | None = None
         for i, link in enumerate(self.links):
             if link.sock is not None and link.active and (best is None or link.epoch > self.links[best].epoch):
                 best = i
         if best == self.active_idx:
-            return
+            return False
         self.active_idx = best
-        if best is None:
+        if follow:
+            self._follow_active(now)
+        return True
+
+    def _follow_active(self, now: float) -> None:
+        """A new active broker: it gets every unacknowledged RESULT, a HEARTBEAT, and the STARTs
+        and FETCHes still unanswered."""
+        if self.active_idx is None:
             return
-        link = self.links[best]
-        log.info("broker %s is the active one (epoch %d); re-sending %d unacknowledged result(s)",
-                 link.endpoint, link.epoch, len(self.unacked))
+        link = self.links[self.active_idx]
+        log.info("broker %s is the active one (epoch %d)", link.endpoint, link.epoch)
         if link.sock is not None:
-            for frames, _ in list(self.unacked.values()):
-                link.send(frames)
+            self._resend_results(link)
             self._beat(link, now)
             if self.start_waits:
                 self._ask_starts(now, again=True)
             if self.fetches:
                 self._ask_fetches(now, again=True)
+
+    def _resend_results(self, link: BrokerLink) -> None:
+        """Send every unacknowledged RESULT again (to the active broker): only an ACK proves one
+        arrived; the broker takes each once and ACKs a second copy again (PROTOCOL.md §9.4)."""
+        if self.unacked:
+            log.info("re-sending %d unacknowledged result(s) to broker %s", len(self.unacked), link.endpoint)
+            for frames, _ in list(self.unacked.values()):
+                link.send(frames)
 
     def _deliver(self, idx: int, rid: bytes, frames: list[Any]) -> None:
         """Send a RESULT to the active broker (or the one that dispatched it, while none is

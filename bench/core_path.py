@@ -5,7 +5,7 @@ What ``bench/dispatch.py`` measures end to end is mostly sockets and three proce
 cores; this isolates the core, so a change to its hot path shows even on a noisy VM (CPU time, not
 wall time; the best of ``--repeat`` runs). By default one worker of 4 GPUs takes every request
 (slots enough for a batch of 500 in flight); requests and results alternate in batches of 500, as
-the broker's loop reads them. ``--shape dispatch`` is ``bench/dispatch.py``'s cluster instead: two
+the broker's loop reads them, each batch of results ending with the ACKs the loop's turn owes. ``--shape dispatch`` is ``bench/dispatch.py``'s cluster instead: two
 workers of one GPU and 32 slots each, batches of 32 (a placement then weighs two workers, as there).
 Prints one JSON object.
 
@@ -72,6 +72,8 @@ def _echoes(core: BrokerCore, dispatched: list[bytes], requests: list[list[Any]]
         for ident, frames in zip(dispatched, results[start:start + batch], strict=True):
             core.on_worker(ident, protocol.decode(frames, Peer.WORKER), frames[2])
         dispatched.clear()
+        if core.unacked:  # the ACKs the loop's turn ends with (the shell sends one per worker)
+            core.take_acks()
 
 
 def run(n: int, policy: str | None = None, shape: str = "one") -> float:

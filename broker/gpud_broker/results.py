@@ -138,6 +138,11 @@ class Results:
         of them without a peer), by worker identity: the shell sends one ACK message per worker."""
         pending, durable = self.unacked, self.core.journal.durable
         acks: dict[bytes, list[bytes]] = {}
+        if pending and pending[-1][0] <= durable:  # all due (always, without a peer)
+            for _, ident, rid in pending:
+                acks.setdefault(ident, []).append(rid)
+            pending.clear()
+            return acks
         while pending and pending[0][0] <= durable:
             _, ident, rid = pending.popleft()
             acks.setdefault(ident, []).append(rid)
@@ -150,13 +155,14 @@ class Results:
         The ACK waits for what the result changed to be durable (its updates are journalled now;
         a standalone broker's journal keeps nothing, so it is due at once, at the loop turn's end)."""
         core = self.core
-        if core.active and self._take(worker, msg, raw_header):
-            self.unacked.append((core.journal.seq, worker.identity, protocol.get_id(msg.header)))
+        if core.active:
+            rid = protocol.get_id(msg.header)
+            if self._take(worker, rid, msg, raw_header):
+                self.unacked.append((core.journal.seq, worker.identity, rid))
 
-    def _take(self, worker: WorkerRecord, msg: Message, raw_header: bytes) -> bool:
-        """Take a RESULT; returns whether to ACK it (False: the worker must keep it)."""
+    def _take(self, worker: WorkerRecord, rid: bytes, msg: Message, raw_header: bytes) -> bool:
+        """Take the RESULT ``rid``; returns whether to ACK it (False: the worker must keep it)."""
         header = msg.header
-        rid = protocol.get_id(header)
         task = worker.assigned.pop(rid, None)
         if task is None or task.state is not State.RUNNING:
             self._on_other_result(worker, rid, msg, raw_header)

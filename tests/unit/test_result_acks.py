@@ -30,12 +30,18 @@ def test_acks_of_one_turn_go_as_one_per_worker_in_the_order_taken() -> None:
     assert len(h.take_client()) == 4
 
 
-def test_a_result_sent_again_after_its_ack_was_lost_is_answered_once_and_acked_again() -> None:
+def echo_on_w1() -> Harness:
+    """Worker w1 ready, and echo rid(1) of C1 dispatched to it."""
     h = Harness()
     h.ready(W1, "w1")
     h.take_worker()
     h.request(C1, rid(1))
     h.one_dispatch(W1)
+    return h
+
+
+def test_a_result_sent_again_after_its_ack_was_lost_is_answered_once_and_acked_again() -> None:
+    h = echo_on_w1()
     h.result(W1, rid(1), frames=[b"first"])
     reply = h.one_reply(C1)
     assert reply.header["id"] == rid(1)
@@ -77,10 +83,6 @@ def test_a_held_result_the_broker_took_is_named_in_stop_and_one_it_did_not_take_
 
 
 def test_a_result_refused_not_active_is_not_acked() -> None:
-    h = Harness()
-    h.ready(W1, "w1")
-    h.take_worker()
-    h.request(C1, rid(1))
-    h.one_dispatch(W1)
+    h = echo_on_w1()
     h.result(W1, rid(1), ok=False, code="NOT_ACTIVE", message="epoch 9 is active")
     assert h.core.take_acks() == {} and h.core.fenced  # the worker keeps it for the active broker

@@ -547,9 +547,17 @@ def test_registered_worker_that_lies(cluster: LocalCluster, ctx: zmq.Context[Any
                                  "health": "on fire"}]),
         ]:
             sock.send_multipart(worker_msg(Command.HEARTBEAT, hb))
-        # Results for ids never dispatched to it: dropped (stale), no answer.
-        sock.send_multipart(worker_msg(Command.RESULT, header(id=P.new_id(), ok=True), b"forged"))
-        sock.send_multipart(worker_msg(Command.RESULT, header(id=P.new_id(), ok="yes")))
+        # Results for ids never dispatched to it: taken as stale, answered with an ACK only (every
+        # broker ACKs what it takes, PROTOCOL.md §9.4), which tells it nothing it did not send.
+        forged = [P.new_id(), P.new_id()]
+        sock.send_multipart(worker_msg(Command.RESULT, header(id=forged[0], ok=True), b"forged"))
+        sock.send_multipart(worker_msg(Command.RESULT, header(id=forged[1], ok="yes")))
+        acked: list[bytes] = []
+        while len(acked) < len(forged):  # one ACK per loop turn of the broker: one or two
+            ack = P.decode(recv(sock), expect=Peer.WORKER)
+            assert ack.command is Command.ACK, ack
+            acked += ack.header["ids"]
+        assert acked == forged
         # A RESULT whose id is unreadable is a malformed message: ERROR.
         reply = exchange(sock, worker_msg(Command.RESULT, header(id=b"short", ok=True)))
         sent_bad[0] += 1

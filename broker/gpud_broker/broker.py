@@ -616,6 +616,8 @@ class Broker:
             now = monotonic()
             if now - core.now > STALL_S:  # frozen, or a long turn: it heard nobody meanwhile
                 core.workers.stalled(now - core.now, now)
+                if pair is not None:
+                    pair.stalled(now - core.now)
             core.now = now
             # Sent after each socket's batch: what results freed is dispatched before the clients'
             # new requests are read (a worker must not idle through a batch of them).

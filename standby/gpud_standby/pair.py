@@ -86,6 +86,7 @@ class Pair:
         self.peer_applied = 0
         self.peer_streaming = False
         self.peer_heard = now  # silence counts from our start
+        self.stall_credit = (0.0, 0.0)  # (given, longest stall) within the peer's current silence
         self.next_beat = 0.0
         self.applied = 0  # passive: seq of the last update applied
         self.synced = False  # passive: holds a snapshot and every update since
@@ -199,6 +200,7 @@ class Pair:
             return
         now = self.clock.monotonic()
         self.peer_heard = now
+        self.stall_credit = (0.0, 0.0)  # a new silence begins
         header = msg.header
         try:
             if msg.command is Command.STATE:
@@ -224,7 +226,7 @@ class Pair:
         if type(epoch) is int:
             self.peer_epoch = epoch
             self.core.saw_epoch(epoch)
-        if type(applied) is int:
+        if type(applied) is int and peer_state is State.PASSIVE:  # an active peer's seq numbers its own updates
             self.peer_applied = applied
         self.peer_streaming = header.get("streaming") is True
         self.peer_state = peer_state
@@ -293,6 +295,19 @@ class Pair:
         self._send(Command.STATE, header)
 
     # ------------------------------------------------------------------ timers and flushing
+
+    def stalled(self, gap: float) -> None:
+        """The broker's own loop did not turn for ``gap`` seconds (a freeze, one long turn): it read
+        nothing meanwhile, so that time is no silence of the peer's (PROTOCOL.md §9.1). Without
+        the credit a broker woken from a freeze would count its peer gone before reading what the
+        peer sent: active, it would then ACK and say GO alone, after the peer took over. Capped as
+        for workers (§4.2): within one silence, at most its longest stall plus one expiry, so a
+        broker whose every turn is slow still counts a peer that says nothing gone."""
+        given, longest = self.stall_credit
+        longest = max(longest, gap)
+        credit = max(0.0, min(gap, longest + self.cfg.expiry - given))
+        self.peer_heard = min(self.clock.monotonic(), self.peer_heard + credit)
+        self.stall_credit = (given + credit, longest)
 
     def tick(self, now: float) -> None:
         core = self.core

@@ -14,16 +14,11 @@ harness of test_pair_clock): the test is the brokers' loop, the hung one's inclu
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
-import pytest
-import zmq
-
 from gpud import protocol as P
 from gpud.clock import FakeClock
 from gpud.protocol import Command
 from gpud_standby.bstar import State
+from tests.unit import test_pair_clock
 from tests.unit.test_broker_core import C1, W1, rid
 from tests.unit.test_pair_clock import EXPIRY, Side, settle, start
 
@@ -31,19 +26,7 @@ JOB = {"kind": "job", "argv": ["/bin/sh", "-c", "date >> ran"], "need": {"gpu_mi
 DONE, WAITS = rid(1), rid(2)  # a job told GO before the freeze and finished during it; one asked during it
 FREEZE = 5.0  # seconds the active broker's loop stood still
 
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(1000.0)
-
-
-@pytest.fixture
-def pair(ctx: zmq.Context[Any], clock: FakeClock) -> Iterator[tuple[Side, Side]]:
-    a = Side(ctx, clock, "primary", "inproc://woken-a", "inproc://woken-b")
-    b = Side(ctx, clock, "backup", "inproc://woken-b", "inproc://woken-a")
-    yield a, b
-    a.pair.close()
-    b.pair.close()
+clock, pair = test_pair_clock.clock, test_pair_clock.pair  # the fixtures: a FakeClock, and a and b around it
 
 
 def gos_and_acks(s: Side) -> tuple[dict[bytes, list[bytes]], dict[bytes, list[bytes]]]:

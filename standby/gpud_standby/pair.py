@@ -87,6 +87,7 @@ class Pair:
         self.peer_streaming = False
         self.peer_heard = now  # silence counts from our start
         self.stall_credit = (0.0, 0.0)  # (given, longest stall) within the peer's current silence
+        self.peer_active_epoch = 0  # the largest epoch the peer has been known active at (since it started)
         self.next_beat = 0.0
         self.applied = 0  # passive: seq of the last update applied
         self.synced = False  # passive: holds a snapshot and every update since
@@ -223,6 +224,18 @@ class Pair:
             log.warning("peer STATE names no state: %r", header.get("state"))
             return
         epoch, applied = header.get("epoch"), header.get("applied")
+        if peer_state in (State.PRIMARY, State.BACKUP):
+            self.peer_active_epoch = 0  # the peer (re)started: its epochs begin again
+        elif (peer_state is State.PASSIVE and self.state is State.PASSIVE and type(epoch) is int
+              and epoch < self.peer_active_epoch):
+            # Sent before the peer took over, and read after its news (it waited on an older
+            # connection of the peer's, e.g. while this broker was frozen): as PRIMARY this broker
+            # would take it for both being passive and take over beside the active peer.
+            log.info("pair: a stale STATE (passive at epoch %d; the peer has been active at %d) ignored",
+                     epoch, self.peer_active_epoch)
+            return
+        if peer_state is State.ACTIVE and type(epoch) is int:
+            self.peer_active_epoch = max(self.peer_active_epoch, epoch)
         if type(epoch) is int:
             self.peer_epoch = epoch
             self.core.saw_epoch(epoch)
@@ -315,6 +328,7 @@ class Pair:
             # A worker knows a later epoch than ours: that broker is active. The table decides.
             log.error("pair: a worker has seen epoch %d, later than ours (%d)", core.max_epoch_seen, core.epoch)
             self.peer_epoch = max(self.peer_epoch, core.max_epoch_seen)
+            self.peer_active_epoch = max(self.peer_active_epoch, core.max_epoch_seen)
             self.event(Event.PEER_ACTIVE, now)
         if self.held:
             f = self.facts(now)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from gpud import protocol as P
 from gpud.clock import FakeClock
-from gpud.protocol import Command
+from gpud.protocol import Command, Peer
 from gpud_standby.bstar import State
 from tests.unit import test_pair_clock
 from tests.unit.test_broker_core import C1, W1, rid
@@ -118,3 +118,24 @@ def test_a_broker_whose_every_turn_is_slow_still_counts_a_silent_peer_gone(
         a.tick()
         assert silent_for < 0.3 + 2 * EXPIRY + 0.31, "a silent peer was never counted gone"
     assert silent_for > EXPIRY
+
+
+def test_a_stale_passive_state_read_after_the_new_epoch_is_no_reason_to_take_over(
+        pair: tuple[Side, Side], clock: FakeClock) -> None:
+    """The peer's STATEs sent while it was still passive can wait on an older connection of its
+    and come after its news as the active broker (the woken one reads both at once). As PRIMARY,
+    passive beside a passive peer, the woken broker would take over: two active brokers, the new
+    one with empty tables. A passive STATE below an epoch the peer has been active at is stale."""
+    a, b = pair
+    frozen_mid_load(a, b, clock)
+    stale = P.encode(Peer.BROKER, Command.STATE, {"state": "passive", "epoch": 1, "applied": 3, "name": "backup",
+                                                  "streaming": False})
+    wake(a)
+    b.tick()
+    assert a.pair.inbound.poll(20)
+    a.deliver()  # b's STATE as the active broker: a steps down
+    assert a.state is State.PASSIVE
+    a.pair.on_peer([b"an-older-connection", *stale])
+    assert a.state is State.PASSIVE and not a.serving
+    a.tick()
+    assert a.state is State.PASSIVE and a.h.core.epoch < b.h.core.epoch

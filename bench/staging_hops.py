@@ -33,6 +33,7 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from staging import MIB, p99  # noqa: E402  (the staged-upload benchmark's helpers)
 from transfer import Bare  # noqa: E402  (the bare chain, shared with the other transfer benchmarks)
 
 from gpud import protocol  # noqa: E402
@@ -40,13 +41,6 @@ from gpud.protocol import Command, Peer  # noqa: E402
 from gpud.transfer import CHUNK_BYTES, WINDOW  # noqa: E402
 from gpud_cli.cluster import LocalCluster  # noqa: E402
 from gpud_client import Client  # noqa: E402
-
-MIB = 1 << 20
-
-
-def p99(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
 
 
 def prober(endpoint: str) -> int:

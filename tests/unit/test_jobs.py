@@ -33,6 +33,7 @@ from gpud import protocol as P
 from gpud.errors import ConfigError, InvalidRequest, RemoteError, TooLarge
 from gpud.protocol import JobSpec
 from gpud_worker import cgroups as cgroups_module
+from gpud_worker import jobs, sandbox
 from gpud_worker.cgroups import (
     JobCgroup,
     JobCgroups,
@@ -829,6 +830,38 @@ def test_job_runs_when_it_cannot_enter_its_cgroup(
 
 
 # -- as root: the daemon's secrets, detached children, memory hogs, cgroups ------------------
+
+
+def _huge_tmpfs_here(tmp_path: pathlib.Path) -> bool:
+    """Whether this kernel mounts a tmpfs with huge pages (the runner's own probe, done apart)."""
+    probe = tmp_path / "huge-probe"
+    probe.mkdir()
+    try:
+        sandbox.mount_tmpfs(str(probe), "size=4m" + jobs.HUGE_DIR_OPTIONS)
+    except OSError:
+        return False
+    sandbox.unmount(str(probe))
+    return True
+
+
+@root_only
+def test_a_job_directory_takes_huge_pages_within_its_size_and_keeps_its_limit(
+        make_runner: Callable[..., JobRunner], tmp_path: pathlib.Path) -> None:
+    """The job directory's tmpfs is mounted huge=within_size where the kernel can (a large staged
+    input is written in 2 MiB pages), and its size limit holds all the same: 6 MiB do not fit a
+    4 MiB directory, 3.5 MiB do, in files of whole huge pages and not."""
+    huge = _huge_tmpfs_here(tmp_path)
+    runner = make_runner(dir_size=4 << 20)
+    seen = run(runner, job("sh", "-c", 'grep -F " $PWD " /proc/self/mountinfo'))
+    assert seen.exit_code == 0 and b" tmpfs " in seen.stdout, seen
+    assert (b"huge=within_size" in seen.stdout) == huge, seen.stdout
+    full = run(runner, job("sh", "-c", "head -c 6291456 /dev/zero > big; echo rc=$?"))
+    assert b"rc=1" in full.stdout and b"No space left" in full.stderr, full
+    fits = run(runner, job("sh", "-c", "head -c 2097152 /dev/zero > a && head -c 1572864 /dev/zero > b && "
+                           "cat a b | wc -c"))
+    assert (fits.exit_code, fits.stdout.strip(), fits.stderr) == (0, b"3670016", b""), fits
+    with pytest.raises(TooLarge, match="limited to 4194304 bytes"):
+        run(runner, job("true", files=("in",)), (b"x" * (6 << 20),))
 
 
 @root_only

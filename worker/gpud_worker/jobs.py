@@ -34,7 +34,9 @@ Isolation model (DESIGN.md §5):
   ``/var/tmp``, ``/dev/shm``, its SysV IPC objects and POSIX message queues are swept before the
   user serves again (``sandbox.sweep_uid``: only where a pool user can have left something).
 - As root with ``dir_size``, the job's directory is a tmpfs of that size (its disk quota); a job
-  that fills it gets a line on its stderr saying so.
+  that fills it gets a line on its stderr saying so. Where the kernel has them, its files get huge
+  pages within their size (``huge=within_size``: a large staged input costs about half the CPU to
+  write in 2 MiB pages than in 4 KiB ones, and a small file still takes no huge page).
 - With ``cgroups`` (``gpud_worker.cgroups``: cgroup v2 delegated to the worker, else the host's v1
   hierarchies), each job runs in a cgroup of its own, entered before the job's program is executed:
   memory (the grant's ``host_mem``, else ``JobLimits.memory``), CPU (the grant's ``cpu_milli``),
@@ -107,6 +109,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+HUGE_DIR_OPTIONS = ",huge=within_size"  # a job directory's tmpfs: 2 MiB pages for its large files
 # Keys a job's ``env`` may not set: the runner owns them. CUDA_DEVICE_ORDER is pinned because it
 # changes which physical GPUs the indices in CUDA_VISIBLE_DEVICES name.
 RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"})
@@ -555,6 +558,7 @@ class JobRunner:
         self.pooled_sessions = False  # set when session processes take pool users (SessionHosts)
         self._active: set[str] = set()
         self._lock = threading.Lock()
+        self._dir_options = ""  # what else a job directory's tmpfs is mounted with (_check_dir_size)
         self._prepare_workroot()
         if self.dir_size:
             self._check_dir_size()
@@ -573,12 +577,21 @@ class JobRunner:
                           f" (no pool users named {prefix}*)" if prefix else "")
 
     def _check_dir_size(self) -> None:
-        """Whether job directories can be tmpfs of their own here; if not, say so and do without."""
+        """Whether job directories can be tmpfs of their own here, and with huge pages; if not,
+        say so and do without."""
         probe = self.workroot / ".gpud-size-probe"
         try:
             os.makedirs(probe, 0o700, exist_ok=True)
-            mount_tmpfs(str(probe), "size=4k,mode=0700")
-            unmount(str(probe))
+            for extra in (HUGE_DIR_OPTIONS, ""):  # a kernel without huge tmpfs pages refuses the option
+                try:
+                    mount_tmpfs(str(probe), "size=4k,mode=0700" + extra)
+                except OSError:
+                    if not extra:
+                        raise
+                    continue
+                unmount(str(probe))
+                self._dir_options = extra
+                break
         except OSError as exc:
             log.warning("job directories cannot be tmpfs of their own here (%s): job_dir_size %d is not enforced, "
                         "a job's directory is limited only by its file system", exc, self.dir_size)
@@ -786,7 +799,8 @@ class JobRunner:
         try:
             os.mkdir(workdir, 0o700)
             if self.dir_size:
-                mount_tmpfs(str(workdir), f"size={self.dir_size},mode=0700,uid={user.pw_uid},gid={user.pw_gid}")
+                mount_tmpfs(str(workdir), f"size={self.dir_size},mode=0700,uid={user.pw_uid},gid={user.pw_gid}"
+                            f"{self._dir_options}")
             os.chmod(workdir, 0o700)
             if self._root:
                 os.chown(workdir, user.pw_uid, user.pw_gid)

@@ -15,6 +15,14 @@ during the upload as a ratio to idle, in one run.
   DEALER worker that answers each chunk; ``copy=False`` everywhere), the same bytes sent in
   chunks of gpud's staging chunk size (``gpud.transfer.CHUNK_BYTES``), its window outstanding.
 
+- floor: the same bare chain whose forwarder also writes each chunk to a file on the file system
+  of the broker's spool, and whose sink writes it into a file where the worker puts a job's
+  inputs (as root a tmpfs mounted as a job directory is, else a plain directory), each on a
+  thread of its own: the two page-cache copies gpud's design takes (the spool bounds the broker's
+  memory, the job reads its input from its directory), over the same hops. ``floor_ratio``
+  (floor / bare) is the most any design with those copies reaches against bare on this machine;
+  ``gpud_vs_floor`` (gpud / floor) is what gpud's own work costs beyond them.
+
 Each round also gives the CPU seconds per GiB of every process on the path during its transfer
 (from /proc: robust to the machine's load, unlike the rates): gpud's client (this process; the
 echo client runs in a process of its own), broker and worker, and the bare client, forwarder and
@@ -34,9 +42,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -48,6 +58,8 @@ from transfer import Bare  # noqa: E402  (the bare chain, shared with the sessio
 from gpud.transfer import CHUNK_BYTES, WINDOW  # noqa: E402
 from gpud_cli.cluster import LocalCluster  # noqa: E402
 from gpud_client import Client  # noqa: E402
+from gpud_worker.jobs import HUGE_DIR_OPTIONS  # noqa: E402
+from gpud_worker.sandbox import mount_tmpfs, unmount  # noqa: E402
 
 MIB = 1 << 20
 
@@ -192,60 +204,76 @@ def main(argv: list[str] | None = None) -> int:
     gib = nbytes / (1 << 30)
     data = os.urandom(MIB) * args.mib
     t_start = time.perf_counter()
-    rounds: list[dict[str, float]] = []
     with LocalCluster(workers=1, gpus_per_worker=2, pair=args.pair, log_level="WARNING") as cluster:
         if args.pair:
             cluster.wait_active()
-        bare = Bare(1)
-        try:
-            bare.wait_ready()
-            echoes = Echoes(cluster.frontends)
-            windows = []
-            threads: list[dict[str, dict[str, float]]] = []  # per round: CPU s/GiB of each thread, by process
+        with FloorFiles() as files:
+            floor = Bare(1, spool=files.spool, sink=files.sink)
             try:
-                with Client(cluster.frontends, timeout=60) as c:
-                    view = memoryview(data)
-                    broker = cluster.brokers["primary" if args.pair else "broker"]
-                    gpud_cpu = CpuMeter({"client": os.getpid(), "broker": broker.pid,
-                                         "worker": next(iter(cluster.worker_procs.values())).pid})
-                    bare_cpu = CpuMeter({"client": os.getpid(), "forwarder": bare.procs[0].pid,
-                                         "sink": bare.procs[1].pid})
-                    for _ in range(args.rounds):
-                        g = gpud_round(c, data, args.idle, gpud_cpu)
-                        bare_cpu.start()
-                        t = time.perf_counter()
-                        bare.htod_chunked(view, CHUNK_BYTES, WINDOW)
-                        bare_s = time.perf_counter() - t
-                        b = bare_cpu.stop()
-                        windows.append(g)
-                        r = {"gpud_gbps": nbytes / g["net_s"] / 1e9, "stage_gbps": nbytes / g["staged_s"] / 1e9,
-                             "bare_gbps": nbytes / bare_s / 1e9}
-                        r["ratio"] = r["gpud_gbps"] / r["bare_gbps"]
-                        for k in ("client", "broker", "worker"):
-                            r[f"{k}_cpu_s_per_gib"] = g[f"cpu_{k}"] / gib
-                        for k in ("client", "broker", "worker"):
-                            r[f"empty_job_{k}_cpu_s"] = g[f"empty_job_cpu_{k}"]
-                        for k, v in b.items():
-                            r[f"bare_{k}_cpu_s_per_gib"] = v / gib
-                        r["cpu_s_per_gib"] = sum(g[f"cpu_{k}"] for k in ("client", "broker", "worker")) / gib
-                        r["bare_cpu_s_per_gib"] = sum(b.values()) / gib
-                        threads.append({p: {t: round(v / gib, 2) for t, v in sorted(ts.items(), key=lambda x: -x[1])}
-                                        for p, ts in gpud_cpu.threads.items() if p != "client"})
-                        rounds.append(r)
+                floor.wait_ready()
+                return _run(args, cluster, floor, data, nbytes, gib, t_start)
             finally:
-                echoes.stop()
+                floor.stop()
+
+
+def _run(args: argparse.Namespace, cluster: LocalCluster, floor: Bare, data: bytes, nbytes: int, gib: float,
+         t_start: float) -> int:
+    """The rounds: gpud, then bare, then floor, each round; then the figures."""
+    rounds: list[dict[str, float]] = []
+    windows = []
+    threads: list[dict[str, dict[str, float]]] = []  # per round: CPU s/GiB of each thread, by process
+    view = memoryview(data)
+    bare = Bare(1)
+    try:
+        bare.wait_ready()
+        echoes = Echoes(cluster.frontends)
+        try:
+            with Client(cluster.frontends, timeout=60) as c:
+                broker = cluster.brokers["primary" if args.pair else "broker"]
+                gpud_cpu = CpuMeter({"client": os.getpid(), "broker": broker.pid,
+                                     "worker": next(iter(cluster.worker_procs.values())).pid})
+                bare_cpu = CpuMeter({"client": os.getpid(), "forwarder": bare.procs[0].pid, "sink": bare.procs[1].pid})
+                floor_cpu = CpuMeter({"client": os.getpid(), "forwarder": floor.procs[0].pid,
+                                      "sink": floor.procs[1].pid})
+                for _ in range(args.rounds):
+                    g = gpud_round(c, data, args.idle, gpud_cpu)
+                    bare_s, b = _bare_round(bare, view, bare_cpu)
+                    floor_s, f = _bare_round(floor, view, floor_cpu)
+                    windows.append(g)
+                    r = {"gpud_gbps": nbytes / g["net_s"] / 1e9, "stage_gbps": nbytes / g["staged_s"] / 1e9,
+                         "bare_gbps": nbytes / bare_s / 1e9, "floor_gbps": nbytes / floor_s / 1e9}
+                    r["ratio"] = r["gpud_gbps"] / r["bare_gbps"]
+                    r["floor_ratio"] = r["floor_gbps"] / r["bare_gbps"]
+                    r["gpud_vs_floor"] = r["gpud_gbps"] / r["floor_gbps"]
+                    for k in ("client", "broker", "worker"):
+                        r[f"{k}_cpu_s_per_gib"] = g[f"cpu_{k}"] / gib
+                    for k in ("client", "broker", "worker"):
+                        r[f"empty_job_{k}_cpu_s"] = g[f"empty_job_cpu_{k}"]
+                    for k, v in b.items():
+                        r[f"bare_{k}_cpu_s_per_gib"] = v / gib
+                    r["cpu_s_per_gib"] = sum(g[f"cpu_{k}"] for k in ("client", "broker", "worker")) / gib
+                    r["bare_cpu_s_per_gib"] = sum(b.values()) / gib
+                    r["floor_cpu_s_per_gib"] = sum(f.values()) / gib
+                    threads.append({p: {t: round(v / gib, 2) for t, v in sorted(ts.items(), key=lambda x: -x[1])}
+                                    for p, ts in gpud_cpu.threads.items() if p != "client"})
+                    rounds.append(r)
         finally:
-            bare.stop()
+            echoes.stop()
+    finally:
+        bare.stop()
     for i, (r, g) in enumerate(zip(rounds, windows, strict=True)):
         idle, busy = echoes.p99(g["idle0"], g["idle1"]), echoes.p99(g["up0"], g["up1"])
         r.update({"echo_p99_idle_ms": idle * 1e3, "echo_p99_upload_ms": busy * 1e3, "p99_ratio": busy / idle})
         print(f"round {i + 1}: gpud {r['gpud_gbps']:.2f} GB/s (client to spool {r['stage_gbps']:.2f}), bare "
               f"{r['bare_gbps']:.2f} GB/s (ratio {r['ratio']:.2f}); echo p99 {r['echo_p99_idle_ms']:.2f} ms idle, "
               f"{r['echo_p99_upload_ms']:.2f} ms during the upload ({r['p99_ratio']:.2f}x)")
+        print(f"  floor (bare with the spool's and the job directory's writes) {r['floor_gbps']:.2f} GB/s: "
+              f"{r['floor_ratio']:.2f}x bare; gpud {r['gpud_vs_floor']:.2f}x the floor")
         print(f"  CPU s/GiB: gpud {r['cpu_s_per_gib']:.2f} (client {r['client_cpu_s_per_gib']:.2f}, broker "
               f"{r['broker_cpu_s_per_gib']:.2f}, worker {r['worker_cpu_s_per_gib']:.2f}); bare "
               f"{r['bare_cpu_s_per_gib']:.2f} (client {r['bare_client_cpu_s_per_gib']:.2f}, forwarder "
-              f"{r['bare_forwarder_cpu_s_per_gib']:.2f}, sink {r['bare_sink_cpu_s_per_gib']:.2f})", flush=True)
+              f"{r['bare_forwarder_cpu_s_per_gib']:.2f}, sink {r['bare_sink_cpu_s_per_gib']:.2f}); floor "
+              f"{r['floor_cpu_s_per_gib']:.2f}", flush=True)
         print(f"  CPU s/GiB by thread: {json.dumps(threads[i])}; CPU s of a job without input: client "
               f"{r['empty_job_client_cpu_s']:.3f}, broker {r['empty_job_broker_cpu_s']:.3f}, worker "
               f"{r['empty_job_worker_cpu_s']:.3f}")
@@ -257,10 +285,50 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, Any] = {k: round(v, 3) for k, v in mid.items()}
     summary.update({"mib": args.mib, "pair": args.pair, "rounds": args.rounds, "echo_errors": echoes.errors,
                     "ratios": [round(r["ratio"], 3) for r in rounds],
+                    "floor_ratios": [round(r["floor_ratio"], 3) for r in rounds],
                     "p99_ratios": [round(r["p99_ratio"], 3) for r in rounds],
                     "cpus": os.cpu_count(), "seconds": round(time.perf_counter() - t_start, 1)})
     print(json.dumps(summary))
     return 0
+
+
+def _bare_round(chain: Bare, view: memoryview, cpu: CpuMeter) -> tuple[float, dict[str, float]]:
+    """One chunked send of ``view`` through a bare chain: its seconds and its processes' CPU."""
+    cpu.start()
+    t = time.perf_counter()
+    chain.htod_chunked(view, CHUNK_BYTES, WINDOW)
+    return time.perf_counter() - t, cpu.stop()
+
+
+class FloorFiles:
+    """The floor chain's two files: the spool's on the file system of the broker's (the temporary
+    directory's, where LocalCluster keeps its state), the sink's where a job directory would be
+    (as root a tmpfs mounted as the worker mounts one, huge pages included where it can; else a
+    plain directory). Removed, and the tmpfs unmounted, on exit."""
+
+    def __init__(self) -> None:
+        self.top = tempfile.mkdtemp(prefix="gpud-floor-")
+        self.spool = os.path.join(self.top, "spool")
+        sink_dir = os.path.join(self.top, "job")
+        os.mkdir(sink_dir, 0o700)
+        self.mounted = ""
+        if os.geteuid() == 0:
+            for extra in (HUGE_DIR_OPTIONS, ""):
+                try:
+                    mount_tmpfs(sink_dir, f"size={4 << 30},mode=0700{extra}")
+                except OSError:
+                    continue
+                self.mounted = sink_dir
+                break
+        self.sink = os.path.join(sink_dir, "input")
+
+    def __enter__(self) -> FloorFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.mounted:
+            unmount(self.mounted)
+        shutil.rmtree(self.top, ignore_errors=True)
 
 
 if __name__ == "__main__":

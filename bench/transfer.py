@@ -39,10 +39,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -71,10 +73,36 @@ def _sock(ctx: zmq.Context[Any], kind: int) -> zmq.Socket[bytes]:
     return s
 
 
-def bare_forwarder() -> int:
+class FileWriter:
+    """Writes chunks into one file on a thread of its own, in order, as gpud's spool and job
+    threads do (``put(offset, frame)``; offset 0 starts the file afresh): the page-cache copies a
+    staged input must take, for the bare chain that does what gpud must (``--spool``, ``--sink``)."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        self.chunks: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="bare-writer", daemon=True).start()
+
+    def put(self, offset: int, frame: Any) -> None:
+        self.chunks.put((offset, frame))
+
+    def _run(self) -> None:
+        while True:
+            offset, frame = self.chunks.get()
+            if offset == 0:
+                os.ftruncate(self.fd, 0)  # a new transfer: fresh pages, as a new upload's file
+            view = frame.buffer
+            done = 0
+            while done < len(view):
+                done += os.pwrite(self.fd, view[done:], offset + done)
+
+
+def bare_forwarder(spool: str | None = None) -> int:
     """ROUTER frontend -> ROUTER backend -> one worker DEALER, and back. Prints its endpoints as one
-    JSON line, then serves until killed. Frames are moved without a copy (``copy=False``)."""
+    JSON line, then serves until killed. Frames are moved without a copy (``copy=False``). With
+    ``spool``, each chunk that names its offset is also written to that file (``FileWriter``)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    writer = FileWriter(spool) if spool else None
     ctx: zmq.Context[Any] = zmq.Context()
     front, back = _sock(ctx, zmq.ROUTER), _sock(ctx, zmq.ROUTER)
     front.bind("tcp://127.0.0.1:*")
@@ -96,6 +124,8 @@ def bare_forwarder() -> int:
                     front.send_multipart(msg[1:], copy=False)
             if front in ready and worker is not None:
                 msg = front.recv_multipart(copy=False)  # [client, *request]
+                if writer is not None and len(msg) == 5:  # [client, rid, "h", chunk, offset]
+                    writer.put(int(msg[4].bytes), msg[3])
                 back.send_multipart([worker, *msg], copy=False)
     finally:
         front.close(0)
@@ -103,10 +133,12 @@ def bare_forwarder() -> int:
         ctx.term()
 
 
-def bare_worker(backend: str, max_bytes: int) -> int:
+def bare_worker(backend: str, max_bytes: int, sink: str | None = None) -> int:
     """htod: ``[client, rid, "h", payload]`` -> ``[client, rid, "ok"]``; dtoh: ``[client, rid,
-    "d", nbytes]`` -> ``[client, rid, payload]`` (a slice of a buffer it holds, sent without a copy)."""
+    "d", nbytes]`` -> ``[client, rid, payload]`` (a slice of a buffer it holds, sent without a copy).
+    With ``sink``, each htod chunk that names its offset is also written to that file."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    writer = FileWriter(sink) if sink else None
     ctx: zmq.Context[Any] = zmq.Context()
     sock = _sock(ctx, zmq.DEALER)
     sock.connect(backend)
@@ -117,6 +149,8 @@ def bare_worker(backend: str, max_bytes: int) -> int:
             msg = sock.recv_multipart(copy=False)
             client, rid, op = msg[0], msg[1], msg[2].bytes
             if op == b"h":
+                if writer is not None and len(msg) == 5:
+                    writer.put(int(msg[4].bytes), msg[3])
                 sock.send_multipart([client, rid, b"ok"], copy=False)
             else:
                 n = int(msg[3].bytes)
@@ -127,14 +161,20 @@ def bare_worker(backend: str, max_bytes: int) -> int:
 
 
 class Bare:
-    """The bare chain: forwarder and worker as child processes, a DEALER client here."""
+    """The bare chain: forwarder and worker as child processes, a DEALER client here. With
+    ``spool`` and ``sink`` (file paths), the forwarder and the worker also write every chunk of
+    ``htod_chunked`` to those files: the two copies a staged input takes in gpud (the broker's
+    spool, the job's directory), on the same hops, the floor of what any design can reach."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, spool: str | None = None, sink: str | None = None) -> None:
         me = [sys.executable, os.path.abspath(__file__)]
         self.procs: list[subprocess.Popen[bytes]] = []
-        ends = dispatch.start_ready(self.procs, [*me, "--role", "bare-forwarder"], "the bare forwarder", self.stop)
+        self.writes = bool(spool or sink)
+        ends = dispatch.start_ready(self.procs, [*me, "--role", "bare-forwarder", *(("--spool", spool) if spool else ())],
+                                    "the bare forwarder", self.stop)
         self.procs.append(subprocess.Popen(
-            [*me, "--role", "bare-worker", "--backend", ends["backend"], "--max-bytes", str(max_bytes)],
+            [*me, "--role", "bare-worker", "--backend", ends["backend"], "--max-bytes", str(max_bytes),
+             *(("--sink", sink) if sink else ())],
             stdin=subprocess.DEVNULL))
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.sock = _sock(self.ctx, zmq.DEALER)
@@ -174,8 +214,12 @@ class Bare:
             reply(*outstanding.pop(msg[0].bytes), msg)
 
     def htod_chunked(self, view: memoryview, chunk: int, window: int) -> None:
-        self._windowed(view.nbytes, chunk, window, lambda a, n: (b"h", view[a : a + n]),
-                       lambda a, n, msg: None)
+        if self.writes:  # the chunk names its offset: the writers put it in its place
+            self._windowed(view.nbytes, chunk, window, lambda a, n: (b"h", view[a : a + n], str(a).encode()),
+                           lambda a, n, msg: None)
+        else:
+            self._windowed(view.nbytes, chunk, window, lambda a, n: (b"h", view[a : a + n]),
+                           lambda a, n, msg: None)
 
     def dtoh_chunked(self, out: memoryview, chunk: int, window: int) -> None:
         def reply(a: int, n: int, msg: list[Any]) -> None:
@@ -306,11 +350,13 @@ def main(argv: list[str] | None = None) -> int:
                    help=argparse.SUPPRESS)
     p.add_argument("--backend", help=argparse.SUPPRESS)
     p.add_argument("--max-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--spool", help=argparse.SUPPRESS)
+    p.add_argument("--sink", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.role == "bare-forwarder":
-        return bare_forwarder()
+        return bare_forwarder(args.spool)
     if args.role == "bare-worker":
-        return bare_worker(args.backend, args.max_bytes)
+        return bare_worker(args.backend, args.max_bytes, args.sink)
     try:
         sizes = sorted({int(s) * MIB for s in args.sizes.split(",") if s.strip()})
     except ValueError:

@@ -34,6 +34,7 @@ class Takeover:
         self.core = core
         self.settling_until: float | None = None
         self.waiting: set[str] = set()  # workers not yet heard at the new epoch
+        self.unheard: set[str] = set()  # of those, the ones settling stopped waiting for
         self.at = 0.0  # when this broker last took over
 
     def take_over(self, epoch: int, settle: float, now: float) -> None:
@@ -81,6 +82,7 @@ class Takeover:
         core.dispatcher.open_workers = core.dispatcher.count_open_workers()
         core.hold = True
         self.waiting = {w.name for w in registry.by_identity.values()}
+        self.unheard = set()
         self.settling_until = now + settle
         log.warning("broker %s is active at epoch %d: %d queued, %d running, %d session(s); settling with %d worker(s)",
                     core.config.name, epoch, len(queued), sum(len(w.assigned) for w in registry.by_identity.values()),
@@ -100,17 +102,24 @@ class Takeover:
 
     def heard(self, worker: WorkerRecord, epoch: Any, running: Any) -> None:
         """A heartbeat of ``worker`` showing ``epoch`` and listing ``running`` (unchecked): its
-        first at our new epoch ends its part of the settling."""
-        if (self.settling_until is not None and worker.name in self.waiting and type(epoch) is int
-                and epoch >= self.core.epoch):
+        first at our new epoch ends its part of the settling (or, heard only after settling
+        ended, is read as it would have been)."""
+        if type(epoch) is not int or epoch < self.core.epoch:
+            return
+        if self.settling_until is not None and worker.name in self.waiting:
             self.waiting.discard(worker.name)
             if type(running) is list:
                 self._reconcile(worker, running)
             if not self.waiting:
                 self._settled()
+        elif worker.name in self.unheard:
+            self.unheard.discard(worker.name)
+            if type(running) is list:
+                self._reconcile(worker, running)
 
     def worker_gone(self, name: str) -> None:
         self.waiting.discard(name)
+        self.unheard.discard(name)
 
     def tick(self, now: float) -> None:
         if self.settling_until is not None and now >= self.settling_until:
@@ -121,15 +130,18 @@ class Takeover:
     def _reconcile(self, worker: WorkerRecord, running: list[Any]) -> None:
         """A worker's first heartbeat at our new epoch lists what it runs: work our tables had
         queued is running there; work we never heard of is kept as running there, so that its
-        client's retry attaches to it instead of running it again."""
+        client's retry attaches to it instead of running it again; a job that began there and
+        that it no longer holds was lost there."""
         core = self.core
         now = core.now
+        listed: set[bytes] = set()
         for entry in running[:MAX_RUNNING]:
             if type(entry) is not dict:
                 continue
             rid = entry.get("id")
             if type(rid) is not bytes or len(rid) != protocol.ID_BYTES:
                 continue
+            listed.add(rid)
             task = core.tasks.tasks.get(rid)
             if task is not None and task.state is not State.QUEUED:
                 continue
@@ -150,17 +162,39 @@ class Takeover:
             worker.assigned[rid] = task
             core.journal.run(rid, worker.name, None)
             log.info("after the failover: %s runs on %s (dispatched by the previous broker)", protocol.id_text(rid), worker.name)
+        if len(running) <= MAX_RUNNING:  # a list cut short names not all it holds
+            self._take_off_lost(worker, listed)
+
+    def _take_off_lost(self, worker: WorkerRecord, listed: set[bytes]) -> None:
+        """The jobs marked started before the takeover that ``worker`` does not list: it asked
+        START for each, so it had them, and it holds none of them now, neither running nor as a
+        RESULT (it sends those again before this heartbeat, PROTOCOL.md §9.4): it lost them (it
+        restarted, or forgot them). Dispatched again, each would begin a second time; each is
+        taken off it as its loss would (§4.3): placed again elsewhere if idempotent, else
+        WORKER_LOST."""
+        gone = [task for task in worker.assigned.values()
+                if task.kind == "job" and task.state is State.RUNNING and task.id not in listed
+                and task.dispatched_at <= self.at and self.core.starts.may_have_begun(task)]
+        for task in gone:
+            log.warning("after the failover: job %s began on %s, which no longer holds it: lost there",
+                        protocol.id_text(task.id), worker.name)
+            self.core.workers.take_off(worker, task, "its worker no longer holds it after the failover")
 
     def _settled(self) -> None:
         """Settling is over: dispatch again what ran before the takeover (a worker that has it
-        running or answered ignores or re-answers it; one that never got it runs it), then place."""
+        running or answered ignores or re-answers it; one that never got it runs it), then place.
+        A job that may have begun is not dispatched again to a worker not heard at the new epoch
+        yet: its first heartbeat there says whether it still holds it."""
         core = self.core
         self.settling_until = None
-        self.waiting = set()
+        self.unheard, self.waiting = self.waiting, set()
         core.hold = False
         again = 0
         for worker in core.registry.by_identity.values():
+            unheard = worker.name in self.unheard
             for task in list(worker.assigned.values()):
+                if unheard and task.kind == "job" and core.starts.may_have_begun(task):
+                    continue
                 if task.state is State.RUNNING and task.dispatched_at <= self.at:
                     core.send_worker(worker.identity, core.dispatcher.message(task))
                     again += 1
@@ -183,6 +217,7 @@ class Takeover:
         core.fenced = False
         self.settling_until = None
         self.waiting = set()
+        self.unheard = set()
         core.journal = NULL_JOURNAL
         core.clear_work()
         core.workers.beat_all()

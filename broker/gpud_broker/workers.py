@@ -176,7 +176,7 @@ class WorkerDialog:
             holds = ready.holds
             gone = [t for t in worker.assigned.values() if t.id not in holds]
             for task in gone:
-                self._take_off(worker, task, "its worker came back without it")
+                self.take_off(worker, task, "its worker came back without it")
             for sid in self.leases.on_worker(worker.name):
                 if sid not in holds:
                     self.session_ends.lost(sid, worker.name)
@@ -331,7 +331,7 @@ class WorkerDialog:
                     len(again), len(worker.assigned) - len(again))
         worker.taken_off = {t.id for t in again if t.kind == "job"}
         for task in again:
-            self._take_off(worker, task, "its worker went silent")
+            self.take_off(worker, task, "its worker went silent")
 
     def resume(self, worker: WorkerRecord) -> None:
         """A message came on suspended ``worker``'s connection: it is live again. The jobs placed
@@ -351,7 +351,7 @@ class WorkerDialog:
         worker.taken_off = set()
         self.dispatcher.set_draining(worker, worker.draining_before or worker.name in self.registry.drained)
 
-    def _take_off(self, worker: WorkerRecord, task: Task, why: str) -> None:
+    def take_off(self, worker: WorkerRecord, task: Task, why: str) -> None:
         """Take ``task`` off live ``worker`` (its slot freed, its grant refunded) and place it
         again or fail it, as its worker's loss would (PROTOCOL.md §4.3; a CALL: WORKER_LOST)."""
         core = self.core

@@ -606,7 +606,7 @@ class Worker:
             self._broker_state(idx, link, header, now)
         elif cmd is Command.ACK:
             ids = header.get("ids")
-            if type(ids) is list:
+            if type(ids) is list and self._acks_count(idx, link):
                 for rid in ids:
                     if type(rid) is bytes:
                         self.unacked.pop(rid, None)
@@ -721,6 +721,15 @@ class Worker:
                 self._ask_starts(now, again=True)
             if self.fetches:
                 self._ask_fetches(now, again=True)
+
+    def _acks_count(self, idx: int, link: BrokerLink) -> bool:
+        """Whether an ACK from this broker lets go of RESULTs: only the active one's, at the
+        largest epoch seen, does (PROTOCOL.md §9.4); any other broker's tables do not answer the
+        client, and the RESULT would be lost."""
+        if idx == self.active_idx and link.epoch >= self.max_epoch:
+            return True
+        log.info("ACK from broker %s ignored: it is not the active one at epoch %d", link.endpoint, self.max_epoch)
+        return False
 
     def _resend_results(self, link: BrokerLink) -> None:
         """Send every unacknowledged RESULT again (to the active broker): only an ACK proves one

@@ -71,6 +71,29 @@ def resent(broker: FakeBroker) -> tuple[bytes, bytes]:
     return who, rid
 
 
+def b_takes_over(b: FakeBroker, at_b: bytes, rid: bytes) -> None:
+    """b says it is active at epoch 2: the worker follows it, and sends it the kept RESULT."""
+    beat(b, at_b, True, 2)
+    assert resent(b) == (at_b, rid)
+
+
+def ignored_ack(worker: Worker, broker: FakeBroker, ident: bytes, active: bool, epoch: int, rid: bytes) -> None:
+    """``broker`` (not the active one at the largest epoch) ACKs ``rid``: the worker keeps it."""
+    broker.send(ident, Command.ACK, {"ids": [rid]})
+    welcomed(broker, ident, active, epoch)
+    assert rid in worker.unacked
+
+
+def let_go_on_the_active_ones_ack(worker: Worker, active: FakeBroker, ident: bytes, epoch: int, rid: bytes) -> None:
+    """The active broker welcomes the worker again: it gets the RESULT still kept, ACKs it, and
+    the worker lets go of it."""
+    active.welcome(ident, epoch=epoch, heartbeat_ms=QUIET)
+    assert resent(active) == (ident, rid)
+    active.send(ident, Command.ACK, {"ids": [rid]})
+    welcomed(active, ident, True, epoch)
+    assert rid not in worker.unacked
+
+
 def a_active_b_passive(a: FakeBroker, b: FakeBroker) -> tuple[bytes, bytes, bytes]:
     """Both welcomed, a active at epoch 1; one echo answered to a, not ACKed. Returns a's and b's
     connections and the echo's id."""
@@ -85,39 +108,25 @@ def test_an_ack_from_the_passive_broker_does_not_let_go_of_a_result(
         pair: tuple[Worker, FakeBroker, FakeBroker]) -> None:
     worker, a, b = pair
     at_a, at_b, rid = a_active_b_passive(a, b)
-    b.send(at_b, Command.ACK, {"ids": [rid]})  # the passive never took it
-    welcomed(b, at_b, False, 1)
-    assert rid in worker.unacked
-    a.welcome(at_a, heartbeat_ms=QUIET)  # the active one, again: it gets what is kept
-    assert resent(a) == (at_a, rid)
-    a.send(at_a, Command.ACK, {"ids": [rid]})
-    welcomed(a, at_a, True, 1)
-    assert rid not in worker.unacked
+    ignored_ack(worker, b, at_b, False, 1, rid)  # the passive never took it
+    let_go_on_the_active_ones_ack(worker, a, at_a, 1, rid)
 
 
 def test_an_ack_from_an_old_active_broker_after_a_takeover_does_not_let_go_of_a_result(
         pair: tuple[Worker, FakeBroker, FakeBroker]) -> None:
     worker, a, b = pair
     at_a, at_b, rid = a_active_b_passive(a, b)
-    beat(b, at_b, True, 2)  # b took over: it gets the kept RESULT
-    assert resent(b) == (at_b, rid)
+    b_takes_over(b, at_b, rid)
     # a wakes from a freeze still saying active at epoch 1, and ACKs what the worker sent it.
-    a.send(at_a, Command.ACK, {"ids": [rid]})
-    welcomed(a, at_a, True, 1)
-    assert rid in worker.unacked
-    b.welcome(at_b, epoch=2, heartbeat_ms=QUIET)
-    assert resent(b) == (at_b, rid)
-    b.send(at_b, Command.ACK, {"ids": [rid]})
-    welcomed(b, at_b, True, 2)
-    assert rid not in worker.unacked
+    ignored_ack(worker, a, at_a, True, 1, rid)
+    let_go_on_the_active_ones_ack(worker, b, at_b, 2, rid)
 
 
 def test_an_active_broker_below_the_largest_epoch_seen_cannot_ack_a_result_away(
         pair: tuple[Worker, FakeBroker, FakeBroker]) -> None:
     worker, a, b = pair
     at_a, at_b, rid = a_active_b_passive(a, b)
-    beat(b, at_b, True, 2)
-    assert resent(b) == (at_b, rid)
+    b_takes_over(b, at_b, rid)
     # b's connection breaks: the worker, reconnecting there, has only a (epoch 1) saying active.
     b.send(at_b, Command.DISCONNECT, {"reason": "unknown worker"})
     again, ready = b.next(Command.READY)

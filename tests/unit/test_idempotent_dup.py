@@ -11,7 +11,8 @@ from gpud import protocol as P
 from gpud.protocol import Command
 from gpud_broker.tasks import State
 from tests.unit.test_broker_core import C1, C2, W1, W2, Harness, rid
-from tests.unit.test_replication import confirm, dispatched, pair, ship, take_over
+from tests.unit.test_replication import confirm, dispatched, ship, take_over
+from tests.unit.test_settle_begun import pair_with_w2_busy
 
 PLAIN, IDEM = rid(1), rid(2)
 
@@ -25,12 +26,7 @@ def both_told_go(h: Harness) -> None:
 
 
 def test_an_idempotent_job_told_go_runs_again_when_its_worker_is_not_connected_after_a_failover() -> None:
-    a, b = pair()
-    for h in (a, b):
-        h.ready(W1, "w1")
-        h.ready(W2, "w2")
-        h.core.registry.by_name["w2"].gpus[0].granted_milli = 500
-    a.take_worker()
+    a, b = pair_with_w2_busy(500)
     both_told_go(a)
     ship(a, b)  # the marks are durable: both may have begun
     a.core.set_durable(a.core.seq)

@@ -19,15 +19,21 @@ from tests.unit.test_replication import confirm, dispatched, pair, ship, take_ov
 PLAIN, IDEM, NOGO, STILL, ENDED = rid(1), rid(2), rid(3), rid(4), rid(5)
 
 
-def on_w1_before_the_takeover() -> tuple[Harness, Harness]:
-    """On w1, through a: PLAIN, IDEM (idempotent), STILL and ENDED told GO, NOGO dispatched and
-    never asked START; b holds every mark; w2, busy then, sorts after w1."""
+def pair_with_w2_busy(milli: int) -> tuple[Harness, Harness]:
+    """A pair, w1 and w2 ready at both; w2's GPU has ``milli`` granted (so w1 sorts first)."""
     a, b = pair()
     for h in (a, b):
         h.ready(W1, "w1")
         h.ready(W2, "w2")
-        h.core.registry.by_name["w2"].gpus[0].granted_milli = 600
+        h.core.registry.by_name["w2"].gpus[0].granted_milli = milli
     a.take_worker()
+    return a, b
+
+
+def on_w1_before_the_takeover() -> tuple[Harness, Harness]:
+    """On w1, through a: PLAIN, IDEM (idempotent), STILL and ENDED told GO, NOGO dispatched and
+    never asked START; b holds every mark; w2, busy then, sorts after w1."""
+    a, b = pair_with_w2_busy(600)
     a.request(C1, PLAIN, kind="job", argv=["train.py"], need={"gpu_milli": 100})
     a.request(C2, IDEM, kind="job", argv=["render.py"], idempotent=True, need={"gpu_milli": 100})
     a.request(C1, NOGO, kind="job", argv=["later.py"], need={"gpu_milli": 100})

@@ -55,5 +55,9 @@ def test_a_job_begun_on_a_worker_that_restarted_across_a_failover_is_not_begun_a
             assert voter.submit_echo(b"after").wait() == b"after"
         with pytest.raises(GpudError) as lost:
             job.wait()
+    text = backup_log.read_text()
+    took_over = text.index("settling with")
+    assert text.rfind("worker w0 ready", 0, took_over) > text.find("worker w0 ready"), \
+        "the restarted w0 reached the backup only after its takeover: not the case this test is about"
     assert lost.value.code == "WORKER_LOST", lost.value
     assert executions([log])[1][short] == 1, "the job began a second time on the restarted worker"

@@ -8,7 +8,6 @@ the client library see it, the idle reclaim."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 from gpud.errors import InvalidRequest, RemoteError, SessionLost
 from gpud_cli.cluster import LocalCluster
 from gpud_client import BUILTIN, Client
+from tests.waiting import wait_for
 
 F32 = np.float32
 FAKE = Path(__file__).resolve().parent / "fake_gpu"
@@ -97,7 +97,8 @@ def test_an_idle_session_is_reclaimed(cluster: LocalCluster) -> None:
     with Client(cluster.frontend, timeout=30, journal_bytes=0) as client:
         s = client.session(mem=1 << 20)
         p = s.mem_alloc(1 << 20)
-        time.sleep(3)  # past --session-idle 1.5
+        # Left idle past --session-idle 1.5: the broker ends it (its status shows none), untouched.
+        wait_for(lambda: cluster.status()["counts"]["sessions"] == 0, what="the idle session reclaimed", timeout=3)
         with pytest.raises(SessionLost):
             s.memcpy_dtoh(p, 16)
         s.close()

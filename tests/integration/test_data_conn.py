@@ -108,6 +108,7 @@ def lone_broker(tmp_path: Path) -> Iterator[LocalCluster]:
 def test_neither_a_client_key_nor_another_workers_key_fetches_a_jobs_bytes(lone_broker: LocalCluster) -> None:
     c = lone_broker
     ctx: zmq.Context[Any] = zmq.Context()
+    probed = threading.Event()  # set once the test has probed: till then the job's client stays
     try:
         victim = FakeWorker(c, ctx, "victim")
         data = os.urandom(MiB) * 9  # staged
@@ -116,7 +117,7 @@ def test_neither_a_client_key_nor_another_workers_key_fetches_a_jobs_bytes(lone_
         def submit() -> None:
             with Client([c.frontend], timeout=30, curve=c.client_keys("acme")) as client:
                 submitted["job"] = client.submit(["md5sum", "a"], files={"a": data}, gpu_milli=100)
-                time.sleep(8)  # its client stays while the test probes
+                probed.wait(30)
 
         thread = threading.Thread(target=submit)
         thread.start()
@@ -147,7 +148,12 @@ def test_neither_a_client_key_nor_another_workers_key_fetches_a_jobs_bytes(lone_
         assert chunk is not None and chunk.command is Command.CHUNK, chunk
         assert P.as_bytes(chunk.frames[0]) == data[:MiB]
         assert recv(victim.sock, 0.5, skip=(Command.HEARTBEAT,)) is None  # nothing of it on the control connection
+        probed.set()
         thread.join(timeout=30)
         assert "job" in submitted
+        # The test is over: the broker's close would wait for the job it holds on the victim,
+        # a fake worker that never answers, until its drain timeout.
+        c.kill_broker("broker")
     finally:
+        probed.set()  # a failed probe does not keep the client's thread waiting
         ctx.destroy(0)

@@ -4,8 +4,9 @@
 ``RealNova(state_dir).start()`` writes nova.conf, api-paste.ini, placement.conf and keystone.conf,
 starts MariaDB, makes the databases with the operators' commands (``placement-manage db sync``,
 ``nova-manage api_db sync``, ``cell_v2 map_cell0``, ``cell_v2 create_cell``, ``db sync``,
-``keystone-manage db_sync``, ``fernet_setup``, ``bootstrap``; cached as a template in
-.venv-nova/db-template, keyed by the configuration, so later runs copy them), starts keystone,
+``keystone-manage db_sync``, ``fernet_setup``, ``bootstrap``, each tool's in one process of its own:
+manage.py; cached as a template in .venv-nova/db-template, keyed by the configuration, so later
+runs copy them), starts keystone,
 placement and nova, and registers compute, image and network in Keystone's catalog. Then:
 
 - ``url``: the Compute API endpoint; ``token(user, project, roles)``: a token the paste filter in
@@ -44,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv-nova"
 PY = VENV / "bin" / "python"
 CLOUD = Path(__file__).resolve().parent / "cloud.py"
+MANAGE = CLOUD.with_name("manage.py")
 ALIAS = "gpu"
 GPUS = 15  # NVIDIA PCI devices on the compute host (nova_parts.GPU_ADDRESSES)
 PCI_SPEC = {"vendor_id": "10de", "product_id": "20b5"}
@@ -241,11 +243,12 @@ class RealNova:
         env.update(OS_NOVA_DISABLE_EVENTLET_PATCHING="1", PYTHONPATH=str(CLOUD.parent))
         return env
 
-    def _manage(self, *args: str) -> None:
-        r = subprocess.run([str(VENV / "bin" / args[0]), *args[1:]], capture_output=True, text=True, timeout=300,
-                           env=self._env(), cwd=self.state)
+    def _manage(self, module: str, commands: list[list[str]]) -> None:
+        """The operator's commands of one tool (``module``'s main), in order, in one process."""
+        r = subprocess.run([str(PY), str(MANAGE), module, json.dumps(commands)], capture_output=True, text=True,
+                           timeout=300, env=self._env(), cwd=self.state)
         if r.returncode != 0:
-            raise RuntimeError(f"{' '.join(args)} exited {r.returncode}: {r.stdout[-2000:]}{r.stderr[-3000:]}")
+            raise RuntimeError(f"{module} {commands} exited {r.returncode}: {r.stdout[-2000:]}{r.stderr[-3000:]}")
 
     def _configure(self, placement: str, keystone: str = "http://127.0.0.1:0") -> None:
         (self.state / "log").mkdir(parents=True, exist_ok=True)
@@ -279,23 +282,25 @@ class RealNova:
         conf = ["--config-file", str(self.state / "nova.conf")]
         kconf = ["--config-file", str(self.state / "keystone.conf")]
         keystone_id = ["--keystone-user", "root", "--keystone-group", "root"]
-        # Three chains on databases of their own, run side by side: each command is mostly its
-        # interpreter's imports (seconds each), a minute in all when run one after another.
+        # Three chains on databases of their own, run side by side, each tool's commands one after
+        # another in one process (manage.py): a command is mostly its interpreter's imports.
         chains = [
-            [["placement-manage", "--config-file", str(self.state / "placement.conf"), "db", "sync"]],
-            [["nova-manage", *conf, "api_db", "sync"],
-             ["nova-manage", *conf, "cell_v2", "map_cell0", "--database_connection", self.db.url("nova_cell0")],
-             ["nova-manage", *conf, "cell_v2", "create_cell", "--name", "cell1", "--transport-url", "fake://",
-              "--database_connection", self.db.url("nova_cell1")],
-             ["nova-manage", *conf, "db", "sync"]],
-            [["keystone-manage", *kconf, "db_sync"],
-             ["keystone-manage", *kconf, "fernet_setup", *keystone_id],
-             ["keystone-manage", *kconf, "credential_setup", *keystone_id],
-             ["keystone-manage", *kconf, "bootstrap", "--bootstrap-password", ADMIN_PASSWORD,
-              "--bootstrap-region-id", REGION, "--bootstrap-public-url", "http://127.0.0.1:0/v3"]],
+            ("placement.cmd.manage", [["placement-manage", "--config-file", str(self.state / "placement.conf"), "db", "sync"]]),
+            ("nova.cmd.manage", [
+                ["nova-manage", *conf, "api_db", "sync"],
+                ["nova-manage", *conf, "cell_v2", "map_cell0", "--database_connection", self.db.url("nova_cell0")],
+                ["nova-manage", *conf, "cell_v2", "create_cell", "--name", "cell1", "--transport-url", "fake://",
+                 "--database_connection", self.db.url("nova_cell1")],
+                ["nova-manage", *conf, "db", "sync"]]),
+            ("keystone.cmd.manage", [
+                ["keystone-manage", *kconf, "db_sync"],
+                ["keystone-manage", *kconf, "fernet_setup", *keystone_id],
+                ["keystone-manage", *kconf, "credential_setup", *keystone_id],
+                ["keystone-manage", *kconf, "bootstrap", "--bootstrap-password", ADMIN_PASSWORD,
+                 "--bootstrap-region-id", REGION, "--bootstrap-public-url", "http://127.0.0.1:0/v3"]]),
         ]
         with ThreadPoolExecutor(len(chains)) as pool:
-            for done in [pool.submit(self._chain, chain) for chain in chains]:
+            for done in [pool.submit(self._manage, module, commands) for module, commands in chains]:
                 done.result()  # the first failure, with its command's output
         self.db.stop()
         tmp = template.with_name(key + ".tmp")
@@ -311,10 +316,6 @@ class RealNova:
                 shutil.rmtree(old, ignore_errors=True)
         tmp.rename(template)
         self.db.start()
-
-    def _chain(self, commands: list[list[str]]) -> None:
-        for args in commands:
-            self._manage(*args)
 
     def _spawn(self, name: str, timeout: float = 120.0) -> dict[str, Any]:
         self._launch(name)

@@ -266,6 +266,9 @@ class Worker:
         # reconnection from a restart by it, and keeps our running work (PROTOCOL.md §4.2).
         self.incarnation = os.urandom(protocol.ID_BYTES)
         self.results: queue.SimpleQueue[tuple[int, bytes, list[Any]]] = queue.SimpleQueue()
+        # Taken by a wake and by the close: a wake never writes to a descriptor closed meanwhile
+        # (whose number another file may have taken). Re-entrant: a signal handler wakes too.
+        self._wake_lock = threading.RLock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -315,10 +318,11 @@ class Worker:
         for t in list(self._session_threads):
             if t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
-        r, w = self._wake_r, self._wake_w
-        self._wake_r = self._wake_w = -1
-        os.close(r)
-        os.close(w)
+        with self._wake_lock:
+            r, w = self._wake_r, self._wake_w
+            self._wake_r = self._wake_w = -1
+            os.close(r)
+            os.close(w)
 
     def reload(self) -> None:
         """Re-read the configuration (SIGHUP), in the loop's thread. Nothing is re-read yet: the
@@ -328,13 +332,14 @@ class Worker:
         notify.ready()
 
     def _wake(self) -> None:
-        fd = self._wake_w
-        if fd < 0:  # stopped: nothing waits for the loop any more
-            return
-        try:
-            os.write(fd, b"x")
-        except BlockingIOError:
-            pass
+        with self._wake_lock:
+            fd = self._wake_w
+            if fd < 0:  # stopped: nothing waits for the loop any more
+                return
+            try:
+                os.write(fd, b"x")
+            except BlockingIOError:
+                pass
 
     def ready_header(self) -> dict[str, Any]:
         return {

@@ -290,8 +290,9 @@ class Upload:
     claimed: bool = False
     ahead: dict[tuple[int, int], int] = field(default_factory=dict)  # (file, offset) -> end, past ``have`` (replicas)
     ticket: int = 0  # the write of its last chunk stored (0: none on disk)
-    # FETCHes of bytes not held yet (the upload still comes, PROTOCOL.md §11.3): (worker identity, file, offset, nbytes)
-    waiting: list[tuple[bytes, int, int, int]] = field(default_factory=list)
+    # FETCHes of bytes not held yet (the upload still comes, PROTOCOL.md §11.3): (connection, worker name, file,
+    # offset, nbytes)
+    waiting: list[tuple[bytes, str, int, int, int]] = field(default_factory=list)
     starved: float = 0.0  # since when a FETCH has waited for bytes with none coming (0: none waits)
     # How far the worker the job is placed on has asked for (``fetcher``; bytes over the files in
     # order), and the PUT REPLYs held until it comes within LEAD_BYTES (``Staging``): (journal

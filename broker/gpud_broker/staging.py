@@ -200,19 +200,35 @@ class Staging:
 
     def _serve_waiting(self, core: BrokerCore, up: Upload, index: int, offset: int, frame: Any, nbytes: int) -> None:
         """Answer the FETCHes that waited for bytes a PUT just brought: with the PUT's own frame
-        when they ask for exactly its range, else from the spool."""
+        when they ask for exactly its range, else from the spool. Those of a worker the job is no
+        longer placed on (lost, parked, placed elsewhere, ended) are dropped unanswered: its bytes
+        go to no worker but the job's (PROTOCOL.md §11.3)."""
         still = []
-        for identity, i, start, n in up.waiting:
+        served = False
+        for ask in up.waiting:
+            identity, name, i, start, n = ask
+            if self._placed_on(core, up.job, name) is None:
+                continue
             if start + n > up.have[i]:
-                still.append((identity, i, start, n))
-            elif (i, start, n) == (index, offset, nbytes):
+                still.append(ask)
+                continue
+            served = True
+            if (i, start, n) == (index, offset, nbytes):
                 self.spool.mark_read(up, i, start)  # its memory copy is let go once on disk
                 self._send_chunk(core, identity, up.job, i, start, frame)
             else:
-                self._answer_fetch(core, identity, up, i, start, n, up.fetcher or "")
-        if len(still) < len(up.waiting):  # bytes came for the worker: it is not starved
+                self._answer_fetch(core, identity, up, i, start, n, name)
+        if served or not still:  # bytes came for the worker (it is not starved), or none waits
             up.starved = core.now if still else 0.0
         up.waiting = still
+
+    @staticmethod
+    def _placed_on(core: BrokerCore, job: bytes, name: str) -> Task | None:
+        """The task of staged job ``job`` while it runs on worker ``name`` (registered), else None."""
+        task = core.tasks.tasks.get(job)
+        if task is None or task.state is not State.RUNNING or task.worker != name or name not in core.registry.by_name:
+            return None
+        return task
 
     def _answer_fetch(self, core: BrokerCore, identity: bytes, up: Upload, index: int, offset: int, nbytes: int,
                       name: str) -> None:
@@ -223,8 +239,8 @@ class Staging:
         job = up.job
 
         def deliver(got: bytes | OSError) -> None:
-            task = core.tasks.tasks.get(job)
-            if self.spool.uploads.get(job) is not up or task is None or task.worker != name or name not in core.registry.by_name:
+            task = self._placed_on(core, job, name)
+            if self.spool.uploads.get(job) is not up or task is None:
                 return  # it ended, or was placed elsewhere, meanwhile
             if isinstance(got, OSError):
                 self._read_failed(core, task, got)
@@ -349,6 +365,10 @@ class Staging:
         for up in list(self.spool.uploads.values()):
             if not up.waiting or up.starved > limit or not up.claimed:
                 continue
+            live = [ask for ask in up.waiting if self._placed_on(core, up.job, ask[1]) is not None]
+            if not live:  # they waited on a worker the job has left (lost, placed elsewhere): dropped
+                up.waiting, up.starved = live, 0.0
+                continue
             task = core.tasks.tasks.get(up.job)
             if task is None or task.started or task.worker is None or up.job in self.pulls:
                 continue
@@ -382,20 +402,20 @@ class Staging:
             nbytes = protocol.req(header, "nbytes", int)
             if not 0 < nbytes <= MAX_CHUNK_BYTES:
                 raise InvalidRequest(f"a FETCH asks for 1..{MAX_CHUNK_BYTES} bytes")
-            task = core.tasks.tasks.get(rid)
             up = self.spool.uploads.get(rid)
-            if task is None or task.worker != worker.name or up is None or not up.claimed:
+            if self._placed_on(core, rid, worker.name) is None or up is None or not up.claimed:
                 raise InvalidRequest("no staged job of this id runs on this worker")
             nbytes = min(nbytes, max(0, up.sizes[index] - offset))
             reach = sum(up.sizes[:index]) + offset + nbytes  # how far, over the files in order, it has asked
-            if up.fetcher != worker.name:
+            if up.fetcher != worker.name:  # placed on another worker: what the one it left asked is dropped
                 up.fetcher, up.fetched = worker.name, 0
+                up.waiting = [ask for ask in up.waiting if ask[1] == worker.name]
             if reach > up.fetched:
                 up.fetched = reach
                 if up.held:
                     self._let_held_go(core, up)
             if offset >= 0 and offset + nbytes > up.have[index]:  # still coming: answered when it is here
-                ask = (to, index, offset, nbytes)
+                ask = (to, worker.name, index, offset, nbytes)
                 if ask not in up.waiting and len(up.waiting) < MAX_WAITING:
                     if not up.waiting:
                         up.starved = core.now

@@ -280,14 +280,12 @@ class Results:
             log.debug("stale RESULT %s from %s dropped", protocol.id_text(rid), worker.name)
 
     def outputs_here(self, task: Task, reply: list[Any], identity: bytes) -> None:
-        """A job's staged outputs are in the spool: answer its client, and ACK its RESULT once
-        that is durable (a standalone broker ACKs it too: the worker holds the outputs until then)."""
+        """A job's staged outputs are in the spool: answer its client, and owe the ACK of its
+        RESULT as any other (``take_acks``: once the reply is durable; a standalone broker's at
+        once). The worker holds the outputs until then."""
         core = self.core
         core.finish(task, reply)
-        if core.acking:
-            self.unacked.append((core.journal.seq, identity, task.id))
-        else:
-            self.send_worker(identity, protocol.encode(Peer.WORKER, Command.ACK, {"ids": [task.id]}))
+        self.unacked.append((core.journal.seq, identity, task.id))
 
     def release(self, worker: WorkerRecord, task: Task) -> None:
         """Refund ``task``'s grant on ``worker``."""

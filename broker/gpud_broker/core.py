@@ -513,6 +513,7 @@ class BrokerCore:
     def worker_gone(self, name: str) -> None:
         """Worker ``name`` left the registry: the settling and the output pulls stop waiting for it."""
         self.takeover.worker_gone(name)
+        self.results.worker_gone(name)
         if self.staging.pulls:
             self.staging.worker_lost(self, name)
 

@@ -37,7 +37,7 @@ from gpud_broker.sessions import SessionEnds
 from gpud_broker.staging import Staging
 from gpud_broker.starts import StartGate
 from gpud_broker.stats import RequestStats
-from gpud_broker.tasks import Session, State, Task, TaskTable
+from gpud_broker.tasks import ENTRY_OVERHEAD, Session, State, Task, TaskTable
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,8 @@ _SHUTTING_DOWN = ShuttingDown.code
 _GPU_FAULT = GpuFault.code
 _SESSION_LOST = SessionLost.code
 _REMOTE_ERROR = RemoteError.code
+
+MAX_UNKNOWN_KEPT = 256  # replies kept for RESULTs of ids the broker did not know, per worker at once
 
 
 class ResultCore(Protocol):
@@ -86,11 +88,14 @@ class Results:
         self.send_worker = send_worker
         self.starts = StartGate()  # jobs' STARTs: which may have begun, and the GOs waiting to be durable
         self.unacked: deque[tuple[int, bytes, bytes]] = deque()  # (seq, worker, RESULT id) to ACK once durable (standalone: seq 0, at once)
+        self.unknown: dict[str, deque[bytes]] = {}  # by worker: ids of RESULTs not known, kept or remembered, oldest first
+        self.unknown_dropped = 0  # such RESULTs not kept, so far
 
     def clear(self) -> None:
         """Forget the GOs and ACKs owed (the tables they were about are gone)."""
         self.unacked.clear()
         self.starts.clear()
+        self.unknown.clear()
 
     # ------------------------------------------------------------------ START and GO
 
@@ -268,6 +273,8 @@ class Results:
             tenant = msg.header.get("tenant")
             task = Task(id=rid, kind="echo", need=None, body={}, frames=[], route=None, created=core.now,
                         deadline=core.now, tenant=tenant if type(tenant) is str else "default")
+            if not self._may_keep_unknown(worker, task, reply):
+                return
             core.tasks.add(task)
             self.stats.take_over(task.kind)  # the other broker of the pair accepted it
             log.info("RESULT %s from %s for work this broker did not dispatch: kept for its client", protocol.id_text(rid), worker.name)
@@ -278,6 +285,45 @@ class Results:
             core.finish(task, reply)
         else:
             log.debug("stale RESULT %s from %s dropped", protocol.id_text(rid), worker.name)
+
+    def _may_keep_unknown(self, worker: WorkerRecord, task: Task, reply: list[Any]) -> bool:
+        """Whether to keep a RESULT for an id this broker does not know as the finished reply
+        ``task`` (its tenant as the worker says). A worker is not a tenant: it brings back no
+        reply dropped early (its retry stays RESULT_EXPIRED) and pushes out none of the tenant's
+        replies: one that does not fit the tenant's share as it is is remembered as a reply
+        dropped early (a retry gets RESULT_EXPIRED, and the work is not run again). Each worker
+        has at most MAX_UNKNOWN_KEPT so kept or remembered at once; past them, nothing is. Either
+        way it is ACKed (a RESULT re-sent after its task was answered and forgotten: the worker
+        lets go of it)."""
+        core = self.core
+        tasks = core.tasks
+        rid, tenant = task.id, task.tenant
+        kept = self.unknown.get(worker.name)
+        if kept is None:
+            kept = self.unknown[worker.name] = deque()
+        if len(kept) >= MAX_UNKNOWN_KEPT:  # forgotten since: no longer counted
+            kept = self.unknown[worker.name] = deque(k for k in kept if k in tasks.tasks or k in tasks.expired)
+        full = len(kept) >= MAX_UNKNOWN_KEPT
+        if full or rid in tasks.expired:
+            self._not_kept(worker, rid, "a reply dropped early" if not full else f"{MAX_UNKNOWN_KEPT} kept for its worker")
+            return False
+        kept.append(rid)
+        if tasks.held_by(tenant) + ENTRY_OVERHEAD + sum(map(len, reply)) > tasks.share(tenant):
+            tasks.mark_expired(rid, core.now + tasks.result_ttl, tenant)
+            core.journal.expired(rid, tasks.result_ttl, tenant)
+            self._not_kept(worker, rid, "its tenant's share of the reply store is full: its retry gets RESULT_EXPIRED")
+            return False
+        return True
+
+    def _not_kept(self, worker: WorkerRecord, rid: bytes, why: str) -> None:
+        self.unknown_dropped += 1
+        if self.unknown_dropped in (1, 1000) or self.unknown_dropped % 100_000 == 0:
+            log.warning("RESULT %s from %s for an id this broker does not know: not kept (%s; %d so far)",
+                        protocol.id_text(rid), worker.name, why, self.unknown_dropped)
+
+    def worker_gone(self, name: str) -> None:
+        """Worker ``name`` left: what was kept for it stays in the reply store, uncounted."""
+        self.unknown.pop(name, None)
 
     def outputs_here(self, task: Task, reply: list[Any], identity: bytes) -> None:
         """A job's staged outputs are in the spool: answer its client, and owe the ACK of its

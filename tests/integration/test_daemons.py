@@ -30,12 +30,13 @@ def test_worker_without_driver_or_simulate_exits_with_a_clear_message() -> None:
     assert b"no NVIDIA driver" in r.stderr and b"--simulate" in r.stderr
 
 
-def _start_broker(tmp_path: Path, frontend: str, backend: str, admin: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+def _start_broker(tmp_path: Path, frontend: str, backend: str, admin: str,
+                  heartbeat: tuple[str, ...] | list[str] = ("--heartbeat-ms", "200")) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     ready = tmp_path / "broker.json"
     ready.unlink(missing_ok=True)
     with open(tmp_path / "broker.log", "ab") as log:
         proc = subprocess.Popen([*GPUD, "broker", "--security", "none", "--frontend", frontend, "--backend", backend, "--admin", admin,
-                                 "--ready-file", str(ready), "--heartbeat-ms", "200"],
+                                 "--ready-file", str(ready), *heartbeat],
                                 stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.monotonic() + 20
     while not ready.exists():

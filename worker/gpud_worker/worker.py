@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 HOUSEKEEPING_S = 0.02  # how often liveness, heartbeats and idle sessions are looked at
 UNACKED_TTL_S = 600.0  # seconds a RESULT is kept for a broker that never ACKs it
+GOODBYE_LINGER_MS = 1000  # how long a stopping worker's DISCONNECT may wait for its connection
 STAGE_OUTPUTS_ABOVE = 8 << 20  # output files larger together are staged: fetched by the broker (PROTOCOL.md §11.5)
 DATA_DRAIN = 64  # messages of a data connection handled per loop turn at most (each a chunk, 1 MiB)
 POLL_EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
@@ -182,7 +183,10 @@ class BrokerLink:
                     send_frames(self.data_sock, frames)
             self.data_out.clear()
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close both connections; what is unsent is dropped, except that the control
+        connection's may still leave for ``linger_ms`` (a goodbye; the data connection's bulk
+        bytes never wait)."""
         if self.out or self.data_out:
             self.flush()
         if self.sock is not None:
@@ -191,7 +195,7 @@ class BrokerLink:
                 self.sock.disable_monitor()
                 self.monitor.close(0)
                 self.monitor = None
-            self.sock.close(0)
+            self.sock.close(linger_ms)
             self.sock = None
         if self.data_sock is not None:
             self.data_sock.close(0)
@@ -251,7 +255,8 @@ class Worker:
         self.gpus = {g.uuid: g for g in probe.inventory()}
         self.devices = devices
         self.runner = runner
-        self.ctx = ctx or zmq.Context.instance()
+        self._own_ctx = ctx is None
+        self.ctx: zmq.Context[Any] = zmq.Context() if ctx is None else ctx
         now = time.monotonic()
         self.links = [BrokerLink(self.ctx, ep, config.heartbeat, now, config.curve) for ep in config.brokers]
         self.data_ctx: zmq.Context[Any] | None = None  # the links' data connections' (``run``)
@@ -511,7 +516,7 @@ class Worker:
         for link in self.links:
             if link.sock is not None:
                 self._send(link, Command.DISCONNECT, {"reason": "worker stopping"})
-            link.close()
+            link.close(GOODBYE_LINGER_MS)  # else the broker learns of it only a liveness later
         self.jobs.shutdown(wait=False, cancel_futures=True)
         for rid in list(self.fetches):
             self._end_fetch(rid)
@@ -521,6 +526,8 @@ class Worker:
         if self.data is not None:
             self.data.close()
         self.probe.close()
+        if self._own_ctx:  # its goodbyes leave (or their linger passes) before the process ends
+            self.ctx.destroy(GOODBYE_LINGER_MS)
         log.info("worker %s stopped", self.config.name)
 
     # ---------------------------------------------------------------- socket side

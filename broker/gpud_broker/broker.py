@@ -700,6 +700,10 @@ class Broker:
                         core.fail_queued(ShuttingDown(f"broker {self.config.name} is stopping"))
                     left = core.dispatched()
                     if not left and not (pair is not None and pair.handing_over(now)):
+                        bound = sum(len(w.assigned) for w in core.registry if w.suspended_at)
+                        if bound:
+                            log.info("stopping: %d request(s) bound to silent worker(s) not waited for (their "
+                                     "workers keep the results for the next broker)", bound)
                         break
                     if now >= drain_until:
                         log.warning("stopping: %d dispatched request(s) still unanswered after %gs; leaving them",

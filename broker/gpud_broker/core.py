@@ -630,8 +630,11 @@ class BrokerCore:
         return len(queued)
 
     def dispatched(self) -> int:
-        """Requests and session operations sent to workers and not answered yet."""
-        return sum([len(w.assigned) for w in self.registry.by_identity.values()])
+        """Requests and session operations sent to live workers and not answered yet: what a
+        stopping broker waits for. Work bound to a worker suspended for its silence is not
+        waited for: that worker keeps its RESULT until a broker ACKs it, and sends it again to
+        the next one that welcomes it (PROTOCOL.md §9.4)."""
+        return sum([len(w.assigned) for w in self.registry.by_identity.values() if not w.suspended_at])
 
     def shutdown(self) -> None:
         """Tell every worker goodbye (the broker is stopping)."""

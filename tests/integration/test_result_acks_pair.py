@@ -127,13 +127,13 @@ def test_an_active_broker_below_the_largest_epoch_seen_cannot_ack_a_result_away(
     worker, a, b = pair
     at_a, at_b, rid = a_active_b_passive(a, b)
     b_takes_over(b, at_b, rid)
-    # b's connection breaks: the worker, reconnecting there, has only a (epoch 1) saying active.
+    # b's connection breaks: the worker, reconnecting there, has only a (epoch 1) saying active,
+    # which is no active broker: a gets nothing, and its ACK lets go of nothing.
     b.send(at_b, Command.DISCONNECT, {"reason": "unknown worker"})
     again, ready = b.next(Command.READY)
     assert ready.header["holds"] == [rid]
-    assert resent(a) == (at_a, rid)  # to a, the only one saying active now
     a.send(at_a, Command.ACK, {"ids": [rid]})
-    a.welcome(at_a, heartbeat_ms=QUIET)  # welcomed again by a: what it keeps goes to a again
-    assert resent(a) == (at_a, rid) and rid in worker.unacked
+    welcomed(a, at_a, True, 1)  # welcomed again by a: no RESULT to it before its HEARTBEAT
+    assert rid in worker.unacked and worker.active_idx is None
     b.welcome(again, epoch=2, heartbeat_ms=QUIET)  # b is back: the RESULT goes to it
     assert resent(b) == (again, rid)

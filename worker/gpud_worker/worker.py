@@ -705,13 +705,13 @@ class Worker:
         return self._choose_active(now, follow)
 
     def _choose_active(self, now: float, follow: bool = True) -> bool:
-        """The active broker is the live one that says so with the largest epoch. When it
-        changes, every unacknowledged RESULT goes to the new one, then a HEARTBEAT (§9.4;
-        ``follow`` False: the caller does, ``_follow_active``). Returns whether it changed."""
-        best: int | None = None
-        for i, link in enumerate(self.links):
-            if link.sock is not None and link.active and (best is None or link.epoch > self.links[best].epoch):
-                best = i
+        """The active broker is the connected one that says so at the largest epoch seen; none
+        while there is none: an old active one at a lower epoch, woken from a freeze, is not, even
+        while the newer one's connection is down (PROTOCOL.md §9.4). When it changes, every
+        unacknowledged RESULT goes to the new one, then a HEARTBEAT (``follow`` False: the caller
+        does, ``_follow_active``). Returns whether it changed."""
+        best = next((i for i, link in enumerate(self.links)
+                     if link.sock is not None and link.active and link.epoch >= self.max_epoch), None)
         if best == self.active_idx:
             return False
         self.active_idx = best
@@ -735,10 +735,10 @@ class Worker:
                 self._ask_fetches(now, again=True)
 
     def _acks_count(self, idx: int, link: BrokerLink) -> bool:
-        """Whether an ACK from this broker lets go of RESULTs: only the active one's, at the
-        largest epoch seen, does (PROTOCOL.md §9.4); any other broker's tables do not answer the
-        client, and the RESULT would be lost."""
-        if idx == self.active_idx and link.epoch >= self.max_epoch:
+        """Whether an ACK from this broker lets go of RESULTs: only the active one's does
+        (PROTOCOL.md §9.4); any other broker's tables do not answer the client, and the RESULT
+        would be lost."""
+        if idx == self.active_idx:
             return True
         log.info("ACK from broker %s ignored: it is not the active one at epoch %d", link.endpoint, self.max_epoch)
         return False
@@ -751,18 +751,20 @@ class Worker:
             for frames, _ in list(self.unacked.values()):
                 link.send(frames)
 
-    def _deliver(self, idx: int, rid: bytes, frames: list[Any]) -> None:
-        """Send a RESULT to the active broker (or the one that dispatched it, while none is
-        known), and keep it until ACKed."""
+    def _deliver(self, rid: bytes, frames: list[Any]) -> None:
+        """Send a RESULT to the active broker and keep it until ACKed; while none is active,
+        keep it for the next one."""
         self.running.pop(rid, None)
         self.calls.discard(rid)
         self.owner.pop(rid, None)
         self._stopped.discard(rid)
         if rid in self.fetches:  # it failed while its inputs came (its job thread gave up)
             self._end_fetch(rid)
-        to = self.active_idx if self.active_idx is not None else idx
-        link = self.links[to]
-        if link.acks or self.active_idx is None:  # no active broker known: keep it for the next one
+        if self.active_idx is None:
+            self.unacked[rid] = (frames, time.monotonic())
+            return
+        link = self.links[self.active_idx]
+        if link.acks:
             self.unacked[rid] = (frames, time.monotonic())
         link.send(frames)
 
@@ -787,7 +789,7 @@ class Worker:
             except queue.Empty:
                 return
             if frames:
-                self._deliver(idx, rid, frames)
+                self._deliver(rid, frames)
             else:  # a job that never started (its START refused): no longer ours, and no RESULT
                 self.running.pop(rid, None)
                 self.owner.pop(rid, None)
@@ -878,7 +880,7 @@ class Worker:
 
     def _send_now(self, idx: int, rid: bytes, header: dict[str, Any], frames: list[Any] | tuple[Any, ...] = ()) -> None:
         self._stamp(rid, header)
-        self._deliver(idx, rid, protocol.encode(Peer.WORKER, Command.RESULT, header, frames))
+        self._deliver(rid, protocol.encode(Peer.WORKER, Command.RESULT, header, frames))
 
     def _run_job(self, idx: int, rid: bytes, dispatch: dict[str, Any], frames: list[Any], uuids: list[str], tenant: str) -> None:
         cancel = self._job_cancels.setdefault(rid, threading.Event())

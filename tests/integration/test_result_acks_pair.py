@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +29,15 @@ from tests.integration.test_result_acks_worker import FakeBroker, echo
 QUIET = 60_000  # heartbeat_ms told the worker: its only HEARTBEATs are those a WELCOME asks for
 
 
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[Worker, FakeBroker, FakeBroker]]:
+@contextmanager
+def worker_of_a_pair(runner: JobRunner) -> Iterator[tuple[Worker, FakeBroker, FakeBroker]]:
+    """A running Worker (one simulated GPU, jobs run by ``runner``) of two fake brokers, a and b."""
     ctx: zmq.Context[Any] = zmq.Context()
     a, b = FakeBroker(ctx), FakeBroker(ctx)
     device = SimulatedDevice(simulated_gpus(1, mem=1 << 30, worker_name="wp")[0])
     worker = Worker(WorkerConfig(name="wp", brokers=(a.endpoint, b.endpoint), heartbeat=HeartbeatPolicy(1.0, 10),
                                  reconnect_min=0.05, drain_timeout=1.0),
-                    SimulatedProbe([device]), {device.gpu.uuid: device}, JobRunner(tmp_path, None), ctx)
+                    SimulatedProbe([device]), {device.gpu.uuid: device}, runner, ctx)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
@@ -47,6 +49,12 @@ def pair(tmp_path: Path) -> Iterator[tuple[Worker, FakeBroker, FakeBroker]]:
         a.sock.close(0)
         b.sock.close(0)
         ctx.term()
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[Worker, FakeBroker, FakeBroker]]:
+    with worker_of_a_pair(JobRunner(tmp_path, None)) as running:
+        yield running
 
 
 def beat(broker: FakeBroker, ident: bytes, active: bool, epoch: int) -> None:

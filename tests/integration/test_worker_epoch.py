@@ -11,21 +11,16 @@ ZeroMQ sockets on loopback; the test speaks both brokers' side of the wire proto
 from __future__ import annotations
 
 import os
-import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import zmq
 
-from gpud.heartbeat import HeartbeatPolicy
 from gpud.protocol import Command
 from gpud_cli.uid_ranges import UidBlocks
-from gpud_worker.device import SimulatedDevice
-from gpud_worker.gpu import SimulatedProbe, simulated_gpus
 from gpud_worker.jobs import JobRunner, UserPool
-from gpud_worker.worker import Worker, WorkerConfig
+from gpud_worker.worker import Worker
 from tests.integration.test_result_acks_pair import (
     QUIET,
     a_active_b_passive,
@@ -33,6 +28,7 @@ from tests.integration.test_result_acks_pair import (
     beat,
     resent,
     welcomed,
+    worker_of_a_pair,
 )
 from tests.integration.test_result_acks_worker import FakeBroker
 
@@ -44,27 +40,25 @@ UID_BASE = 64000  # as test_isolation: above the blocks older gpud clusters use 
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[tuple[Worker, FakeBroker, FakeBroker]]:
     blocks = UidBlocks(UID_BASE)
-    uids = blocks.take()
-    ctx: zmq.Context[Any] = zmq.Context()
-    a, b = FakeBroker(ctx), FakeBroker(ctx)
-    device = SimulatedDevice(simulated_gpus(1, mem=1 << 30, worker_name="we")[0])
     os.chmod(tmp_path, 0o711)
-    worker = Worker(WorkerConfig(name="we", brokers=(a.endpoint, b.endpoint), heartbeat=HeartbeatPolicy(1.0, 10),
-                                 reconnect_min=0.05, drain_timeout=1.0),
-                    SimulatedProbe([device]), {device.gpu.uuid: device},
-                    JobRunner(tmp_path / "jobs", UserPool("gpud-dyn-", uids[:1])), ctx)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
     try:
-        yield worker, a, b
+        with worker_of_a_pair(JobRunner(tmp_path / "jobs", UserPool("gpud-dyn-", blocks.take()[:1]))) as running:
+            yield running
     finally:
-        worker.stop()
-        thread.join(timeout=15)
-        assert not thread.is_alive()
-        a.sock.close(0)
-        b.sock.close(0)
-        ctx.term()
         blocks.close()
+
+
+def ready_again(broker: FakeBroker, old: bytes) -> bytes:
+    """The worker's READY on its new connection to ``broker``; returns that connection. A START
+    sent twice on the old one (asked again while the first was queued: the broker answers each)
+    is passed over."""
+    deadline = time.monotonic() + 10
+    while not any(m.command is Command.READY for _, m in broker.pending):
+        assert time.monotonic() < deadline, "no READY again within 10s"
+        broker.collect(0.05)
+        broker.pending = [(i, m) for i, m in broker.pending if not (i == old and m.command is Command.START)]
+    again, _ = broker.next(Command.READY)
+    return again
 
 
 def test_an_old_active_broker_at_a_lower_epoch_gets_no_start_and_its_go_starts_nothing(
@@ -84,7 +78,7 @@ def test_an_old_active_broker_at_a_lower_epoch_gets_no_start_and_its_go_starts_n
     # b's connection breaks before its GO: the worker reconnects there. a, frozen through the
     # takeover, still says it is active at epoch 1, and says GO for the job (a START it kept).
     b.send(at_b, Command.DISCONNECT, {"reason": "unknown worker"})
-    again, _ = b.next(Command.READY)
+    again = ready_again(b, at_b)
     a.send(at_a, Command.GO, {"ids": [rid]})
     welcomed(a, at_a, True, 1)  # everything a sent is handled
     assert not {Command.START, Command.RESULT} & set(a.collect(0.3))

@@ -19,9 +19,18 @@ during the upload as a ratio to idle, in one run.
   of the broker's spool, and whose sink writes it into a file where the worker puts a job's
   inputs (as root a tmpfs mounted as a job directory is, else a plain directory), each on a
   thread of its own: the two page-cache copies gpud's design takes (the spool bounds the broker's
-  memory, the job reads its input from its directory), over the same hops. ``floor_ratio``
+  memory, the job reads its input from its directory), over the same hops. Its transfer ends when
+  both files hold every byte (as gpud's job starts only then). ``floor_ratio``
   (floor / bare) is the most any design with those copies reaches against bare on this machine;
   ``gpud_vs_floor`` (gpud / floor) is what gpud's own work costs beyond them.
+
+Before the rounds, ``write_costs`` measures what a chunked write costs here into fresh memory
+(a new file) and over pages already cached, on the spool's file system and in a job directory:
+on a VM that hands freed pages back to its host, fresh memory is several times dearer, and each
+upload's spool file and each job directory is fresh memory.
+
+Each system's transfer starts ``--settle`` seconds after the one before ended, so that none
+writes into memory the one before it freed a moment ago (which such a VM charges far less for).
 
 Each round also gives the CPU seconds per GiB of every process on the path during its transfer
 (from /proc: robust to the machine's load, unlike the rates): gpud's client (this process; the
@@ -195,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="gpud and bare rounds, alternating (default %(default)s)")
     p.add_argument("--idle", type=float, default=3.0, help="seconds of idle echoes per round (default %(default)s)")
     p.add_argument("--pair", action="store_true", help="a Binary Star pair instead of one broker")
+    p.add_argument("--settle", type=float, default=3.0,
+                   help="seconds of quiet before each system's transfer (default %(default)s): memory the one before "
+                        "freed is handed back, as between uploads apart in time, not taken warm by the next one")
     p.add_argument("--role", choices=["bench", "echoes"], default="bench", help=argparse.SUPPRESS)
     p.add_argument("--endpoint", action="append", default=[], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -211,13 +223,14 @@ def main(argv: list[str] | None = None) -> int:
             floor = Bare(1, spool=files.spool, sink=files.sink)
             try:
                 floor.wait_ready()
-                return _run(args, cluster, floor, data, nbytes, gib, t_start)
+                costs = {"spool_fs": write_costs(files.top), "job_dir": write_costs(files.sink_dir)}
+                return _run(args, cluster, floor, data, nbytes, gib, t_start, costs)
             finally:
                 floor.stop()
 
 
 def _run(args: argparse.Namespace, cluster: LocalCluster, floor: Bare, data: bytes, nbytes: int, gib: float,
-         t_start: float) -> int:
+         t_start: float, costs: dict[str, dict[str, float]]) -> int:
     """The rounds: gpud, then bare, then floor, each round; then the figures."""
     rounds: list[dict[str, float]] = []
     windows = []
@@ -236,8 +249,11 @@ def _run(args: argparse.Namespace, cluster: LocalCluster, floor: Bare, data: byt
                 floor_cpu = CpuMeter({"client": os.getpid(), "forwarder": floor.procs[0].pid,
                                       "sink": floor.procs[1].pid})
                 for _ in range(args.rounds):
+                    time.sleep(args.settle)
                     g = gpud_round(c, data, args.idle, gpud_cpu)
+                    time.sleep(args.settle)
                     bare_s, b = _bare_round(bare, view, bare_cpu)
+                    time.sleep(args.settle)
                     floor_s, f = _bare_round(floor, view, floor_cpu)
                     windows.append(g)
                     r = {"gpud_gbps": nbytes / g["net_s"] / 1e9, "stage_gbps": nbytes / g["staged_s"] / 1e9,
@@ -282,7 +298,11 @@ def _run(args: argparse.Namespace, cluster: LocalCluster, floor: Bare, data: byt
     print(f"staged job input of {args.mib} MiB through {'a broker pair' if args.pair else 'one broker'} "
           f"to a simulated GPU's worker, against bare pyzmq chunks over the same hops "
           f"(chunk {CHUNK_BYTES >> 20} MiB, window {WINDOW}; {os.cpu_count()} CPUs)")
+    print(f"writing in chunks, CPU s/GiB: into the spool's file system {costs['spool_fs']['fresh']:.2f} fresh, "
+          f"{costs['spool_fs']['rewrite']:.2f} over cached pages; into a job directory {costs['job_dir']['fresh']:.2f} "
+          f"fresh, {costs['job_dir']['rewrite']:.2f} over cached pages")
     summary: dict[str, Any] = {k: round(v, 3) for k, v in mid.items()}
+    summary["write_cpu_s_per_gib"] = costs
     summary.update({"mib": args.mib, "pair": args.pair, "rounds": args.rounds, "echo_errors": echoes.errors,
                     "ratios": [round(r["ratio"], 3) for r in rounds],
                     "floor_ratios": [round(r["floor_ratio"], 3) for r in rounds],
@@ -298,6 +318,35 @@ def _bare_round(chain: Bare, view: memoryview, cpu: CpuMeter) -> tuple[float, di
     t = time.perf_counter()
     chain.htod_chunked(view, CHUNK_BYTES, WINDOW)
     return time.perf_counter() - t, cpu.stop()
+
+
+def write_costs(directory: str, mib: int = 256, settle_s: float = 3.0) -> dict[str, float]:
+    """CPU seconds per GiB (this thread's, kernel included) of writing ``mib`` MiB in chunks into
+    ``directory``: ``rewrite`` over pages the file already has in the page cache, ``fresh`` into
+    a new file written ``settle_s`` after the last one was removed. The two differ by what the
+    machine charges for memory just freed and taken again (a VM that hands free pages back to its
+    host pays a host fault on each one's next use): every staged upload's spool file and every
+    job directory is fresh memory of this kind, the bare chain's few reused buffers are not."""
+    chunk = os.urandom(CHUNK_BYTES)
+    path = os.path.join(directory, "write-cost")
+
+    def one() -> float:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+        try:
+            t = time.thread_time()
+            for i in range(mib * MIB // CHUNK_BYTES):
+                os.pwrite(fd, chunk, i * CHUNK_BYTES)
+            return (time.thread_time() - t) / (mib / 1024)
+        finally:
+            os.close(fd)
+
+    one()
+    rewrite = one()
+    os.unlink(path)
+    time.sleep(settle_s)
+    fresh = one()
+    os.unlink(path)
+    return {"fresh": round(fresh, 2), "rewrite": round(rewrite, 2)}
 
 
 class FloorFiles:
@@ -321,6 +370,7 @@ class FloorFiles:
                 self.mounted = sink_dir
                 break
         self.sink = os.path.join(sink_dir, "input")
+        self.sink_dir = sink_dir
 
     def __enter__(self) -> FloorFiles:
         return self

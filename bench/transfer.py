@@ -76,25 +76,39 @@ def _sock(ctx: zmq.Context[Any], kind: int) -> zmq.Socket[bytes]:
 class FileWriter:
     """Writes chunks into one file on a thread of its own, in order, as gpud's spool and job
     threads do (``put(offset, frame)``; offset 0 starts the file afresh): the page-cache copies a
-    staged input must take, for the bare chain that does what gpud must (``--spool``, ``--sink``)."""
+    staged input must take, for the bare chain that does what gpud must (``--spool``, ``--sink``).
+    ``drain`` waits until every chunk put is written: a transfer is over once its bytes are in
+    their files (gpud's job starts only then), not when the last chunk was handed to the thread.
+    Then the file is emptied, as gpud removes an upload's spool file and a job's directory when the
+    job ends: the next transfer writes into memory freed as long ago as gpud's next upload does,
+    not into pages freed a moment before (which some machines charge far less for, ``write_costs``
+    in bench/staging.py)."""
 
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        self.chunks: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self.chunks: queue.Queue[tuple[int, Any]] = queue.Queue()
         threading.Thread(target=self._run, name="bare-writer", daemon=True).start()
 
     def put(self, offset: int, frame: Any) -> None:
         self.chunks.put((offset, frame))
 
+    def drain(self) -> None:
+        self.chunks.join()
+        self.chunks.put((-1, None))  # the job ended: its bytes are let go (not waited for)
+
     def _run(self) -> None:
         while True:
             offset, frame = self.chunks.get()
-            if offset == 0:
-                os.ftruncate(self.fd, 0)  # a new transfer: fresh pages, as a new upload's file
+            if offset <= 0:
+                os.ftruncate(self.fd, 0)  # a transfer ended, or a new one begins afresh
+            if offset < 0:
+                self.chunks.task_done()
+                continue
             view = frame.buffer
             done = 0
             while done < len(view):
                 done += os.pwrite(self.fd, view[done:], offset + done)
+            self.chunks.task_done()
 
 
 def bare_forwarder(spool: str | None = None) -> int:
@@ -126,6 +140,8 @@ def bare_forwarder(spool: str | None = None) -> int:
                 msg = front.recv_multipart(copy=False)  # [client, *request]
                 if writer is not None and len(msg) == 5:  # [client, rid, "h", chunk, offset]
                     writer.put(int(msg[4].bytes), msg[3])
+                elif writer is not None and msg[2].bytes == b"f":  # the end of a transfer: its bytes
+                    writer.drain()  # are in the spool before the sink is asked for its own
                 back.send_multipart([worker, *msg], copy=False)
     finally:
         front.close(0)
@@ -151,6 +167,10 @@ def bare_worker(backend: str, max_bytes: int, sink: str | None = None) -> int:
             if op == b"h":
                 if writer is not None and len(msg) == 5:
                     writer.put(int(msg[4].bytes), msg[3])
+                sock.send_multipart([client, rid, b"ok"], copy=False)
+            elif op == b"f":  # the end of a transfer: answered once its bytes are in the sink
+                if writer is not None:
+                    writer.drain()
                 sock.send_multipart([client, rid, b"ok"], copy=False)
             else:
                 n = int(msg[3].bytes)
@@ -217,6 +237,10 @@ class Bare:
         if self.writes:  # the chunk names its offset: the writers put it in its place
             self._windowed(view.nbytes, chunk, window, lambda a, n: (b"h", view[a : a + n], str(a).encode()),
                            lambda a, n, msg: None)
+            self.seq += 1  # then wait until both files hold every byte
+            rid = self.seq.to_bytes(8, "little")
+            self.sock.send_multipart([rid, b"f"])
+            self._recv(rid)
         else:
             self._windowed(view.nbytes, chunk, window, lambda a, n: (b"h", view[a : a + n]),
                            lambda a, n, msg: None)

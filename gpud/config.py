@@ -201,6 +201,7 @@ class BrokerSection:
     max_echo_bytes: int = _key(64 << 10, _at_least(0))  # an echo's payload (a probe: small)
     spool_dir: str = _key("", _absolute_or_empty)  # staged inputs over spool_ram_bytes (empty: a temporary directory)
     spool_ram_bytes: int = _key(64 << 20, _at_least(0))  # staged bytes of small files kept in memory
+    spool_keep_bytes: int = _key(1 << 30, _at_least(0))  # files of ended uploads kept for reuse (0: removed at once)
     spool_quota_bytes: int = _key(16 << 30, _at_least(0))  # staged bytes in the spool, all tenants together
     tenant_max_spool_bytes: int = _key(8 << 30, _at_least(0))  # staged bytes of one tenant
     stage_ttl: float = _key(60.0, _above(0))  # seconds an upload no job claims is kept after its last PUT

@@ -165,6 +165,7 @@ def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | Non
         max_echo_bytes=b.max_echo_bytes,
         spool_dir=spool_directory(b.spool_dir, os.environ),
         spool_ram_bytes=b.spool_ram_bytes,
+        spool_keep_bytes=b.spool_keep_bytes,
         stage_ttl=b.stage_ttl,
         stage_idle_s=b.stage_idle_s,
         worker_resume_periods=b.worker_resume_periods,

@@ -12,7 +12,12 @@ from gpud_broker.accounts import Budgets, default_budget, default_held_bytes, ma
 from gpud_broker.gate import ConnectionLimits
 from gpud_broker.policies import FACTORIES
 from gpud_broker.queue import DEFAULT_AGING_S, DEFAULT_RESERVE_AFTER_S
-from gpud_broker.spool import DEFAULT_RAM_BYTES, DEFAULT_STAGE_IDLE_S, DEFAULT_STAGE_TTL_S
+from gpud_broker.spool import (
+    DEFAULT_KEEP_BYTES,
+    DEFAULT_RAM_BYTES,
+    DEFAULT_STAGE_IDLE_S,
+    DEFAULT_STAGE_TTL_S,
+)
 
 DEFAULT_RESULT_BYTES = 256 << 20  # the reply store's default size
 DEFAULT_MAX_JOB_INPUT_BYTES = 4 << 30
@@ -54,6 +59,7 @@ class BrokerConfig:
     max_echo_bytes: int = DEFAULT_MAX_ECHO_BYTES  # an echo's payload
     spool_dir: str = ""  # where staged inputs are spooled ("": a temporary directory of its own)
     spool_ram_bytes: int = DEFAULT_RAM_BYTES  # staged bytes held in memory at most (small files)
+    spool_keep_bytes: int = DEFAULT_KEEP_BYTES  # files of ended uploads kept for the next ones (spool.Spool)
     stage_ttl: float = DEFAULT_STAGE_TTL_S  # seconds an upload no job claims is kept after its last PUT
     stage_idle_s: float = DEFAULT_STAGE_IDLE_S  # seconds a placed staged job's worker may wait for its upload
     # A worker silent past its liveness is suspended for this many liveness periods before it is

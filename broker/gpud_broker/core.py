@@ -113,7 +113,8 @@ class BrokerCore:
         self._users: dict[str, tuple[str, str]] = {}  # User-Id -> (tenant, owner), memoized
         self.worker_names_bound = False  # CURVE: a worker's name must be its key's name
         # Staged job inputs (PROTOCOL.md §11): the spool and the PUT and FETCH dialogs.
-        self.staging = Staging(Spool(config.spool_dir, config.spool_ram_bytes), config.max_job_input_bytes,
+        self.staging = Staging(Spool(config.spool_dir, config.spool_ram_bytes, keep_bytes=config.spool_keep_bytes),
+                               config.max_job_input_bytes,
                                config.stage_ttl, config.stage_idle_s)
         self._parts(rng if rng is not None else random.Random(0))
 

@@ -16,6 +16,12 @@ kept until then, and after it until the chunk is read once (a worker fetches eac
 while the memory copies of chunks on disk stay under ``hold_bytes``: a worker that keeps up with
 the upload is answered from memory, and ``read_soon`` goes to the disk (on the thread) only for
 one that lags further behind.
+
+The file of an upload that ends is kept for the next one (``keep_bytes`` of such files at most)
+instead of removed: its pages stay in the page cache, and the next upload writes over them rather
+than into memory freed and taken again, which a VM that hands free pages back to its host pays a
+host fault for on every page (PROTOCOL.md §11.2, "Reuse"). A kept file's old bytes are never read:
+reads are of ranges the current upload holds (``have``) only.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ DEFAULT_RAM_BYTES = 64 << 20  # bytes of small files held in memory at most
 DEFAULT_RAM_FILE_BYTES = 1 << 20  # files up to this size go to memory (while there is room)
 DEFAULT_STAGE_TTL_S = 60.0  # seconds an unclaimed upload is kept after its last PUT
 DEFAULT_STAGE_IDLE_S = 10.0  # seconds a placed staged job's worker may wait for bytes of its upload
+DEFAULT_KEEP_BYTES = 1 << 30  # bytes of the files of ended uploads kept for the next ones, at most
 
 
 IO_NICE = 10  # the spool's disk thread runs this much nicer than the broker (Linux: per thread)
@@ -243,15 +250,23 @@ class _RamStore:
 
 
 class _FileStore:
-    """One staged file held in a file of the spool directory."""
+    """One staged file held in a file of the spool directory: a new one, or ``kept`` (the open
+    descriptor of an ended upload's file, already renamed to ``path``, and its length). ``length``
+    bounds the file's size: the most this store or an earlier one wrote (writes past ``size`` are
+    refused before they reach it)."""
 
     on_disk = True
 
-    def __init__(self, job: bytes, path: str, io: _SpoolIO) -> None:
+    def __init__(self, job: bytes, path: str, io: _SpoolIO, size: int, kept: tuple[int, int] | None = None) -> None:
         self.job = job
         self.path = path
         self.io = io
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        if kept is None:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            self.length = size
+        else:
+            self.fd, length = kept
+            self.length = max(length, size)
 
     def write(self, offset: int, data: memoryview) -> int:
         return self.io.write(self.job, self.fd, offset, data)
@@ -322,7 +337,8 @@ class Spool:
     file is spooled and removed on ``close``."""
 
     def __init__(self, directory: str = "", ram_bytes: int = DEFAULT_RAM_BYTES,
-                 ram_file_bytes: int = DEFAULT_RAM_FILE_BYTES, hold_bytes: int = HOLD_BYTES) -> None:
+                 ram_file_bytes: int = DEFAULT_RAM_FILE_BYTES, hold_bytes: int = HOLD_BYTES,
+                 keep_bytes: int = DEFAULT_KEEP_BYTES) -> None:
         self._own_dir = not directory
         self._rmdir: Callable[[], object] = lambda: None  # removes a directory of our own
         self.directory = directory  # "": made on the first spooled file
@@ -349,6 +365,13 @@ class Spool:
         self.ram_used = 0  # bytes of memory stores
         self.reserved = 0  # sizes of every upload, held or still to come
         self.stored = 0  # bytes written so far
+        # Files of ended uploads kept for the next ones (``keep_bytes`` of them at most, by their
+        # lengths): (descriptor, path, length).
+        self.keep_bytes = keep_bytes
+        self._kept: list[tuple[int, str, int]] = []
+        self.kept_bytes = 0
+        self._kept_names = 0
+        self._closing = False
 
     def __len__(self) -> int:
         return len(self.uploads)
@@ -368,7 +391,8 @@ class Spool:
                         # removed with the spool even when nobody closes it (a core dropped by a
                         # test, a broker leaving on an exception): at collection or at exit
                         self._rmdir = weakref.finalize(self, shutil.rmtree, self.directory, True)
-                    up.stores.append(_FileStore(job, os.path.join(self.directory, f"{job.hex()}-{i}"), self.io))
+                    path = os.path.join(self.directory, f"{job.hex()}-{i}")
+                    up.stores.append(_FileStore(job, path, self.io, size, self._take_kept(path, size)))
         except OSError:
             self._close(up)
             raise
@@ -534,16 +558,56 @@ class Spool:
             self.drop(job)
 
     def close(self) -> None:
+        self._closing = True
         self.clear()
+        for fd, path, _ in self._kept:
+            self.io.reap(fd, path)
+        self._kept.clear()
+        self.kept_bytes = 0
         self.io.close()
         if self._own_dir and self.directory:
             self._rmdir()
             self.directory = ""
 
+    def _take_kept(self, path: str, size: int) -> tuple[int, int] | None:
+        """A kept file for a new store of ``size`` bytes, renamed to ``path``: the smallest one at
+        least that long, else the longest; None when none is kept (or the rename failed)."""
+        if not self._kept:
+            return None
+        fits = [k for k in self._kept if k[2] >= size]
+        pick = min(fits, key=lambda k: k[2]) if fits else max(self._kept, key=lambda k: k[2])
+        self._kept.remove(pick)
+        self.kept_bytes -= pick[2]
+        fd, old, length = pick
+        try:
+            os.rename(old, path)  # a rename, not the removal of blocks: quick enough for the loop
+        except OSError as exc:
+            log.warning("spool: cannot reuse %s: %s", old, exc)
+            self.io.reap(fd, old)
+            return None
+        return fd, length
+
+    def _keep(self, store: _FileStore) -> bool:
+        """Keep an ended upload's file for the next ones, while ``keep_bytes`` allows."""
+        if self._closing or self.kept_bytes + store.length > self.keep_bytes:
+            return False
+        self._kept_names += 1
+        path = os.path.join(self.directory, f"kept-{self._kept_names}")
+        try:
+            os.rename(store.path, path)
+        except OSError as exc:
+            log.warning("spool: cannot keep %s for reuse: %s", store.path, exc)
+            return False
+        self._kept.append((store.fd, path, store.length))
+        self.kept_bytes += store.length
+        return True
+
     def _close(self, up: Upload) -> None:
         self.ram_used -= up.ram
         up.ram = 0
         for store in up.stores:
+            if isinstance(store, _FileStore) and self._keep(store):
+                continue
             try:
                 store.close()
             except OSError as exc:

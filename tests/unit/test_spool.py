@@ -18,7 +18,7 @@ JOB = b"j" * 16
 
 
 def test_small_files_stay_in_memory_and_large_ones_go_to_disk(tmp_path: Path) -> None:
-    spool = Spool(str(tmp_path / "spool"), ram_bytes=900, ram_file_bytes=600)
+    spool = Spool(str(tmp_path / "spool"), ram_bytes=900, ram_file_bytes=600, keep_bytes=0)  # none kept: removed
     up = spool.open(JOB, "acme", None, (500, 700, 500, 10), now=0.0)
     # 500 fits in memory; 700 is over the per-file size; the second 500 would pass the memory total.
     assert spool.ram_used == 500 + 10
@@ -35,6 +35,54 @@ def test_small_files_stay_in_memory_and_large_ones_go_to_disk(tmp_path: Path) ->
     spool.wait_removed()  # large files are removed on a thread of their own, never in the loop
     assert os.listdir(tmp_path / "spool") == []
     assert (spool.ram_used, spool.reserved, spool.stored, len(spool)) == (0, 0, 0, 0)
+
+
+def test_an_ended_uploads_file_is_written_over_by_the_next_and_its_old_bytes_never_read(tmp_path: Path) -> None:
+    spool = Spool(str(tmp_path), ram_bytes=0, hold_bytes=0, keep_bytes=1000)
+    a = spool.open(b"a" * 16, "acme", None, (800,), now=0.0)
+    assert spool.write(a, 0, 0, memoryview(b"A" * 800), now=0.0)
+    spool.io.wait(a.ticket)
+    inode = os.stat(tmp_path / f"{(b'a' * 16).hex()}-0").st_ino
+    spool.drop(b"a" * 16)
+    assert os.listdir(tmp_path) == ["kept-1"] and spool.kept_bytes == 800
+    assert os.stat(tmp_path / "kept-1").st_ino == inode
+    # Another tenant's upload, smaller, takes the kept file: the same inode (its cached pages).
+    b = spool.open(b"b" * 16, "other", None, (500,), now=1.0)
+    path = tmp_path / f"{(b'b' * 16).hex()}-0"
+    assert os.listdir(tmp_path) == [path.name] and os.stat(path).st_ino == inode and spool.kept_bytes == 0
+    assert spool.write(b, 0, 0, memoryview(b"B" * 100), now=1.0)
+    assert spool.read(b, 0, 0, 100) == b"B" * 100  # its own bytes, read after its write
+    for offset, nbytes in ((100, 1), (0, 101), (99, 2), (400, 100)):
+        with pytest.raises(InvalidRequest, match="not held"):  # "A"s of the first upload lie there
+            spool.read(b, 0, offset, nbytes)
+    got: list[object] = []
+    with pytest.raises(InvalidRequest, match="not held"):
+        spool.read_soon(b, 0, 0, 200, got.append)
+    spool.drop(b"b" * 16)
+    spool.io.stop()
+    assert os.listdir(tmp_path) == ["kept-2"] and spool.kept_bytes == 800  # still bounded by its longest use
+    spool.close()
+    spool.wait_removed()
+    assert os.listdir(tmp_path) == []  # kept files go with the broker
+
+
+def test_kept_files_stay_under_keep_bytes(tmp_path: Path) -> None:
+    spool = Spool(str(tmp_path), ram_bytes=0, keep_bytes=1000)
+    ups = [spool.open(bytes([i]) * 16, "acme", None, (600,), now=0.0) for i in range(3)]
+    big = spool.open(b"z" * 16, "acme", None, (5000,), now=0.0)
+    for up in (*ups, big):
+        spool.write(up, 0, 0, memoryview(b"x" * up.sizes[0]), now=0.0)
+    spool.drop(big.job)  # longer than keep_bytes: removed
+    for up in ups:
+        spool.drop(up.job)  # the first fits; the next two would pass 1000
+    spool.wait_removed()
+    assert os.listdir(tmp_path) == ["kept-1"] and spool.kept_bytes == 600
+    # A new upload takes it, the next makes a file of its own.
+    c = spool.open(b"c" * 16, "acme", None, (600,), now=1.0)
+    d = spool.open(b"d" * 16, "acme", None, (600,), now=1.0)
+    assert sorted(os.listdir(tmp_path)) == sorted([f"{c.job.hex()}-0", f"{d.job.hex()}-0"])
+    assert spool.kept_bytes == 0
+    spool.close()
 
 
 def test_chunks_must_come_in_order_and_a_resend_is_not_written_twice(tmp_path: Path) -> None:

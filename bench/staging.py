@@ -20,7 +20,9 @@ during the upload as a ratio to idle, in one run.
   inputs (as root a tmpfs mounted as a job directory is, else a plain directory), each on a
   thread of its own: the two page-cache copies gpud's design takes (the spool bounds the broker's
   memory, the job reads its input from its directory), over the same hops. Its transfer ends when
-  both files hold every byte (as gpud's job starts only then). ``floor_ratio``
+  both files hold every byte (as gpud's job starts only then); then the sink's file is emptied (the
+  job's directory goes with its job) and the spool's is kept to be written over (as gpud's spool
+  keeps an ended upload's file). ``floor_ratio``
   (floor / bare) is the most any design with those copies reaches against bare on this machine;
   ``gpud_vs_floor`` (gpud / floor) is what gpud's own work costs beyond them.
 

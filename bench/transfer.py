@@ -79,13 +79,15 @@ class FileWriter:
     staged input must take, for the bare chain that does what gpud must (``--spool``, ``--sink``).
     ``drain`` waits until every chunk put is written: a transfer is over once its bytes are in
     their files (gpud's job starts only then), not when the last chunk was handed to the thread.
-    Then the file is emptied, as gpud removes an upload's spool file and a job's directory when the
-    job ends: the next transfer writes into memory freed as long ago as gpud's next upload does,
-    not into pages freed a moment before (which some machines charge far less for, ``write_costs``
-    in bench/staging.py)."""
+    Then the sink's file is emptied, as the worker removes a job's directory when the job ends:
+    the next transfer writes into memory freed as long ago as gpud's next job does, not into pages
+    freed a moment before (which some machines charge far less for, ``write_costs`` in
+    bench/staging.py). The spool's (``keep``) is written over in place, as gpud's spool keeps an
+    ended upload's file for the next one."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, keep: bool = False) -> None:
         self.fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        self.keep = keep
         self.chunks: queue.Queue[tuple[int, Any]] = queue.Queue()
         threading.Thread(target=self._run, name="bare-writer", daemon=True).start()
 
@@ -99,7 +101,7 @@ class FileWriter:
     def _run(self) -> None:
         while True:
             offset, frame = self.chunks.get()
-            if offset <= 0:
+            if offset <= 0 and not self.keep:
                 os.ftruncate(self.fd, 0)  # a transfer ended, or a new one begins afresh
             if offset < 0:
                 self.chunks.task_done()
@@ -116,7 +118,7 @@ def bare_forwarder(spool: str | None = None) -> int:
     JSON line, then serves until killed. Frames are moved without a copy (``copy=False``). With
     ``spool``, each chunk that names its offset is also written to that file (``FileWriter``)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    writer = FileWriter(spool) if spool else None
+    writer = FileWriter(spool, keep=True) if spool else None
     ctx: zmq.Context[Any] = zmq.Context()
     front, back = _sock(ctx, zmq.ROUTER), _sock(ctx, zmq.ROUTER)
     front.bind("tcp://127.0.0.1:*")

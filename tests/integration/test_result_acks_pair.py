@@ -27,15 +27,18 @@ from gpud_worker.worker import Worker, WorkerConfig
 from tests.integration.test_result_acks_worker import FakeBroker, echo
 
 QUIET = 60_000  # heartbeat_ms told the worker: its only HEARTBEATs are those a WELCOME asks for
+POLICY = HeartbeatPolicy(1.0, 10)  # the worker's own (a fresh one holds DISPATCHes one expiry at most)
 
 
 @contextmanager
-def worker_of_a_pair(runner: JobRunner) -> Iterator[tuple[Worker, FakeBroker, FakeBroker]]:
-    """A running Worker (one simulated GPU, jobs run by ``runner``) of two fake brokers, a and b."""
+def worker_of_a_pair(runner: JobRunner, heartbeat: HeartbeatPolicy = POLICY
+                     ) -> Iterator[tuple[Worker, FakeBroker, FakeBroker]]:
+    """A running Worker (one simulated GPU, jobs run by ``runner``, ``heartbeat`` its policy) of
+    two fake brokers, a and b."""
     ctx: zmq.Context[Any] = zmq.Context()
     a, b = FakeBroker(ctx), FakeBroker(ctx)
     device = SimulatedDevice(simulated_gpus(1, mem=1 << 30, worker_name="wp")[0])
-    worker = Worker(WorkerConfig(name="wp", brokers=(a.endpoint, b.endpoint), heartbeat=HeartbeatPolicy(1.0, 10),
+    worker = Worker(WorkerConfig(name="wp", brokers=(a.endpoint, b.endpoint), heartbeat=heartbeat,
                                  reconnect_min=0.05, drain_timeout=1.0),
                     SimulatedProbe([device]), {device.gpu.uuid: device}, runner, ctx)
     thread = threading.Thread(target=worker.run, daemon=True)

@@ -122,6 +122,7 @@ class BrokerLink:
         self.active = False  # this broker said it is the active one of its pair (WELCOME, HEARTBEAT)
         self.acks = False  # it ACKs results (every broker of this version): keep each until it does
         self.epoch = 0  # the epoch it said that with
+        self.told = False  # it has said whether it is active, and at which epoch (PROTOCOL.md §9.4)
         self.max_message_bytes = protocol.DEFAULT_MAX_MESSAGE_BYTES  # the largest message it takes (WELCOME)
         self.backoff = 0.0
         self.retry_at = now
@@ -288,6 +289,10 @@ class Worker:
         self.owner: dict[bytes, str] = {}  # id -> tenant, while in flight
         self.active_idx: int | None = None  # index in links of the active broker
         self.max_epoch = 0
+        # Until every broker has told its state, or one expiry of our heartbeat policy since the
+        # loop began (PROTOCOL.md §9.4, learning the epoch), DISPATCHes wait here, in order.
+        self._learn_until: float | None = None
+        self._held: list[tuple[int, BrokerLink, dict[str, Any], list[Any]]] = []
         self._alive_at = 0.0  # the next time a long drain looks at queued sends and heartbeats
         # Jobs ready to start, waiting for the active broker's GO (PROTOCOL.md §4.4): job threads
         # add and remove entries, the loop asks START for them and answers them.
@@ -416,8 +421,11 @@ class Worker:
         # welcomes us: a worker waiting for its brokers is doing its job, and systemd must not
         # fail the unit for it. STATUS= says whether it is registered.
         notify.ready(f"connecting to {', '.join(link.endpoint for link in self.links)}")
+        self._learn_until = time.monotonic() + self.config.heartbeat.expiry
         while True:
             now = time.monotonic()
+            if self._held and not self._learning(now):
+                self._release_held(now)
             for link in self.links:
                 if link.sock is None and now >= link.retry_at:
                     poller.register(link.open(now), zmq.POLLIN)
@@ -700,6 +708,7 @@ class Worker:
             return False
         link.active, link.epoch = active, epoch
         link.acks = header.get("acks") is True
+        link.told = True
         if epoch > self.max_epoch:
             self.max_epoch = epoch
         return self._choose_active(now, follow)
@@ -807,7 +816,32 @@ class Worker:
     def _error(self, idx: int, rid: bytes, exc: GpudError) -> None:
         self._result(idx, rid, protocol.error_header(rid, exc))
 
+    def _learning(self, now: float) -> bool:
+        """Whether DISPATCHes are held: this worker has just started, and not every broker has told
+        it its state yet (PROTOCOL.md §9.4, learning the epoch)."""
+        if self._learn_until is None:
+            return False
+        if now < self._learn_until and not all(link.told for link in self.links):
+            return True
+        self._learn_until = None
+        return False
+
+    def _release_held(self, now: float) -> None:
+        """The largest epoch is learnt: the DISPATCHes held meanwhile are handled, in order."""
+        held, self._held = self._held, []
+        log.info("the largest epoch seen is %d: handling %d DISPATCH(es) held until it was learnt", self.max_epoch, len(held))
+        for idx, link, header, frames in held:
+            try:
+                self._on_dispatch(idx, link, header, frames, now)
+            except GpudError as exc:
+                log.warning("bad message from broker %s: %s %s", link.endpoint, exc.code, exc.message)
+            except Exception:
+                log.exception("bug while handling a held DISPATCH")
+
     def _on_dispatch(self, idx: int, link: BrokerLink, header: dict[str, Any], frames: list[Any], now: float) -> None:
+        if self._learning(now):
+            self._held.append((idx, link, header, frames))
+            return
         rid = protocol.get_id(header)
         kind = header.get("kind")
         epoch = header.get("epoch")

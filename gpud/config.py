@@ -206,6 +206,7 @@ class BrokerSection:
     tenant_max_spool_bytes: int = _key(8 << 30, _at_least(0))  # staged bytes of one tenant
     stage_ttl: float = _key(60.0, _above(0))  # seconds an upload no job claims is kept after its last PUT
     stage_idle_s: float = _key(10.0, _above(0))  # seconds a placed staged job's worker may wait for its upload
+    bad_log_s: float = _key(10.0, _above(0))  # per sender, one bad-message line in full per this many seconds (the rest counted)
     worker_resume_periods: int = _key(3, _at_least(0))  # liveness periods a silent worker may come back in (0: none)
     tenants: Mapping[str, TenantLimits] = _key({})
     tenant_pool_share: float = _key(0.5, _share)  # most of a worker's pool users one tenant may hold

@@ -168,6 +168,7 @@ def broker_config(cfg: config.GpudConfig, tenant_weights: dict[str, float] | Non
         spool_keep_bytes=b.spool_keep_bytes,
         stage_ttl=b.stage_ttl,
         stage_idle_s=b.stage_idle_s,
+        bad_log_s=b.bad_log_s,
         worker_resume_periods=b.worker_resume_periods,
     )
 

@@ -71,8 +71,7 @@ TICK_S = 0.05  # how often timers run (heartbeats, expiries)
 DROP_LOG_S = 10.0  # at most one log line per this many seconds for dropped client messages
 FD_RESERVE = 64  # descriptors kept free: nearer the limit the frontend stops accepting connections
 FD_CHECK_S = 0.5  # how often descriptors in use are counted
-BAD_LOG_S = 10.0  # per source (a tenant, else a routing id), one bad-message line in full per this many seconds
-BAD_LOG_SOURCES = 20  # sources whose bad messages are logged in full per BAD_LOG_S (the rest: counted as others)
+BAD_LOG_SOURCES = 20  # sources whose bad messages are logged in full per bad_log_s (the rest: counted as others)
 GATE_CHECK_S = 5.0  # at most this often, a refusal by the gate first checks the connections counted against their descriptors
 CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED  # what the frontend's monitor reports besides failed handshakes
 PASS_MESSAGES = 32  # messages of one sender read from the frontend in one pass at most (then the others' turn)
@@ -125,7 +124,7 @@ class Broker:
         self._bad_in_pass = 0  # bad messages in the frontend pass under way (PASS_BAD)
         self._fd_check_at = 0.0
         self._gate_check_at = 0.0
-        self._bad_log = RateLimit(BAD_LOG_S, time.monotonic, max_new=BAD_LOG_SOURCES)
+        self._bad_log = RateLimit(config.bad_log_s, time.monotonic, max_new=BAD_LOG_SOURCES)
         self._bad_count = WindowCount(BAD_WINDOW_S, time.monotonic)
         self._first: list[Any] = [None]  # the first frame of the client message being handled (its connection)
         self._cut_at: dict[bytes, tuple[int, float]] = {}  # routing id -> (descriptor, when) of its connection closed last
@@ -742,17 +741,18 @@ class Broker:
 
     def _report_held_back(self) -> None:
         """The counts of bad messages and refused connections not logged one by one."""
+        every = self._bad_log.interval
         for source, n in self._bad_log.due():
             if source == OTHERS:
                 log.warning("%d more bad message(s) or refused connection(s) from other senders in the last %gs "
-                            "(each sender's first is logged, %d senders at most per %gs)", n, BAD_LOG_S, BAD_LOG_SOURCES, BAD_LOG_S)
+                            "(each sender's first is logged, %d senders at most per %gs)", n, every, BAD_LOG_SOURCES, every)
                 continue
             what, who = cast(tuple[str, "str | bytes"], source)
             if what == "connection":
-                log.warning("refused %d more frontend connection(s) from %s in the last %gs", n, who, BAD_LOG_S)
+                log.warning("refused %d more frontend connection(s) from %s in the last %gs", n, who, every)
             else:  # a peer's bad messages (its sender unformatted), or the intake's and cuts' lines
                 log.warning("%d more bad message(s) from %s %s in the last %gs (logged: the first of each sender)",
-                            n, what, _who(who) if what in _PEER_NAMES.values() else who, BAD_LOG_S)
+                            n, what, _who(who) if what in _PEER_NAMES.values() else who, every)
 
     def _flush(self) -> None:
         """Send what the core queued: each peer's messages in order, runs of small ones as BATCHes.
@@ -894,7 +894,7 @@ class Broker:
              tenant: str | None = None, user: str | None = None) -> None:
         """Log a message we could not use and answer it where the sender can be addressed. Per
         sender (a client's tenant under CURVE, else its routing id) the log is rate-limited, its
-        first bad message of each BAD_LOG_S in full, the rest counted (``_report_held_back``), and
+        first bad message of each ``bad_log_s`` in full, the rest counted (``_report_held_back``), and
         so are the answers: past BAD_ANSWERED in a BAD_WINDOW_S, the rest of the window's bad
         messages are counted (``bad_unanswered``) and not answered (PROTOCOL.md §7), so that a
         flood of them costs no replies; at BAD_CUT, a client's connection is closed (``_cut``).

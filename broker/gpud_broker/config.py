@@ -62,6 +62,7 @@ class BrokerConfig:
     spool_keep_bytes: int = DEFAULT_KEEP_BYTES  # files of ended uploads kept for the next ones (spool.Spool)
     stage_ttl: float = DEFAULT_STAGE_TTL_S  # seconds an upload no job claims is kept after its last PUT
     stage_idle_s: float = DEFAULT_STAGE_IDLE_S  # seconds a placed staged job's worker may wait for its upload
+    bad_log_s: float = 10.0  # per sender (a tenant, else a routing id), one bad-message line in full per this many seconds
     # A worker silent past its liveness is suspended for this many liveness periods before it is
     # removed: its process, if alive, resumes with its work (PROTOCOL.md §4.2). 0: removed at once.
     worker_resume_periods: int = 3

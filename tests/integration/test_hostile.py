@@ -29,6 +29,7 @@ from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
 
 ANSWER_TIMEOUT_S = 5.0
+BAD_LOG_S = 2.0  # the broker's bad_log_s: one bad-message line in full per sender per this many seconds
 REQUEST = P.CMD_BYTES[Command.REQUEST]
 ERROR = P.CMD_BYTES[Command.ERROR]
 REPLY = P.CMD_BYTES[Command.REPLY]
@@ -48,9 +49,12 @@ KEYS: dict[str, CurveKeys] = {}
 
 
 @pytest.fixture(scope="module", params=["none", "curve"])
-def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Without security, and with CURVE: what an authenticated tenant or worker can send."""
-    c = LocalCluster(workers=1, gpus_per_worker=1, log_level="INFO", security=request.param)
+    conf = tmp_path_factory.mktemp("hostile") / "broker.toml"
+    conf.write_text(f"[broker]\nbad_log_s = {BAD_LOG_S}\n")
+    c = LocalCluster(workers=1, gpus_per_worker=1, log_level="INFO", security=request.param,
+                     broker_args=["--config", str(conf)])
     try:
         c.start()
         KEYS.clear()
@@ -602,8 +606,6 @@ def test_broker_logged_the_bad_messages(cluster: LocalCluster, ctx: zmq.Context[
     BAD_LOG_S is logged in full, with its code, and the rest are counted, the counts logged once
     the interval is over. So the lines plus the counts cover every bad message sent, and one
     sender's flood is a few lines."""
-    from gpud_broker.broker import BAD_LOG_S
-
     n = 300
     earlier = len(cluster.log_tail("broker", 10_000_000))
     with dealer(ctx, cluster.frontend) as sock:

@@ -40,22 +40,24 @@ def dispatch_echo(broker: FakeBroker, ident: bytes, epoch: int) -> bytes:
     return rid
 
 
-def held(worker: Worker, a: FakeBroker, at_a: bytes, rid: bytes) -> None:
-    """a gets no answer to its DISPATCH: the worker holds it."""
+def held(worker: Worker, a: FakeBroker) -> tuple[bytes, bytes]:
+    """a says it is active at epoch 1 and DISPATCHes an echo before b has told anything: a gets
+    no answer, the worker holds it. Returns a's connection and the echo's id."""
+    at_a, _ = a.next(Command.READY)
+    welcomed(a, at_a, True, 1)
+    rid = dispatch_echo(a, at_a, 1)
     welcomed(a, at_a, True, 1)  # everything a sent before is handled
     assert Command.RESULT not in a.collect(0.3)
-    assert [h[2]["id"] for h in worker._held] == [rid]
+    assert [h[2].header["id"] for h in worker._held] == [rid]
+    return at_a, rid
 
 
 def test_an_old_active_brokers_dispatch_to_a_fresh_worker_waits_for_the_other_broker_and_is_refused(
         pair: tuple[Worker, FakeBroker, FakeBroker]) -> None:
     worker, a, b = pair
-    at_a, _ = a.next(Command.READY)
     # a, frozen through b's takeover at epoch 2, wakes saying it is active at epoch 1, and places
     # on this worker (restarted meanwhile) an echo b holds too.
-    welcomed(a, at_a, True, 1)
-    rid = dispatch_echo(a, at_a, 1)
-    held(worker, a, at_a, rid)
+    at_a, rid = held(worker, a)
     at_b, _ = b.next(Command.READY)
     welcomed(b, at_b, True, 2)  # b tells its state: active at epoch 2
     who, result = a.next(Command.RESULT)
@@ -71,10 +73,7 @@ def test_an_old_active_brokers_dispatch_to_a_fresh_worker_waits_for_the_other_br
 def test_a_held_dispatch_runs_once_the_other_broker_says_it_is_passive_at_the_same_epoch(
         pair: tuple[Worker, FakeBroker, FakeBroker]) -> None:
     worker, a, b = pair
-    at_a, _ = a.next(Command.READY)
-    welcomed(a, at_a, True, 1)
-    rid = dispatch_echo(a, at_a, 1)
-    held(worker, a, at_a, rid)
+    at_a, rid = held(worker, a)
     at_b, _ = b.next(Command.READY)
     welcomed(b, at_b, False, 1)
     who, result = a.next(Command.RESULT)
@@ -86,11 +85,8 @@ def test_a_held_dispatch_runs_after_one_expiry_when_the_other_broker_never_answe
         pair: tuple[Worker, FakeBroker, FakeBroker]) -> None:
     """A broker that is down does not keep a fresh worker from working: it delays it one expiry."""
     worker, a, b = pair
-    at_a, _ = a.next(Command.READY)
     b.sock.close(0)  # b is down: nothing answers the worker there
-    welcomed(a, at_a, True, 1)
-    rid = dispatch_echo(a, at_a, 1)
-    held(worker, a, at_a, rid)
+    at_a, rid = held(worker, a)
     _, result = a.next(Command.RESULT, timeout=POLICY.expiry + 10)
     assert result.header["id"] == rid and result.header["ok"] is True, result.header
     assert not worker._held and worker._learn_until is None

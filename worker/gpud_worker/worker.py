@@ -292,7 +292,7 @@ class Worker:
         # Until every broker has told its state, or one expiry of our heartbeat policy since the
         # loop began (PROTOCOL.md §9.4, learning the epoch), DISPATCHes wait here, in order.
         self._learn_until: float | None = None
-        self._held: list[tuple[int, BrokerLink, dict[str, Any], list[Any]]] = []
+        self._held: list[tuple[int, BrokerLink, protocol.Message]] = []
         self._alive_at = 0.0  # the next time a long drain looks at queued sends and heartbeats
         # Jobs ready to start, waiting for the active broker's GO (PROTOCOL.md §4.4): job threads
         # add and remove entries, the loop asks START for them and answers them.
@@ -425,7 +425,7 @@ class Worker:
         while True:
             now = time.monotonic()
             if self._held and not self._learning(now):
-                self._release_held(now)
+                self._release_held(poller, now)
             for link in self.links:
                 if link.sock is None and now >= link.retry_at:
                     poller.register(link.open(now), zmq.POLLIN)
@@ -620,7 +620,9 @@ class Worker:
     def _on_broker(self, idx: int, link: BrokerLink, msg: protocol.Message, poller: zmq.Poller, now: float) -> None:
         cmd = msg.command
         header = msg.header
-        if cmd is Command.DISPATCH:
+        if cmd is Command.DISPATCH and self._learning(now):
+            self._held.append((idx, link, msg))
+        elif cmd is Command.DISPATCH:
             self._on_dispatch(idx, link, header, msg.frames, now)
         elif cmd is Command.HEARTBEAT:
             self._broker_state(idx, link, header, now)
@@ -826,22 +828,14 @@ class Worker:
         self._learn_until = None
         return False
 
-    def _release_held(self, now: float) -> None:
+    def _release_held(self, poller: zmq.Poller, now: float) -> None:
         """The largest epoch is learnt: the DISPATCHes held meanwhile are handled, in order."""
         held, self._held = self._held, []
         log.info("the largest epoch seen is %d: handling %d DISPATCH(es) held until it was learnt", self.max_epoch, len(held))
-        for idx, link, header, frames in held:
-            try:
-                self._on_dispatch(idx, link, header, frames, now)
-            except GpudError as exc:
-                log.warning("bad message from broker %s: %s %s", link.endpoint, exc.code, exc.message)
-            except Exception:
-                log.exception("bug while handling a held DISPATCH")
+        for idx, link, msg in held:
+            self._handle(idx, link, msg, poller, now)
 
     def _on_dispatch(self, idx: int, link: BrokerLink, header: dict[str, Any], frames: list[Any], now: float) -> None:
-        if self._learning(now):
-            self._held.append((idx, link, header, frames))
-            return
         rid = protocol.get_id(header)
         kind = header.get("kind")
         epoch = header.get("epoch")

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 DEFAULT_HEARTBEAT_S = 0.25
 DEFAULT_EXPIRY_S = 0.75
 HANDOVER_BEATS = 8  # STATEs that carry ``handover`` after the operator's failover
+UNSYNCED_WARN_EXPIRIES = 10  # an active broker says why nothing is durable after this many expiries
+UNSYNCED_WARN_EVERY_S = 60.0  # and again at most this often
 _REQ, _CALL, _PING, _PUT, _FETCH = (protocol.CMD_BYTES[c] for c in (Command.REQUEST, Command.CALL, Command.PING, Command.PUT,
                                                                   Command.FETCH))
 
@@ -92,9 +94,12 @@ class Pair:
         self.applied = 0  # passive: seq of the last update applied
         self.synced = False  # passive: holds a snapshot and every update since
         self.sync_sent = 0.0  # passive: when SYNC went out (resent if unanswered)
+        self.syncs_sent = 0
         self.snapshots = 0  # passive: snapshots loaded (more than one: it had to re-sync)
         self.streaming = False  # active: the peer has our snapshot and gets our updates
         self.handover_beats = 0
+        self.unsynced_since: float | None = None  # active: since when a heard peer holds none of our updates
+        self.unsynced_warned = 0.0
         self.held: list[tuple[list[Any], str | None, float]] = []
         self.state_due = False
         self.misconfigured = False  # the peer has the same role (logged once)
@@ -156,6 +161,7 @@ class Pair:
     def _sync(self, now: float) -> None:
         self.synced = False
         self.sync_sent = now
+        self.syncs_sent += 1
         self._send(Command.SYNC, {})
 
     # ------------------------------------------------------------------ clients of a non-active broker
@@ -242,7 +248,9 @@ class Pair:
         if type(applied) is int and peer_state is State.PASSIVE:  # an active peer's seq numbers its own updates
             self.peer_applied = applied
         self.peer_streaming = header.get("streaming") is True
+        became_active = peer_state is State.ACTIVE and self.peer_state is not State.ACTIVE
         self.peer_state = peer_state
+        syncs = self.syncs_sent
         if header.get("handover") is True and peer_state is State.PASSIVE and self.state is State.PASSIVE and self.synced:
             self.event(Event.HANDOVER, now)
         elif self.handover_beats > 0 and peer_state is State.PASSIVE:
@@ -250,7 +258,10 @@ class Pair:
         else:
             self.event(PEER_EVENTS[peer_state], now)
         if (self.state is State.PASSIVE and peer_state is State.ACTIVE
-                and (not self.synced or not self.peer_streaming) and now - self.sync_sent > self.cfg.expiry):
+                and (not self.synced or not self.peer_streaming)
+                and ((became_active and self.syncs_sent == syncs) or now - self.sync_sent > self.cfg.expiry)):
+            # At once when the peer has just become active (a handover: its ACKs and GOs wait for
+            # our snapshot, §9.3); else at most once an expiry (each SYNC costs it a snapshot).
             self._sync(now)
 
     def _on_sync(self) -> None:
@@ -358,10 +369,38 @@ class Pair:
             if not self._send(Command.UPDATES, {"seq": first, "count": len(updates)}, [protocol.packb(updates)]):
                 log.warning("pair: the peer link is full; the passive peer will re-sync")
                 self.streaming = False
-        core.set_durable(self.peer_applied if self.streaming else core.seq)
+        core.set_durable(self._durable())
         if self.state_due and self.state is State.PASSIVE:
             self._send_state()
             self.state_due = False
+
+    def _durable(self) -> int:
+        """The last update the passive peer holds (PROTOCOL.md §9.3, *Durable*). While the peer is
+        heard but holds none of ours (not streaming: it has yet to SYNC, or re-syncs), nothing new
+        is durable: it would take over knowing nothing of it. Only a peer gone (silent for the
+        expiry) leaves this broker alone, every update durable once journalled."""
+        core = self.core
+        if self.streaming:
+            self.unsynced_since = None
+            return self.peer_applied
+        now = self.clock.monotonic()
+        if now - self.peer_heard > self.cfg.expiry:
+            self.unsynced_since = None
+            return core.seq
+        if self.state is State.ACTIVE:
+            self._warn_unsynced(now)
+        return min(core.journal.durable, core.seq)
+
+    def _warn_unsynced(self, now: float) -> None:
+        if self.unsynced_since is None:
+            self.unsynced_since, self.unsynced_warned = now, now
+        waited = now - self.unsynced_since
+        if waited > UNSYNCED_WARN_EXPIRIES * self.cfg.expiry and now - self.unsynced_warned >= (
+                UNSYNCED_WARN_EVERY_S if self.unsynced_warned > self.unsynced_since else 0):
+            self.unsynced_warned = now
+            log.warning("pair: the peer is heard (%s) but has held none of our updates for %.0f s: ACKs, GOs "
+                        "and PUT replies wait for it (stop it to run alone)",
+                        self.peer_state.name.lower() if self.peer_state else "silent", waited)
 
     def catching_up(self) -> bool:
         """Active, with a passive peer that streams and has yet to apply what was sent to it (under

@@ -74,7 +74,8 @@ _TABLE = (
         """Requests the broker knows, newest first: queued, running, and done (kept for retries).
 
         Each shows the chain tenant -> worker -> GPUs. Filters combine; done requests are kept for
-        the broker's result TTL (60 s by default).
+        the broker's result TTL (60 s by default). In `--json`, `started` says a job may have
+        begun (its worker asked to start it): if its worker is lost, it is not run again.
 
         Example: gpudctl tasks --state running
         Example: gpudctl tasks --tenant default --kind echo --limit 20

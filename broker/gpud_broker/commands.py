@@ -271,6 +271,7 @@ def _task_row(core: BrokerCore, t: Task) -> dict[str, Any]:
         "age_s": round(core.now - t.created, 3),
         "running_s": round(core.now - t.dispatched_at, 3) if t.state is State.RUNNING else None,
         "attempts": t.attempts,
+        "started": t.started,  # it may have begun (PROTOCOL.md §4.4): never placed again
         "session": t.session.hex() if t.session is not None else None,
     }
 

@@ -94,12 +94,12 @@ class Pair:
         self.applied = 0  # passive: seq of the last update applied
         self.synced = False  # passive: holds a snapshot and every update since
         self.sync_sent = 0.0  # passive: when SYNC went out (resent if unanswered)
-        self.syncs_sent = 0
+        self.syncs_sent = 0  # passive: SYNCs sent (one sent while an event is handled is not sent again)
         self.snapshots = 0  # passive: snapshots loaded (more than one: it had to re-sync)
         self.streaming = False  # active: the peer has our snapshot and gets our updates
         self.handover_beats = 0
         self.unsynced_since: float | None = None  # active: since when a heard peer holds none of our updates
-        self.unsynced_warned = 0.0
+        self.unsynced_warn_at = 0.0  # and when it next says so
         self.held: list[tuple[list[Any], str | None, float]] = []
         self.state_due = False
         self.misconfigured = False  # the peer has the same role (logged once)
@@ -393,14 +393,12 @@ class Pair:
 
     def _warn_unsynced(self, now: float) -> None:
         if self.unsynced_since is None:
-            self.unsynced_since, self.unsynced_warned = now, now
-        waited = now - self.unsynced_since
-        if waited > UNSYNCED_WARN_EXPIRIES * self.cfg.expiry and now - self.unsynced_warned >= (
-                UNSYNCED_WARN_EVERY_S if self.unsynced_warned > self.unsynced_since else 0):
-            self.unsynced_warned = now
+            self.unsynced_since, self.unsynced_warn_at = now, now + UNSYNCED_WARN_EXPIRIES * self.cfg.expiry
+        if now > self.unsynced_warn_at:
+            self.unsynced_warn_at = now + UNSYNCED_WARN_EVERY_S
             log.warning("pair: the peer is heard (%s) but has held none of our updates for %.0f s: ACKs, GOs "
                         "and PUT replies wait for it (stop it to run alone)",
-                        self.peer_state.name.lower() if self.peer_state else "silent", waited)
+                        self.peer_state.name.lower() if self.peer_state else "silent", now - self.unsynced_since)
 
     def catching_up(self) -> bool:
         """Active, with a passive peer that streams and has yet to apply what was sent to it (under

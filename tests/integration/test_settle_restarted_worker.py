@@ -31,9 +31,9 @@ def pair(tmp_path: Path) -> Iterator[LocalCluster]:
         c.add_worker("w0")
         c.wait_workers(1)
         assert c.wait_active() == "primary"
-        # The job must be in the backup's tables before the primary dies: a primary killed before
-        # its peer loaded the snapshot leaves the backup nothing to settle against (the test's
-        # premise), and the client's retry then runs the job as new.
+        # The job must be in the backup's tables before the primary dies (the test's premise). A
+        # heard backup gets it before the job's GO (PROTOCOL.md §9.3, Durable); one not heard yet
+        # when the GO went out (it started late) would leave the backup nothing to settle against.
         wait_for(lambda: (st := c.pair_state("backup")).get("state") == "passive" and bool(st.get("synced")),
                  "the backup to be passive and in sync")
         yield c

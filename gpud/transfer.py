@@ -2,7 +2,8 @@
 files of known sizes to ask for next, at most ``window`` unanswered at once, in file and offset
 order; which are outstanding (to ask again after a failover or a silence); and which answers to
 take. Pure: no sockets, no files, the caller passes the time. (And ``pwrite_all``, the write
-of a chunk into a file that both the broker's spool and the worker's fetch make.)
+of a chunk into a file that both the broker's spool and the worker's fetch make, in bounded
+system calls.)
 
 The worker fetching a staged job's inputs and the broker pulling a job's staged outputs both
 drive one.
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 CHUNK_BYTES = 1 << 20  # bytes of one chunk of a staged file (a PUT's, a FETCH's)
 WINDOW = 4  # chunks of one transfer unanswered at once
+SYSCALL_BYTES = 128 << 10  # the most one system call of ``pwrite_all`` moves (see there)
 
 Ask = tuple[int, int, int]  # (file, offset, nbytes)
 
@@ -77,8 +79,19 @@ class ChunkWindow:
         self.got += n
 
 
-def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """Write all of ``data`` to ``fd`` at ``offset`` (``os.pwrite`` may write less than asked)."""
+def pwrite_all(fd: int, data: memoryview, offset: int, piece: int = SYSCALL_BYTES) -> None:
+    """Write all of ``data`` to ``fd`` at ``offset``, at most ``piece`` bytes per system call
+    (``os.pwrite`` may also write less than asked).
+
+    Why in pieces: a kernel without full preemption (PREEMPT_NONE, the server default, and what
+    our VMs run) keeps a thread that is inside a system call on its CPU until the call returns,
+    whatever the nice values of the threads waiting for that CPU. A 1 MiB write into the page
+    cache is such a stretch, of 0.3 ms to several ms (fresh pages cost most); the threads that make
+    these writes (the spool's disk thread, a job thread writing its fetched inputs) are the bulk
+    ones, and the loops wait behind them to answer a heartbeat or another tenant's echo. 128 KiB
+    pieces cost seven system calls more per MiB and bound each stretch to an eighth of that
+    (BENCHMARKS.md, "Bulk writes in 128 KiB system calls")."""
     done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
+    end = len(data)
+    while done < end:
+        done += os.pwrite(fd, data[done:done + piece], offset + done)

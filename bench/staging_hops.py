@@ -5,15 +5,15 @@ A LocalCluster (one broker, one worker with two simulated GPUs, labelled simulat
 a process of its own, alternates a broker-only PING (answered by the broker's loop: no worker on
 its path) and a 64-byte echo (through the worker the upload goes to), 2 ms apart. Meanwhile this
 process runs ``--warmup`` uploads not counted, idles for ``--idle`` seconds, runs ``true`` with a
-staged input of ``--mib`` MiB ``--rounds`` times, then sends the same bytes ``--rounds`` times through the bare chain of
-``bench/transfer.py`` (its own processes: gpud's are idle then). The p99 of each probe while idle,
+staged input of ``--mib`` MiB ``--rounds`` times, then sends the same bytes ``--rounds`` times
+through the bare chain of ``bench/transfer.py`` (its own processes: gpud's are idle then). The p99 of each probe while idle,
 during the uploads and during the bare transfers tells whether the wait is the broker's, the
 worker's or the machine's: a probe slowed by the bare transfer as much as by gpud's upload waits
 for a busy CPU, not for gpud.
 
 Usage::
 
-    .venv/bin/python bench/staging_hops.py [--mib 1024] [--rounds 2] [--idle 3]
+    .venv/bin/python bench/staging_hops.py [--mib 1024] [--rounds 2] [--idle 3] [--warmup 1]
 
 The last line of output is one JSON object.
 """

@@ -8,6 +8,7 @@ tests are skipped.
 from __future__ import annotations
 
 import array
+import hashlib
 import os
 import pathlib
 import pwd
@@ -32,6 +33,7 @@ import zmq
 from gpud import protocol as P
 from gpud.errors import ConfigError, InvalidRequest, RemoteError, TooLarge
 from gpud.protocol import JobSpec
+from gpud.transfer import SYSCALL_BYTES
 from gpud_worker import cgroups as cgroups_module
 from gpud_worker import jobs, sandbox
 from gpud_worker.cgroups import (
@@ -321,6 +323,23 @@ def test_reserved_or_bad_env_refused(runner: JobRunner, workroot: pathlib.Path, 
     with pytest.raises(InvalidRequest):
         run(runner, job("touch", str(workroot / "ran"), env={key: "1"}))
     assert os.listdir(workroot) == []
+
+
+def test_an_inline_input_is_written_in_bounded_system_calls(runner: JobRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As fetched inputs are (gpud.transfer.pwrite_all): no write holds a core for a whole MiB.
+    sizes: list[int] = []
+    real = os.pwrite
+
+    def watch(fd: int, data: Any, offset: int) -> int:
+        sizes.append(len(memoryview(data)))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", watch)
+    data = os.urandom(3 * SYSCALL_BYTES + 5)
+    out = run(runner, job("md5sum", "in", files=("in",)), (data,))
+    assert out.exit_code == 0, out.stderr
+    assert out.stdout.split()[0].decode() == hashlib.md5(data).hexdigest()
+    assert sum(sizes) == len(data) and max(sizes) == SYSCALL_BYTES
 
 
 def test_input_count_mismatch_refused(runner: JobRunner) -> None:

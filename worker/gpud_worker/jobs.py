@@ -89,6 +89,7 @@ import psutil
 
 from gpud.errors import ConfigError, InvalidRequest, RemoteError, TooLarge
 from gpud.protocol import JobSpec, check_file_name
+from gpud.transfer import pwrite_all
 from gpud_worker.cgroups import JOB_PREFIX, JobCgroup, JobCgroups, JobCgroupsV1, enter, job_limits
 from gpud_worker.device_program import job_rules
 from gpud_worker.sandbox import (
@@ -826,14 +827,11 @@ class JobRunner:
             if self._root:
                 os.fchown(fd, user.pw_uid, user.pw_gid)
             copy_to = getattr(data, "copy_to", None)
-            if copy_to is not None:  # a fetched staged input (gpud_worker.fetch): file to file, in the kernel
+            if copy_to is not None:  # a fetched staged input (gpud_worker.fetch): written as its chunks come
                 copy_to(fd)
                 return
             with memoryview(data) as raw:
-                view = raw if raw.ndim == 1 and raw.itemsize == 1 else raw.cast("B")
-                offset = 0
-                while offset < len(view):
-                    offset += os.write(fd, view[offset : offset + (1 << 20)])
+                pwrite_all(fd, raw if raw.ndim == 1 and raw.itemsize == 1 else raw.cast("B"), 0)
         finally:
             os.close(fd)
 

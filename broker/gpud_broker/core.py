@@ -204,6 +204,10 @@ class BrokerCore:
         self.journal.durable = seq
 
     @property
+    def durable(self) -> int:
+        return self.journal.durable
+
+    @property
     def seq(self) -> int:
         return self.journal.seq
 

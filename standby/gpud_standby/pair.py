@@ -389,7 +389,7 @@ class Pair:
             return core.seq
         if self.state is State.ACTIVE:
             self._warn_unsynced(now)
-        return min(core.journal.durable, core.seq)
+        return min(core.durable, core.seq)
 
     def _warn_unsynced(self, now: float) -> None:
         if self.unsynced_since is None:

@@ -18,13 +18,16 @@ class PairedBroker(Protocol):
     fenced: bool  # active, and a worker showed a later epoch: another broker is active
 
     # Read only: the broker's name (its STATE says it); active, the seq of the last update
-    # journalled (0 before any); settling after a takeover (waiting for its workers, placing nothing).
+    # journalled (0 before any); settling after a takeover (waiting for its workers, placing nothing);
+    # the last update set durable (``set_durable``).
     @property
     def name(self) -> str: ...
     @property
     def seq(self) -> int: ...
     @property
     def settling(self) -> bool: ...
+    @property
+    def durable(self) -> int: ...
 
     def join_pair(self) -> None:
         """Start as a broker of a pair: passive, and a worker's result is ACKed once durable."""

@@ -50,6 +50,7 @@ DEFAULT_RAM_FILE_BYTES = 1 << 20  # files up to this size go to memory (while th
 DEFAULT_STAGE_TTL_S = 60.0  # seconds an unclaimed upload is kept after its last PUT
 DEFAULT_STAGE_IDLE_S = 10.0  # seconds a placed staged job's worker may wait for bytes of its upload
 DEFAULT_KEEP_BYTES = 1 << 30  # bytes of the files of ended uploads kept for the next ones, at most
+DISK_HEADROOM_BYTES = 16 << 20  # free disk that uploads never count on: the file system's own needs
 
 
 IO_NICE = 10  # the spool's disk thread runs this much nicer than the broker (Linux: per thread)
@@ -365,6 +366,10 @@ class Spool:
         self.ram_used = 0  # bytes of memory stores
         self.reserved = 0  # sizes of every upload, held or still to come
         self.stored = 0  # bytes written so far
+        # Of those, the files' (on disk): what the disk owes the uploads open is the difference
+        # (``no_room``).
+        self.disk_reserved = 0
+        self.disk_stored = 0
         # Files of ended uploads kept for the next ones (``keep_bytes`` of them at most, by their
         # lengths): (descriptor, path, length).
         self.keep_bytes = keep_bytes
@@ -380,8 +385,8 @@ class Spool:
         """A new upload of ``sizes`` (the caller checked it is new and within budgets)."""
         up = Upload(job=job, tenant=tenant, owner=owner, sizes=sizes, touched=now, have=[0] * len(sizes))
         try:
-            for i, size in enumerate(sizes):
-                if size <= self.ram_file_bytes and self.ram_used + size <= self.ram_bytes:
+            for i, (size, on_disk) in enumerate(zip(sizes, self._on_disk(sizes), strict=True)):
+                if not on_disk:
                     up.stores.append(_RamStore(size))
                     up.ram += size
                     self.ram_used += size
@@ -398,7 +403,43 @@ class Spool:
             raise
         self.uploads[job] = up
         self.reserved += up.total
+        self.disk_reserved += up.total - up.ram
         return up
+
+    def _on_disk(self, sizes: tuple[int, ...]) -> list[bool]:
+        """Which files of a new upload of ``sizes`` go to disk (the others to memory), now."""
+        ram = self.ram_used
+        out = []
+        for size in sizes:
+            to_ram = size <= self.ram_file_bytes and ram + size <= self.ram_bytes
+            ram += size if to_ram else 0
+            out.append(not to_ram)
+        return out
+
+    def no_room(self, sizes: tuple[int, ...]) -> str | None:
+        """Why the spool's disk cannot take a new upload of ``sizes`` now, or None when it can
+        (PROTOCOL.md §11.2, "Disk room"): the bytes of it that go to files, against the file
+        system's free space less what the uploads open there have still to write, what the disk
+        thread has queued, and ``DISK_HEADROOM_BYTES``. Kept files are removed when that makes
+        the room; writes over them count as new blocks (the check errs on the side of refusing)."""
+        need = sum(size for size, on_disk in zip(sizes, self._on_disk(sizes), strict=True) if on_disk)
+        if not need:
+            return None
+        try:
+            fs = os.statvfs(self.directory or tempfile.gettempdir())
+        except OSError as exc:
+            log.warning("spool: cannot tell the free space under %s: %s", self.directory, exc)
+            return None
+        owed = self.disk_reserved - self.disk_stored + self.io.backlog
+        room = fs.f_bavail * fs.f_frsize - owed - DISK_HEADROOM_BYTES
+        if need <= room:
+            return None
+        if self._kept and need <= room + self._kept_blocks():
+            log.info("spool: the files kept for reuse are removed to make room for an upload of %d bytes", need)
+            self._drop_kept()
+            return None
+        return (f"the broker's spool disk has room for {max(0, room)} more bytes now, and the upload's files "
+                f"need {need}; try later")
 
     def write(self, up: Upload, index: int, offset: int, data: memoryview, now: float, ordered: bool = True) -> bool:
         """Store one chunk; False when its range is held already (a re-send), True when written.
@@ -433,6 +474,8 @@ class Spool:
                     end, merged = max(end, stop), True
         up.have[index] = end
         self.stored += end - have
+        if up.stores[index].on_disk:
+            self.disk_stored += end - have
         return True
 
     def _store(self, up: Upload, index: int, offset: int, data: memoryview) -> None:
@@ -535,6 +578,10 @@ class Spool:
         if up is not None:
             self.reserved -= up.total
             self.stored -= sum(up.have)
+            for store, size, have in zip(up.stores, up.sizes, up.have, strict=True):
+                if store.on_disk:
+                    self.disk_reserved -= size
+                    self.disk_stored -= have
             self._close(up)
         return up
 
@@ -560,14 +607,28 @@ class Spool:
     def close(self) -> None:
         self._closing = True
         self.clear()
-        for fd, path, _ in self._kept:
-            self.io.reap(fd, path)
-        self._kept.clear()
-        self.kept_bytes = 0
+        self._drop_kept()
         self.io.close()
         if self._own_dir and self.directory:
             self._rmdir()
             self.directory = ""
+
+    def _drop_kept(self) -> None:
+        """Remove the files kept for reuse (on the disk thread, after what it has queued)."""
+        for fd, path, _ in self._kept:
+            self.io.reap(fd, path)
+        self._kept.clear()
+        self.kept_bytes = 0
+
+    def _kept_blocks(self) -> int:
+        """Bytes of disk the kept files take (allocated blocks: a kept file may be sparse)."""
+        total = 0
+        for fd, _, _ in self._kept:
+            try:
+                total += os.fstat(fd).st_blocks * 512
+            except OSError:
+                pass
+        return total
 
     def _take_kept(self, path: str, size: int) -> tuple[int, int] | None:
         """A kept file for a new store of ``size`` bytes, renamed to ``path``: the smallest one at

@@ -157,7 +157,7 @@ class Staging:
             return {"have": list(up.have)}
         if task is not None:  # its REQUEST came already (a retry after a failover): nothing more is needed
             return {"have": list(sizes)}
-        why = core.accounts.over_spool(tenant, total)
+        why = core.accounts.over_spool(tenant, total) or self.spool.no_room(sizes)
         if why is not None:
             raise Busy(why)
         try:
@@ -439,7 +439,7 @@ class Staging:
             key = task.id + OUTPUTS
             up = self.spool.uploads.get(key)
             if up is None:
-                why = core.accounts.over_spool(task.tenant, sum(sizes))
+                why = core.accounts.over_spool(task.tenant, sum(sizes)) or self.spool.no_room(sizes)
                 if why is not None:
                     raise Busy(f"the job ran, but the broker has no room for its outputs: {why}")
                 up = self._new(core, key, task.tenant, task.owner, sizes)

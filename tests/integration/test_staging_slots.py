@@ -1,8 +1,9 @@
 """Staged jobs and the worker slots they hold, with real daemons (PROTOCOL.md §11.1, §11.3): a
 tenant whose upload trickles does not hold a GPU slot for long (its job is taken off its worker
 while the worker waits for bytes, and placed again once the upload is complete); inputs that do
-not fit the worker's job directory get TOO_LARGE at once, naming job_dir_size; and a spool that
-lost a job's bytes fails the job with an error that says so, not as a lost worker.
+not fit the worker's job directory get TOO_LARGE at once, naming job_dir_size; an upload that the
+broker's spool disk has no room for gets BUSY at once, naming the room; and a spool that lost a
+job's bytes fails the job with an error that says so, not as a lost worker.
 
 Real daemons (one broker, one worker with one simulated GPU, labelled simulated) as subprocesses
 on loopback; the well-behaved tenant is the real client, the trickling one speaks the protocol
@@ -23,7 +24,7 @@ import pytest
 import zmq
 
 from gpud import protocol as P
-from gpud.errors import InvalidRequest, TooLarge
+from gpud.errors import Busy, InvalidRequest, TooLarge
 from gpud.protocol import Command, Peer
 from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
@@ -152,3 +153,24 @@ def test_a_spool_that_lost_a_jobs_bytes_fails_it_saying_so(cluster: LocalCluster
         with pytest.raises(InvalidRequest, match="the broker lost the job's staged inputs"):  # not WorkerLost
             job.wait()
         assert c.run(["echo", "fine"], gpu_milli=100).stdout == b"fine\n"
+
+
+def test_an_upload_the_spool_disk_has_no_room_for_gets_busy_before_its_bytes_are_sent(
+        small_fs: Path, tmp_path: Path) -> None:
+    """The broker's spool_dir on a 64 MiB file system, its quota the default 16 GiB: an upload
+    of 100 MiB is answered BUSY at its opening (not ENOSPC half-way), another tenant's jobs run
+    meanwhile, and uploads that fit, one after the other, all do."""
+    with LocalCluster(workers=1, gpus_per_worker=1, rundir=tmp_path, broker_args=["--spool-dir", str(small_fs)]) as c, \
+            Client(c.frontend, timeout=60, tenant="acme") as alice, Client(c.frontend, timeout=60, tenant="bob") as bob:
+        other = bob.submit(["sh", "-c", "sleep 1; echo other"], gpu_milli=100, timeout=60)
+        t = time.monotonic()
+        with pytest.raises(Busy, match="the broker's spool disk has room for [0-9]+ more bytes now"):
+            alice.run(["true"], files={"a": bytes(100 * MiB)}, gpu_milli=100, timeout=60)
+        assert time.monotonic() - t < 10
+        assert os.listdir(small_fs) == []  # not a byte of it written
+        for seed in range(3):  # 40 MiB fit (48 past the headroom), again and again
+            data = payload(40 * MiB, seed)
+            out = alice.run(["md5sum", "a"], files={"a": data}, gpu_milli=100, timeout=60)
+            assert out.stdout.split()[0].decode() == hashlib.md5(data).hexdigest()
+        assert other.wait().stdout == b"other\n"
+        assert "ERROR" not in (tmp_path / "broker.log").read_text()

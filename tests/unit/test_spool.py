@@ -405,3 +405,50 @@ def test_the_backlog_counts_bytes_queued_and_not_written_and_waiters_are_woken(t
     with open(tmp_path / f"{JOB.hex()}-0", "rb") as f:
         assert f.read() == b"y" * 40 * 1000
     spool.close()
+
+
+def test_an_upload_is_refused_at_its_opening_when_the_spool_disk_cannot_take_it(small_fs: Path) -> None:
+    spool = Spool(str(small_fs), ram_bytes=0, keep_bytes=0)  # 64 MiB, less 16 of headroom: 48 to stage
+    assert "room for" in (spool.no_room((50 << 20,)) or "")
+    assert spool.no_room((40 << 20,)) is None
+    up = spool.open(JOB, "acme", None, (40 << 20,), now=0.0)
+    # Nothing of it is written yet, and the 40 MiB it will write are counted: 8 MiB left.
+    assert spool.no_room((8 << 20,)) is None
+    assert "room for" in (spool.no_room((9 << 20,)) or "")
+    assert spool.no_room((9 << 20,)) is not None
+    for offset in range(0, 40 << 20, 1 << 20):
+        assert spool.write(up, 0, offset, memoryview(b"x" * (1 << 20)), now=0.0)
+    spool.io.wait(up.ticket)
+    assert spool.io.failed == []  # what it accepted fits: every byte written
+    assert spool.read(up, 0, (40 << 20) - 3, 3) == b"xxx"
+    assert "room for" in (spool.no_room((9 << 20,)) or "")  # on disk now, counted by the file system
+    spool.drop(JOB)
+    spool.wait_removed()
+    assert spool.no_room((40 << 20,)) is None
+    # Files that go to memory need no disk.
+    assert Spool(str(small_fs), ram_bytes=1 << 20).no_room((1 << 20,)) is None
+    spool.close()
+
+
+def test_files_kept_for_reuse_are_removed_when_a_new_upload_needs_their_room(small_fs: Path) -> None:
+    spool = Spool(str(small_fs), ram_bytes=0, hold_bytes=0, keep_bytes=1 << 30)
+    a = spool.open(b"a" * 16, "acme", None, (40 << 20,), now=0.0)
+    for offset in range(0, 40 << 20, 1 << 20):
+        spool.write(a, 0, offset, memoryview(b"a" * (1 << 20)), now=0.0)
+    spool.io.wait(a.ticket)
+    spool.drop(b"a" * 16)
+    assert os.listdir(small_fs) == ["kept-1"] and spool.kept_bytes == 40 << 20
+    assert spool.no_room((1 << 20,)) is None and os.listdir(small_fs) == ["kept-1"]  # room enough without
+    # 24 MiB free, 8 past the headroom: the kept file goes to make room for 40.
+    assert spool.no_room((40 << 20,)) is None
+    assert spool.kept_bytes == 0
+    b = spool.open(b"b" * 16, "other", None, (40 << 20,), now=1.0)
+    for offset in range(0, 40 << 20, 1 << 20):
+        spool.write(b, 0, offset, memoryview(b"b" * (1 << 20)), now=1.0)
+    spool.io.wait(b.ticket)
+    assert spool.io.failed == [] and spool.read(b, 0, 0, 2) == b"bb"
+    assert os.listdir(small_fs) == [f"{(b'b' * 16).hex()}-0"]
+    # And where even they would not make room, BUSY's reason, and the kept files stay.
+    spool.drop(b"b" * 16)
+    assert "room for" in (spool.no_room((60 << 20,)) or "") and spool.kept_bytes == 40 << 20
+    spool.close()

@@ -591,3 +591,23 @@ def test_outputs_are_pulled_no_faster_than_the_spool_disk_writes_them(monkeypatc
     h.core.staging.settle_pulls(h.core, h.core.journal.durable)  # the disk caught up: the loop's next turn
     asked = [m.header["offset"] for _, m, _ in h.take_worker() if m.command is Command.FETCH]
     assert asked == [i * CHUNK_BYTES for i in range(WINDOW)]
+
+
+def test_an_upload_the_spool_disk_cannot_take_is_answered_busy_at_its_opening(small_fs: Any) -> None:
+    h = Harness(spool_dir=str(small_fs), spool_ram_bytes=0, heartbeat=HeartbeatPolicy(30.0, 3))
+    put(h, 0, sizes=[30 * MiB])
+    put(h, 1, job=rid(78), sizes=[30 * MiB])  # 48 MiB to stage, 30 owed already
+    ok, busy = replies(h)
+    assert ok.header["ok"] is True and ok.header["have"] == [0]
+    assert busy.header["code"] == "BUSY" and "spool disk has room for" in busy.header["message"]
+    assert rid(78) not in h.core.staging.spool.uploads and h.core.accounts.spooled_bytes == 30 * MiB
+    # A job's staged outputs likewise: the job ran, and its RESULT says why they are not here.
+    h.ready(W1, "w1")
+    h.take_worker()
+    job = rid(60)
+    h.request(C1, job, kind="job", argv=["x"], outputs=["o"], need={"gpu_milli": 100, "tenant": "acme"})
+    h.one_dispatch(W1)
+    h.result(W1, job, exit_code=0, files=["o"], staged=[20 * MiB], frames=[b"out", b"err"])
+    reply = h.one_reply(C1)
+    assert reply.header["code"] == "BUSY" and "no room for its outputs" in reply.header["message"]
+    assert "spool disk has room for" in reply.header["message"]

@@ -207,6 +207,12 @@ class BrokerCore:
     def durable(self) -> int:
         return self.journal.durable
 
+    def unheld(self) -> list[bytes]:
+        return sorted(self.staging.unheld)
+
+    def peer_unheld(self, jobs: Any) -> None:
+        self.staging.peer_unheld(self, jobs)
+
     @property
     def seq(self) -> int:
         return self.journal.seq

@@ -316,6 +316,7 @@ class Upload:
     fetcher: str | None = None
     fetched: int = 0
     held: list[tuple[int, int, bytes, list[Any]]] = field(default_factory=list)
+    peer_lacks: bool = False  # (active) its passive peer could not hold its bytes: none journalled (§11.4)
 
     @property
     def total(self) -> int:

@@ -84,6 +84,9 @@ class Staging:
         self.waiting: deque[tuple[int, int, bytes, list[Any]]] = deque()
         self._backfill: deque[tuple[bytes, int, int, int]] = deque()  # (job, file, offset, nbytes) to journal again
         self._backfill_seq = 0  # the update that ended the last backfill: no PUT is answered before it is durable
+        # Passive: uploads whose bytes its spool could not write (their later chunks are ignored),
+        # named in its STATEs until an update drops them (PROTOCOL.md §11.4).
+        self.unheld: set[bytes] = set()
 
     # ------------------------------------------------------------------ clients: PUT
 
@@ -191,7 +194,8 @@ class Staging:
             raise Busy("the broker's spool is writing what came before; open the upload again shortly and "
                        "resume from what it holds")
         if self.spool.write(up, index, offset, data, core.now):
-            core.journal.chunk(job, index, offset, data)
+            if not up.peer_lacks:
+                core.journal.chunk(job, index, offset, data)
             if up.waiting:
                 self._serve_waiting(core, up, index, offset, frame, len(data))
             if self.parked and job in self.parked and up.complete():
@@ -280,13 +284,45 @@ class Staging:
         return out
 
     def write_failures(self, core: BrokerCore) -> None:
-        """Uploads a spool write failed for (the disk is full?): dropped, their jobs failed."""
+        """Uploads a spool write failed for (the disk is full?): dropped, their jobs failed. A
+        passive broker lets go of their bytes and names them in its STATEs instead: its active
+        peer drops them (PROTOCOL.md §11.4)."""
         failed = self.spool.io.failed
         while failed:
             job, exc = failed.pop()
             up = self.spool.uploads.get(job)
-            if up is not None:
+            if up is None:
+                continue
+            if not core.active:
+                log.error("spool: cannot hold the staged bytes of %s the active broker sent (%s): it is told so",
+                          protocol.id_text(job), exc.strerror)
+                self.spool.drop(job)
+                self.unheld.add(job)
+            else:
                 self._lost(core, up, f"the broker could not spool them ({exc.strerror})")
+
+    def peer_unheld(self, core: BrokerCore, jobs: Any) -> None:
+        """(Active) The passive peer's STATE says it could not hold the bytes of ``jobs``: those
+        uploads go on without it (no more of their chunks journalled); a failover before their
+        job begins fails it (``lost_in_takeover``), PROTOCOL.md §11.4."""
+        if type(jobs) is not list:
+            return
+        for job in jobs:
+            up = self.spool.uploads.get(job) if type(job) is bytes else None
+            if up is not None and not up.peer_lacks:
+                up.peer_lacks = True
+                log.error("spool: the passive peer cannot hold the staged bytes of %s (see its log): they go on "
+                          "without it, and a failover before the job is done loses them", protocol.id_text(job))
+
+    def lost_in_takeover(self, core: BrokerCore) -> None:
+        """(A broker that has just taken over) Fail the staged jobs not begun whose upload it does
+        not hold: it could not hold their bytes as the passive peer (§11.4); the job's retry
+        stages them again."""
+        for task in list(core.tasks.tasks.values()):
+            if (task.state is not State.DONE and not task.started and type(task.body) is dict
+                    and "staged" in task.body and task.id not in self.spool.uploads):
+                core.abort_staged(task, Busy("the job's staged inputs were lost in a broker failover (the standby "
+                                             "broker could not hold them); try again"))
 
     def _lost(self, core: BrokerCore, up: Upload, why: str) -> None:
         job = up.job[: len(up.job) - len(OUTPUTS)] if up.job.endswith(OUTPUTS) and len(up.job) == 17 else up.job
@@ -325,6 +361,7 @@ class Staging:
     def release(self, core: BrokerCore, job: bytes) -> None:
         """Drop an upload (its job ended, or it expired) and free its budget."""
         self.parked.pop(job, None)
+        self.unheld.discard(job)
         up = self.spool.drop(job)
         if up is not None:
             core.accounts.release_spool(up.tenant, up.total)
@@ -388,6 +425,7 @@ class Staging:
         self.waiting.clear()
         self._backfill.clear()
         self._backfill_seq = 0
+        self.unheld.clear()
 
     # ------------------------------------------------------------------ workers: FETCH
 
@@ -497,7 +535,8 @@ class Staging:
             core.fail(pull.task, Busy(f"the job ran, but the broker could not spool its outputs: {exc}"))
             return
         if wrote:
-            core.journal.chunk(pull.upload.job, index, offset, data)
+            if not pull.upload.peer_lacks:
+                core.journal.chunk(pull.upload.job, index, offset, data)
             if core.acking:  # the next chunk is asked for once this one is durable (settle_pulls)
                 pull.unsettled.append(core.journal.seq)
         pull.window.took(index, offset)
@@ -572,6 +611,8 @@ class Staging:
         out = []
         self._backfill.clear()
         for up in self.spool.uploads.values():
+            if up.peer_lacks:  # it could not hold them before: it does without them
+                continue
             out.append([up.job, up.tenant, up.owner, list(up.sizes), up.claimed])
             for index, offset, nbytes in self.spool.ranges(up, MAX_CHUNK_BYTES // 2):
                 self._backfill.append((up.job, index, offset, nbytes))
@@ -618,10 +659,14 @@ class Staging:
 
     def apply_chunk(self, core: BrokerCore, job: Any, index: Any, offset: Any, data: Any) -> None:
         up = self.spool.uploads.get(job) if type(job) is bytes else None
+        if up is None and type(job) is bytes and job in self.unheld:
+            return  # its bytes could not be held here: the active peer is told (STATE's unheld)
         if up is None or type(index) is not int or type(offset) is not int or type(data) is not bytes:
             raise ProtocolError("a replicated chunk names an upload this broker does not hold")
         if self.spool.write(up, index, offset, memoryview(data), core.now, ordered=False) and not self.spool.written(up):
             # Applied means held: on disk before the next update, so that what the active broker
             # sends ahead of its peer's disk stays bounded by its window (its REPLYs wait for ours).
             self.spool.io.wait(up.ticket)
+        if self.spool.io.failed:  # not held: named in the STATE that reports this update applied
+            self.write_failures(core)
 

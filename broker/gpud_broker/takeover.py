@@ -97,6 +97,7 @@ class Takeover:
                 core.dispatcher.place_again(task, name, "not connected after the failover")
             else:
                 core.fail(task, WorkerLost(f"worker {name} was lost during a broker failover while running it"))
+        core.staging.lost_in_takeover(core)
         if not self.waiting:
             self._settled()
 

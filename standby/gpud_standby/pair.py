@@ -246,6 +246,8 @@ class Pair:
             self.peer_epoch = epoch
             self.core.saw_epoch(epoch)
         if type(applied) is int and peer_state is State.PASSIVE:  # an active peer's seq numbers its own updates
+            if "unheld" in header and self.state is State.ACTIVE:  # before ``applied`` makes their chunks durable
+                self.core.peer_unheld(header["unheld"])
             self.peer_applied = applied
         self.peer_streaming = header.get("streaming") is True
         became_active = peer_state is State.ACTIVE and self.peer_state is not State.ACTIVE
@@ -311,8 +313,10 @@ class Pair:
     def _send_state(self) -> None:
         core = self.core
         applied = self.applied if self.state is State.PASSIVE else core.seq
-        header = {"state": self.state.value, "epoch": core.epoch, "applied": applied, "name": core.name,
-                  "streaming": self.streaming}
+        header: dict[str, Any] = {"state": self.state.value, "epoch": core.epoch, "applied": applied,
+                                  "name": core.name, "streaming": self.streaming}
+        if self.state is State.PASSIVE and (unheld := core.unheld()):
+            header["unheld"] = unheld
         if self.handover_beats > 0:
             header["handover"] = True
             self.handover_beats -= 1

@@ -61,3 +61,10 @@ class PairedBroker(Protocol):
 
     def set_durable(self, seq: int) -> None:
         """Updates up to ``seq`` are held by the passive peer (or need not be: no peer streams)."""
+
+    def unheld(self) -> list[bytes]:
+        """Passive: the staged uploads whose bytes it could not hold (PROTOCOL.md §11.4)."""
+
+    def peer_unheld(self, jobs: Any) -> None:
+        """Active: the passive peer could not hold the bytes of these uploads (its STATE's
+        ``unheld``, as it came off the wire)."""

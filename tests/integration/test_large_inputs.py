@@ -1,7 +1,8 @@
 """Large job inputs and outputs staged through a real broker pair (PROTOCOL.md §11) while another
 client works on the same worker: nothing stalls (no worker, session or peer is taken for silent),
 the broker's memory stays bounded, and a SIGKILL of the active broker mid-upload runs the job
-exactly once.
+exactly once. And a passive broker whose spool disk cannot hold an upload fails that one job at
+once, not the pair (its own pair: the backup's spool on a 64 MiB file system).
 
 Real daemons (a CURVE Binary Star pair and one worker with two simulated GPUs, labelled
 simulated) as subprocesses on loopback, two real clients of two tenants, real jobs under
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from gpud.errors import Busy
 from gpud.security import CurveKeys
 from gpud_cli.cluster import LocalCluster, admin_call
 from gpud_client import Client
@@ -231,3 +233,32 @@ def test_sigkill_of_the_active_broker_mid_upload_runs_the_job_exactly_once(pair:
     assert now_active != active
     # The worker asked the new active broker again, on its data connection to it.
     assert admin_call(pair.admin_of(now_active), "status")["counters"]["fetches_on_data"] > 0
+
+
+def test_a_passive_whose_spool_disk_is_full_lets_the_upload_go_on_and_the_pair_serve_on(
+        small_fs: Path, tmp_path: Path) -> None:
+    """The backup's spool on a 64 MiB file system: a 100 MiB upload fills it. The pair does not
+    re-sync for it nor stall (another tenant's job runs), the job runs on the active broker's
+    bytes; and one such job still queued when the active broker dies fails BUSY at once on the
+    broker that takes over, which serves on (PROTOCOL.md §11.4)."""
+    (tmp_path / "spool-backup").symlink_to(small_fs)  # the backup's spool_dir (LocalCluster's)
+    with LocalCluster(workers=1, gpus_per_worker=1, pair=True, rundir=tmp_path, security="curve") as c:
+        assert c.wait_active() == "primary"
+        data = payload(100 * MiB, 4)
+        with Client(c.frontends, timeout=60, curve=c.client_keys("alice")) as alice, \
+                Client(c.frontends, timeout=60, curve=c.client_keys("bob")) as bob:
+            other = bob.submit(["sh", "-c", "sleep 1; echo other"], gpu_milli=100, time_limit=60)
+            assert checksum_job(alice, data) == hashlib.md5(data).hexdigest()
+            assert other.wait().stdout == b"other\n"
+            assert c.pair_state("primary")["streaming"] is True and c.pair_state("backup")["snapshots"] == 1
+            blocker = bob.submit(["sleep", "4"], gpu_milli=1000, time_limit=60)  # the GPU is taken
+            time.sleep(0.5)
+            queued = alice.submit(["md5sum", "a"], files={"a": data}, gpu_milli=1000, time_limit=60)
+            c.kill_broker("primary")
+            with pytest.raises(Busy, match="lost in a broker failover"):
+                queued.wait()
+            assert blocker.wait().exit_code == 0  # it ran on, through the failover
+            small = payload(8 * MiB, 5)
+            assert checksum_job(alice, small) == hashlib.md5(small).hexdigest()  # the backup serves on
+        assert c.wait_active() == "backup"
+        assert "re-syncing" not in (tmp_path / "backup.log").read_text()

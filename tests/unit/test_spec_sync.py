@@ -232,6 +232,10 @@ def test_the_pair_sends_its_peer_exactly_the_documented_header_keys(lines: list[
         a.h.ready(W1, "w1")
         a.client(rid(1))  # journaled: UPDATES
         settle(a, b)
+        b.h.core.staging.unheld.add(rid(2))  # as if its spool could not write an upload's chunk: STATE unheld
+        b.pair.state_due = True
+        settle(a, b)
+        b.h.core.staging.unheld.clear()
         a.pair.failover()  # STATE handover
         settle(a, b)
         assert (a.state.value, b.state.value) == ("passive", "active")

@@ -17,8 +17,9 @@ from gpud.heartbeat import HeartbeatPolicy
 from gpud.protocol import Command, Message
 from gpud.transfer import CHUNK_BYTES, WINDOW
 from gpud_broker.accounts import Budgets
+from gpud_broker.tasks import State as TaskState
 from tests.unit.test_broker_core import C1, C2, W1, W2, Harness, MiB, rid
-from tests.unit.test_pair_clock import Side, settle
+from tests.unit.test_pair_clock import EXPIRY, Side, settle
 
 JOB = rid(77)
 DATA = [bytes(range(256)) * 40, b"", b"tail-bytes" * 3]  # 10240, 0 and 30 bytes
@@ -337,6 +338,58 @@ def test_a_passive_that_resyncs_gets_the_spool_back_chunk_by_chunk(sides: tuple[
     chunks = [u for u in b.updates if u[0] == "chunk"]
     assert max(len(u[4]) for u in chunks) <= 8 * MiB  # no update carries a large piece
     assert up.complete() and b.h.core.staging.spool.read(up, 0, len(big) - 5, 5) == b"zzzzz"
+
+
+def test_a_passive_that_cannot_hold_an_uploads_bytes_says_so_and_the_job_goes_on_without_it(small_fs: Any) -> None:
+    """The passive's spool is a 64 MiB disk, the active's is not: an 80 MiB upload fills the
+    passive's. It does not re-sync (which would fill it again, and leave nothing durable for
+    anyone meanwhile): it names the upload in its STATE, and the active goes on with the upload
+    without it, journalling none of its chunks more. Once the passive takes over, that job (not
+    begun) fails BUSY at once, and another tenant's, whose bytes it holds, is still there
+    (PROTOCOL.md §11.4)."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    clock = FakeClock(1000.0)
+    a = Side(ctx, clock, "primary", "inproc://hold-a", "inproc://hold-b")
+    b = Side(ctx, clock, "backup", "inproc://hold-b", "inproc://hold-a", spool_dir=str(small_fs), spool_ram_bytes=0)
+    try:
+        settle(a, b)
+        core = a.h.core  # no worker yet: the jobs wait in the queue
+        big = b"q" * (4 * MiB)
+        put(a.h, 0, sizes=[20 * len(big)])
+        a.h.request(C1, JOB, kind="job", argv=["cat"], files=["a"], staged=[20 * len(big)],
+                    need={"gpu_milli": 100, "tenant": "acme"})
+        other = rid(79)
+        stage_all(a.h, job=other, tenant="bob")
+        staged_job(a.h, C2, job=other, tenant="bob")
+        settle(a, b)
+        for n in range(20):
+            put(a.h, 100 + n, file=0, offset=n * len(big), frames=(big,))
+            settle(a, b)
+        assert any("unheld" in header and JOB in header["unheld"] for cmd, header in a.heard if cmd is Command.STATE)
+        assert b.pair.snapshots == 1  # never re-synced
+        assert core.journal.durable == core.seq  # the peer has applied everything the active journalled
+        chunks = [u for u in b.updates if u[0] == "chunk" and u[1] == JOB]
+        assert 12 <= len(chunks) < 20  # those after the passive said so were not journalled
+        released = core.staging.take_replies(core.journal.durable)
+        assert [P.unpackb(f[2])["ok"] for _, f in released] == [True] * (1 + 5 + 20)  # every PUT answered ok
+        assert core.staging.spool.uploads[JOB].complete() and JOB not in b.h.core.staging.spool.uploads
+        assert JOB in b.h.core.staging.unheld
+        up = b.h.core.staging.spool.uploads[other]  # bob's upload is held by both, whole
+        assert up.complete() and [b.h.core.staging.spool.read(up, i, 0, len(d)) for i, d in enumerate(DATA)] == DATA
+        # The active broker is gone: the passive takes over on a client's vote.
+        clock.advance(EXPIRY + 0.1)
+        b.client(rid(7))
+        b.tick()
+        assert b.state.value == "active"
+        lost = b.h.core.tasks.tasks[JOB]
+        assert lost.state is TaskState.DONE and lost.reply is not None
+        header = P.unpackb(lost.reply[2])  # [signature, command, header]
+        assert header["code"] == "BUSY" and "lost in a broker failover" in header["message"], header
+        assert b.h.core.tasks.tasks[other].state is TaskState.QUEUED and other in b.h.core.staging.spool.uploads
+    finally:
+        a.pair.close()
+        b.pair.close()
+        ctx.term()
 
 
 # --------------------------------------------------------------------------- outputs (§11.5)

@@ -213,6 +213,12 @@ class BrokerCore:
     def peer_unheld(self, jobs: Any) -> None:
         self.staging.peer_unheld(self, jobs)
 
+    def spool_room(self) -> int | None:
+        return self.staging.spool.room()
+
+    def peer_spool_room(self, room: Any) -> None:
+        self.staging.peer_room = room if type(room) is int else None
+
     @property
     def seq(self) -> int:
         return self.journal.seq

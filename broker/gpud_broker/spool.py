@@ -417,23 +417,19 @@ class Spool:
             out.append(not to_ram)
         return out
 
-    def no_room(self, sizes: tuple[int, ...]) -> str | None:
+    def no_room(self, sizes: tuple[int, ...], elsewhere: int | None = None) -> str | None:
         """Why the spool's disk cannot take a new upload of ``sizes`` now, or None when it can
-        (PROTOCOL.md §11.2, "Disk room"): the bytes of it that go to files, against the file
-        system's free space less what the uploads open there have still to write, what the disk
-        thread has queued, and ``DISK_HEADROOM_BYTES``. Kept files are removed when that makes
-        the room; writes over them count as new blocks (the check errs on the side of refusing)."""
+        (PROTOCOL.md §11.2, "Disk room"): the bytes of it that go to files, against ``room()``
+        and, when given, ``elsewhere`` (the passive peer's room, its last STATE's). Kept files are
+        removed when that makes the room."""
         need = sum(size for size, on_disk in zip(sizes, self._on_disk(sizes), strict=True) if on_disk)
         if not need:
             return None
-        try:
-            fs = os.statvfs(self.directory or tempfile.gettempdir())
-        except OSError as exc:
-            log.warning("spool: cannot tell the free space under %s: %s", self.directory, exc)
-            return None
-        owed = self.disk_reserved - self.disk_stored + self.io.backlog
-        room = fs.f_bavail * fs.f_frsize - owed - DISK_HEADROOM_BYTES
-        if need <= room:
+        if elsewhere is not None and need > elsewhere:
+            return (f"the standby broker's spool disk has room for {max(0, elsewhere)} more bytes now, and the "
+                    f"upload's files need {need}; try later")
+        room = self._disk_room()
+        if room is None or need <= room:
             return None
         if self._kept and need <= room + self._kept_blocks():
             log.info("spool: the files kept for reuse are removed to make room for an upload of %d bytes", need)
@@ -441,6 +437,24 @@ class Spool:
             return None
         return (f"the broker's spool disk has room for {max(0, room)} more bytes now, and the upload's files "
                 f"need {need}; try later")
+
+    def room(self) -> int | None:
+        """Bytes of new files the spool's disk can take now, the kept files' counted (they are
+        removed when needed); None when it cannot tell."""
+        room = self._disk_room()
+        return None if room is None else room + self._kept_blocks()
+
+    def _disk_room(self) -> int | None:
+        """The file system's free space less what the uploads open in files have still to write,
+        what the disk thread has queued, and ``DISK_HEADROOM_BYTES`` (writes over kept files count
+        as new blocks: the check errs on the side of refusing); None when it cannot tell."""
+        try:
+            fs = os.statvfs(self.directory or tempfile.gettempdir())
+        except OSError as exc:
+            log.warning("spool: cannot tell the free space under %s: %s", self.directory, exc)
+            return None
+        owed = self.disk_reserved - self.disk_stored + self.io.backlog
+        return fs.f_bavail * fs.f_frsize - owed - DISK_HEADROOM_BYTES
 
     def write(self, up: Upload, index: int, offset: int, data: memoryview, now: float, ordered: bool = True) -> bool:
         """Store one chunk; False when its range is held already (a re-send), True when written.

@@ -87,6 +87,8 @@ class Staging:
         # Passive: uploads whose bytes its spool could not write (their later chunks are ignored),
         # named in its STATEs until an update drops them (PROTOCOL.md §11.4).
         self.unheld: set[bytes] = set()
+        # Active: the passive peer's spool room, its last STATE's (None: not heard, or gone).
+        self.peer_room: int | None = None
 
     # ------------------------------------------------------------------ clients: PUT
 
@@ -160,7 +162,7 @@ class Staging:
             return {"have": list(up.have)}
         if task is not None:  # its REQUEST came already (a retry after a failover): nothing more is needed
             return {"have": list(sizes)}
-        why = core.accounts.over_spool(tenant, total) or self.spool.no_room(sizes)
+        why = core.accounts.over_spool(tenant, total) or self.spool.no_room(sizes, self.peer_room)
         if why is not None:
             raise Busy(why)
         try:
@@ -171,6 +173,8 @@ class Staging:
         return {"have": [0] * len(sizes)}
 
     def _new(self, core: BrokerCore, job: bytes, tenant: str, owner: str | None, sizes: tuple[int, ...]) -> Upload:
+        if not core.active:  # a passive broker takes what its peer took; its kept files go if that needs their room
+            self.spool.no_room(sizes)
         up = self.spool.open(job, tenant, owner, sizes, core.now)
         core.accounts.reserve_spool(tenant, up.total)
         core.journal.stage(job, tenant, owner, sizes)
@@ -477,7 +481,7 @@ class Staging:
             key = task.id + OUTPUTS
             up = self.spool.uploads.get(key)
             if up is None:
-                why = core.accounts.over_spool(task.tenant, sum(sizes)) or self.spool.no_room(sizes)
+                why = core.accounts.over_spool(task.tenant, sum(sizes)) or self.spool.no_room(sizes, self.peer_room)
                 if why is not None:
                     raise Busy(f"the job ran, but the broker has no room for its outputs: {why}")
                 up = self._new(core, key, task.tenant, task.owner, sizes)

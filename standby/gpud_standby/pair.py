@@ -246,8 +246,10 @@ class Pair:
             self.peer_epoch = epoch
             self.core.saw_epoch(epoch)
         if type(applied) is int and peer_state is State.PASSIVE:  # an active peer's seq numbers its own updates
-            if "unheld" in header and self.state is State.ACTIVE:  # before ``applied`` makes their chunks durable
-                self.core.peer_unheld(header["unheld"])
+            if self.state is State.ACTIVE:
+                if "unheld" in header:  # before ``applied`` makes their chunks durable
+                    self.core.peer_unheld(header["unheld"])
+                self.core.peer_spool_room(header.get("room"))
             self.peer_applied = applied
         self.peer_streaming = header.get("streaming") is True
         became_active = peer_state is State.ACTIVE and self.peer_state is not State.ACTIVE
@@ -315,8 +317,11 @@ class Pair:
         applied = self.applied if self.state is State.PASSIVE else core.seq
         header: dict[str, Any] = {"state": self.state.value, "epoch": core.epoch, "applied": applied,
                                   "name": core.name, "streaming": self.streaming}
-        if self.state is State.PASSIVE and (unheld := core.unheld()):
-            header["unheld"] = unheld
+        if self.state is State.PASSIVE:
+            if unheld := core.unheld():
+                header["unheld"] = unheld
+            if (room := core.spool_room()) is not None:
+                header["room"] = room
         if self.handover_beats > 0:
             header["handover"] = True
             self.handover_beats -= 1
@@ -390,6 +395,7 @@ class Pair:
         now = self.clock.monotonic()
         if now - self.peer_heard > self.cfg.expiry:
             self.unsynced_since = None
+            core.peer_spool_room(None)  # gone: what it held does not bound this broker's intake
             return core.seq
         if self.state is State.ACTIVE:
             self._warn_unsynced(now)

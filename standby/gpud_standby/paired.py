@@ -65,6 +65,13 @@ class PairedBroker(Protocol):
     def unheld(self) -> list[bytes]:
         """Passive: the staged uploads whose bytes it could not hold (PROTOCOL.md §11.4)."""
 
+    def spool_room(self) -> int | None:
+        """Bytes of new staged files its spool's disk can take now (None: it cannot tell)."""
+
+    def peer_spool_room(self, room: Any) -> None:
+        """Active: the passive peer's spool room (its STATE's ``room``, as it came off the wire;
+        None: the peer is gone)."""
+
     def peer_unheld(self, jobs: Any) -> None:
         """Active: the passive peer could not hold the bytes of these uploads (its STATE's
         ``unheld``, as it came off the wire)."""

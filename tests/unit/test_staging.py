@@ -340,56 +340,115 @@ def test_a_passive_that_resyncs_gets_the_spool_back_chunk_by_chunk(sides: tuple[
     assert up.complete() and b.h.core.staging.spool.read(up, 0, len(big) - 5, 5) == b"zzzzz"
 
 
-def test_a_passive_that_cannot_hold_an_uploads_bytes_says_so_and_the_job_goes_on_without_it(small_fs: Any) -> None:
-    """The passive's spool is a 64 MiB disk, the active's is not: an 80 MiB upload fills the
-    passive's. It does not re-sync (which would fill it again, and leave nothing durable for
-    anyone meanwhile): it names the upload in its STATE, and the active goes on with the upload
-    without it, journalling none of its chunks more. Once the passive takes over, that job (not
-    begun) fails BUSY at once, and another tenant's, whose bytes it holds, is still there
-    (PROTOCOL.md §11.4)."""
+@pytest.fixture
+def small_passive(small_fs: Any) -> Iterator[tuple[Side, Side]]:
+    """A pair whose passive broker's spool is a 64 MiB disk (the active's is not), in sync."""
     ctx: zmq.Context[Any] = zmq.Context()
     clock = FakeClock(1000.0)
     a = Side(ctx, clock, "primary", "inproc://hold-a", "inproc://hold-b")
     b = Side(ctx, clock, "backup", "inproc://hold-b", "inproc://hold-a", spool_dir=str(small_fs), spool_ram_bytes=0)
     try:
         settle(a, b)
-        core = a.h.core  # no worker yet: the jobs wait in the queue
-        big = b"q" * (4 * MiB)
-        put(a.h, 0, sizes=[20 * len(big)])
-        a.h.request(C1, JOB, kind="job", argv=["cat"], files=["a"], staged=[20 * len(big)],
-                    need={"gpu_milli": 100, "tenant": "acme"})
-        other = rid(79)
-        stage_all(a.h, job=other, tenant="bob")
-        staged_job(a.h, C2, job=other, tenant="bob")
-        settle(a, b)
-        for n in range(20):
-            put(a.h, 100 + n, file=0, offset=n * len(big), frames=(big,))
-            settle(a, b)
-        assert any("unheld" in header and JOB in header["unheld"] for cmd, header in a.heard if cmd is Command.STATE)
-        assert b.pair.snapshots == 1  # never re-synced
-        assert core.journal.durable == core.seq  # the peer has applied everything the active journalled
-        chunks = [u for u in b.updates if u[0] == "chunk" and u[1] == JOB]
-        assert 12 <= len(chunks) < 20  # those after the passive said so were not journalled
-        released = core.staging.take_replies(core.journal.durable)
-        assert [P.unpackb(f[2])["ok"] for _, f in released] == [True] * (1 + 5 + 20)  # every PUT answered ok
-        assert core.staging.spool.uploads[JOB].complete() and JOB not in b.h.core.staging.spool.uploads
-        assert JOB in b.h.core.staging.unheld
-        up = b.h.core.staging.spool.uploads[other]  # bob's upload is held by both, whole
-        assert up.complete() and [b.h.core.staging.spool.read(up, i, 0, len(d)) for i, d in enumerate(DATA)] == DATA
-        # The active broker is gone: the passive takes over on a client's vote.
-        clock.advance(EXPIRY + 0.1)
-        b.client(rid(7))
-        b.tick()
-        assert b.state.value == "active"
-        lost = b.h.core.tasks.tasks[JOB]
-        assert lost.state is TaskState.DONE and lost.reply is not None
-        header = P.unpackb(lost.reply[2])  # [signature, command, header]
-        assert header["code"] == "BUSY" and "lost in a broker failover" in header["message"], header
-        assert b.h.core.tasks.tasks[other].state is TaskState.QUEUED and other in b.h.core.staging.spool.uploads
+        yield a, b
     finally:
         a.pair.close()
         b.pair.close()
         ctx.term()
+
+
+def test_an_upload_the_passive_peer_has_no_room_for_is_answered_busy_at_its_opening(
+        small_passive: tuple[Side, Side]) -> None:
+    a, b = small_passive
+    room = a.h.core.staging.peer_room  # its STATE's: 64 MiB less the 16 of headroom
+    assert room is not None and 40 * MiB < room <= 48 * MiB
+    put(a.h, 0, sizes=[50 * MiB])
+    (busy,) = replies(a.h)
+    assert busy.header["code"] == "BUSY" and "the standby broker's spool disk has room for" in busy.header["message"]
+    assert JOB not in a.h.core.staging.spool.uploads
+    put(a.h, 1, sizes=[40 * MiB])
+    settle(a, b)
+    core = a.h.core
+    (ok,) = [P.unpackb(f[2]) for _, f in core.staging.take_replies(core.journal.durable)]  # once the peer holds it
+    assert ok["ok"] is True
+    assert a.h.core.staging.peer_room == room - 40 * MiB  # it owes 40 now
+    a.clock.advance(EXPIRY + 0.1)  # the peer is gone: its room bounds nothing
+    a.tick()
+    assert a.h.core.staging.peer_room is None
+
+
+def test_a_passive_removes_the_files_it_keeps_for_reuse_when_an_upload_needs_their_room(
+        small_passive: tuple[Side, Side]) -> None:
+    a, b = small_passive
+    core, spool = a.h.core, b.h.core.staging.spool
+    piece = b"k" * MiB
+    for n in range(3):  # three uploads of 15 MiB, then dropped: the passive keeps their files
+        job = rid(90 + n)
+        put(a.h, 100 * n, job=job, sizes=[15 * MiB])
+        settle(a, b)
+        for k in range(15):
+            put(a.h, 100 * n + 1 + k, job=job, file=0, offset=k * MiB, frames=(piece,))
+        settle(a, b)
+    core.staging.expire(core, core.now + 3600)  # unclaimed: dropped (unstage)
+    settle(a, b)
+    assert len(spool) == 0 and spool.kept_bytes == 45 * MiB
+    assert core.staging.peer_room is not None and core.staging.peer_room >= 45 * MiB  # kept files count as room
+    # 45 MiB more: over what is free beside the kept files, within what is free without them.
+    put(a.h, 400, sizes=[45 * MiB])
+    settle(a, b)
+    for k in range(45):
+        put(a.h, 401 + k, file=0, offset=k * MiB, frames=(piece,))
+        settle(a, b)
+    assert spool.uploads[JOB].complete() and b.h.core.staging.unheld == set()
+    assert spool.kept_bytes == 0 and spool.io.failed == []
+    assert spool.read(spool.uploads[JOB], 0, 45 * MiB - 2, 2) == b"kk"
+
+
+def test_a_passive_that_cannot_hold_an_uploads_bytes_says_so_and_the_job_goes_on_without_it(
+        small_passive: tuple[Side, Side]) -> None:
+    """Two 40 MiB uploads opened in one turn, before the passive's next STATE (each fits its
+    reported room; together they overfill its 64 MiB disk). It does not re-sync (which would
+    fill it again, and leave nothing durable for anyone meanwhile): it names the second upload
+    in its STATE, and the active goes on with it without the passive, journalling none of its
+    chunks more. Once the passive takes over, that job (not begun) fails BUSY at once, and the
+    others, whose bytes it holds, are still there (PROTOCOL.md §11.4)."""
+    a, b = small_passive
+    core = a.h.core  # no worker: the jobs wait in the queue
+    big = b"q" * (4 * MiB)
+    first, second, other = JOB, rid(80), rid(79)
+    for n, job in enumerate((first, second)):
+        put(a.h, 10 * n, job=job, sizes=[10 * len(big)])
+        a.h.request(C1, job, kind="job", argv=["cat"], files=["a"], staged=[10 * len(big)],
+                    need={"gpu_milli": 100, "tenant": "acme"})
+    stage_all(a.h, job=other, tenant="bob")
+    staged_job(a.h, C2, job=other, tenant="bob")
+    settle(a, b)
+    for job in (first, second):
+        for n in range(10):
+            put(a.h, 100 + n, job=job, file=0, offset=n * len(big), frames=(big,))
+            settle(a, b)
+    assert any("unheld" in header and second in header["unheld"] for cmd, header in a.heard if cmd is Command.STATE)
+    assert b.pair.snapshots == 1  # never re-synced
+    assert core.journal.durable == core.seq  # the peer has applied everything the active journalled
+    chunks = [u for u in b.updates if u[0] == "chunk" and u[1] == second]
+    assert 4 <= len(chunks) < 10  # those after the passive said so were not journalled
+    released = core.staging.take_replies(core.journal.durable)
+    assert [P.unpackb(f[2])["ok"] for _, f in released] == [True] * (2 + 5 + 20)  # every PUT answered ok
+    assert core.staging.spool.uploads[second].complete() and second not in b.h.core.staging.spool.uploads
+    assert b.h.core.staging.unheld == {second}
+    for job, data in ((first, [big * 10]), (other, DATA)):  # held by both, whole
+        up = b.h.core.staging.spool.uploads[job]
+        assert up.complete() and [b.h.core.staging.spool.read(up, i, 0, len(d)) for i, d in enumerate(data)] == data
+    # The active broker is gone: the passive takes over on a client's vote.
+    b.clock.advance(EXPIRY + 0.1)
+    b.client(rid(7))
+    b.tick()
+    assert b.state.value == "active"
+    lost = b.h.core.tasks.tasks[second]
+    assert lost.state is TaskState.DONE and lost.reply is not None
+    header = P.unpackb(lost.reply[2])  # [signature, command, header]
+    assert header["code"] == "BUSY" and "lost in a broker failover" in header["message"], header
+    for job in (first, other):
+        assert b.h.core.tasks.tasks[job].state is TaskState.QUEUED and job in b.h.core.staging.spool.uploads
 
 
 # --------------------------------------------------------------------------- outputs (§11.5)

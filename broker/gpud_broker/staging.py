@@ -300,7 +300,7 @@ class Staging:
             if not core.active:
                 log.error("spool: cannot hold the staged bytes of %s the active broker sent (%s): it is told so",
                           protocol.id_text(job), exc.strerror)
-                self.spool.drop(job)
+                self.release(core, job)  # its bytes and its budget
                 self.unheld.add(job)
             else:
                 self._lost(core, up, f"the broker could not spool them ({exc.strerror})")

@@ -435,6 +435,7 @@ def test_a_passive_that_cannot_hold_an_uploads_bytes_says_so_and_the_job_goes_on
     assert [P.unpackb(f[2])["ok"] for _, f in released] == [True] * (2 + 5 + 20)  # every PUT answered ok
     assert core.staging.spool.uploads[second].complete() and second not in b.h.core.staging.spool.uploads
     assert b.h.core.staging.unheld == {second}
+    assert b.h.core.accounts.spooled["acme"] == 10 * len(big)  # the budget of the upload it lets go is freed
     for job, data in ((first, [big * 10]), (other, DATA)):  # held by both, whole
         up = b.h.core.staging.spool.uploads[job]
         assert up.complete() and [b.h.core.staging.spool.read(up, i, 0, len(d)) for i, d in enumerate(data)] == data

@@ -280,12 +280,13 @@ def test_an_unclaimed_upload_expires_and_a_fetch_from_another_worker_gets_an_err
 # --------------------------------------------------------------------------- the pair
 
 
-@pytest.fixture
-def sides() -> Iterator[tuple[Side, Side]]:
+def pair_in_sync(name: str, **passive: Any) -> Iterator[tuple[Side, Side]]:
+    """A pair in sync over inproc (``name`` tells its sockets apart), the passive's core
+    configured with ``passive``."""
     ctx: zmq.Context[Any] = zmq.Context()
     clock = FakeClock(1000.0)
-    a = Side(ctx, clock, "primary", "inproc://stage-a", "inproc://stage-b")
-    b = Side(ctx, clock, "backup", "inproc://stage-b", "inproc://stage-a")
+    a = Side(ctx, clock, "primary", f"inproc://{name}-a", f"inproc://{name}-b")
+    b = Side(ctx, clock, "backup", f"inproc://{name}-b", f"inproc://{name}-a", **passive)
     try:
         settle(a, b)
         yield a, b
@@ -293,6 +294,11 @@ def sides() -> Iterator[tuple[Side, Side]]:
         a.pair.close()
         b.pair.close()
         ctx.term()
+
+
+@pytest.fixture
+def sides() -> Iterator[tuple[Side, Side]]:
+    yield from pair_in_sync("stage")
 
 
 def test_a_put_is_answered_only_once_the_passive_holds_its_chunk(sides: tuple[Side, Side]) -> None:
@@ -343,17 +349,7 @@ def test_a_passive_that_resyncs_gets_the_spool_back_chunk_by_chunk(sides: tuple[
 @pytest.fixture
 def small_passive(small_fs: Any) -> Iterator[tuple[Side, Side]]:
     """A pair whose passive broker's spool is a 64 MiB disk (the active's is not), in sync."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    clock = FakeClock(1000.0)
-    a = Side(ctx, clock, "primary", "inproc://hold-a", "inproc://hold-b")
-    b = Side(ctx, clock, "backup", "inproc://hold-b", "inproc://hold-a", spool_dir=str(small_fs), spool_ram_bytes=0)
-    try:
-        settle(a, b)
-        yield a, b
-    finally:
-        a.pair.close()
-        b.pair.close()
-        ctx.term()
+    yield from pair_in_sync("hold", spool_dir=str(small_fs), spool_ram_bytes=0)
 
 
 def test_an_upload_the_passive_peer_has_no_room_for_is_answered_busy_at_its_opening(

@@ -238,6 +238,20 @@ def test_program_not_found_is_an_outcome(runner: JobRunner) -> None:
     assert b"/nonexistent/program" in out.stderr
 
 
+def test_outputs_together_past_max_outputs_are_omitted_not_read(make_runner: Callable[..., JobRunner]) -> None:
+    """Each file under the per-file cap, the three together over ``max_outputs``: the one that
+    would pass it is left out (and so never held in the worker's memory), the later ones that
+    still fit are kept, in the spec's order."""
+    runner = make_runner(max_output_file=1000, max_outputs=1500)
+    script = "head -c 800 /dev/zero > a; head -c 800 /dev/zero > b; head -c 600 /dev/zero > c; echo x > d"
+    out = run(runner, job("sh", "-c", script, outputs=["a", "b", "c", "d"]))
+    assert out.exit_code == 0, out.stderr
+    assert out.files == [("a", bytes(800)), ("c", bytes(600)), ("d", b"x\n")]
+    assert out.oversize == ("b",)
+    unbounded = run(make_runner(max_output_file=1000), job("sh", "-c", script, outputs=["a", "b", "c"]))
+    assert [name for name, _ in unbounded.files] == ["a", "b", "c"] and unbounded.oversize == ()
+
+
 def test_files_in_and_out(make_runner: Callable[..., JobRunner], workroot: pathlib.Path) -> None:
     runner = make_runner(max_output_file=1000)
     script = (

@@ -231,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
             log.warning("isolation %s with security none: a job can reach the broker's backend and register as a worker", sandbox.level)
     minors = probe.minor_numbers() if isinstance(probe, NvmlProbe) else {g.uuid: g.index for g in probe.inventory()}
     runner = JobRunner(workroot, pool, limits=limits, cgroups=cgroups, mps=mps, sandbox=sandbox, gpu_minors=minors,
-                       dir_size=w.job_dir_size, max_output_file=w.max_job_output_bytes)
+                       dir_size=w.job_dir_size, max_output_file=w.max_job_output_bytes,
+                       max_outputs=w.max_job_output_bytes)
     if w.session_processes == "on" or (w.session_processes == "auto" and not w.simulate and devices):
         from gpud_worker.session_host import HostedDevice, SessionHosts
 

@@ -22,7 +22,8 @@ Isolation model (DESIGN.md §5):
 - Output files are opened with ``O_NOFOLLOW|O_NONBLOCK`` relative to the directory's fd; only
   regular files owned by the job's user are returned (so a hard link to someone else's file is not),
   and a file bigger than ``max_output_file`` is omitted (logged), never truncated, so a client never
-  receives a silently cut file.
+  receives a silently cut file; so is one that would take the files read before it past
+  ``max_outputs`` together, so that a job's outputs never take the worker more memory than that.
 
 - With a ``sandbox`` (``gpud_worker.sandbox``, as root where namespaces can be made), the job runs
   in mount, PID, IPC, UTS and network namespaces of its own, entered by the forked child before it
@@ -523,6 +524,8 @@ class JobRunner:
             as leftovers of a crash.
         pool: users jobs run as; required as root, ignored otherwise.
         max_output_file: output files bigger than this many bytes are omitted from the outcome.
+        max_outputs: likewise each file that would take those read before it past this many
+            bytes together (None: no bound on the total).
         limits: resource limits and timings for every job.
         cgroups: where jobs get cgroups of their own (``JobCgroups.setup``); None: no cgroups.
         mps: CUDA MPS settings where MPS runs on this worker; None: no MPS variables.
@@ -545,6 +548,7 @@ class JobRunner:
         sandbox: Sandbox | None = None,
         gpu_minors: Mapping[str, int] | None = None,
         dir_size: int = 0,
+        max_outputs: int | None = None,
     ) -> None:
         self.workroot = pathlib.Path(workroot).absolute()
         self.sandbox = sandbox if sandbox is not None and sandbox.active else None
@@ -553,6 +557,7 @@ class JobRunner:
         self.dir_size = dir_size if self._root else 0
         self.pool = pool
         self.max_output_file = max_output_file
+        self.max_outputs = max_outputs
         self.limits = limits if limits is not None else JobLimits()
         self.cgroups = cgroups
         self.mps = mps
@@ -1086,6 +1091,7 @@ class JobRunner:
         self, hexid: str, spec: JobSpec, dfd: int, user: pwd.struct_passwd, oversize: list[str]
     ) -> list[tuple[str, bytes]]:
         files: list[tuple[str, bytes]] = []
+        left = self.max_outputs  # of the bound on the files together, what those read so far leave
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
         for name in dict.fromkeys(spec.outputs):
             try:
@@ -1111,11 +1117,19 @@ class JobRunner:
                     )
                     oversize.append(name)
                     continue
-                data = self._read_capped(fd)
+                cap = self.max_output_file if left is None else min(self.max_output_file, left)
+                if st.st_size > cap:
+                    log.warning("job %s: output %s (%d bytes) would take the outputs together over max_outputs: "
+                                "skipped", hexid, name, st.st_size)
+                    oversize.append(name)
+                    continue
+                data = self._read_capped(fd, cap)
                 if data is None:
                     log.warning("job %s: output %s grew over the cap: skipped", hexid, name)
                     oversize.append(name)
                     continue
+                if left is not None:
+                    left -= len(data)
                 files.append((name, data))
             except OSError as exc:
                 log.warning("job %s: cannot read output %s: %s", hexid, name, exc)
@@ -1123,16 +1137,18 @@ class JobRunner:
                 os.close(fd)
         return files
 
-    def _read_capped(self, fd: int) -> bytes | None:
+    @staticmethod
+    def _read_capped(fd: int, cap: int) -> bytes | None:
+        """The file's bytes, or None when it holds more than ``cap``."""
         parts: list[bytes] = []
         size = 0
         while True:
-            chunk = os.read(fd, min(1 << 20, self.max_output_file + 1 - size))
+            chunk = os.read(fd, min(1 << 20, cap + 1 - size))
             if not chunk:
                 return b"".join(parts)
             parts.append(chunk)
             size += len(chunk)
-            if size > self.max_output_file:
+            if size > cap:
                 return None
 
     # -- cleanup ------------------------------------------------------------------------------

@@ -939,7 +939,8 @@ class Worker:
             files = [data for _, data in out.files]
             total = sum([len(d) for d in files])
             if total > self.config.max_job_output_bytes or out.oversize:
-                what = f"output {out.oversize[0]} alone is" if out.oversize else f"output files are {total} bytes,"
+                what = (f"outputs are, from {out.oversize[0]} on," if out.oversize
+                        else f"output files are {total} bytes,")
                 raise TooLarge(f"the job's {what} over the worker's max_job_output_bytes "
                                f"({self.config.max_job_output_bytes})")
             staged = total > STAGE_OUTPUTS_ABOVE  # the broker fetches them in chunks (PROTOCOL.md §11.5)

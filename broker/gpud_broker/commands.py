@@ -167,7 +167,8 @@ def status(target: Any, args: dict[str, Any]) -> dict[str, Any]:
         "intake": target.intake.shown() if hasattr(target, "intake") else None,
         # Staged job inputs (PROTOCOL.md §11): uploads held, bytes reserved and written, in memory.
         "spool": {"uploads": len(core.staging.spool), "reserved": core.staging.spool.reserved,
-                  "stored": core.staging.spool.stored, "ram": core.staging.spool.ram_used},
+                  "stored": core.staging.spool.stored, "ram": core.staging.spool.ram_used,
+                  "room": core.staging.spool.room(), "peer_room": core.staging.peer_room},
         # How long placement decisions take: count and max since start, p50/p99 of recent ones.
         "placement": core.dispatcher.placement_times.summary(),
         "workers": worker_rows,

@@ -245,6 +245,11 @@ def test_a_passive_with_a_small_spool_disk_bounds_the_uploads_and_the_pair_serve
     (tmp_path / "spool-backup").symlink_to(small_fs)  # the backup's spool_dir (LocalCluster's)
     with LocalCluster(workers=1, gpus_per_worker=1, pair=True, rundir=tmp_path, security="curve") as c:
         assert c.wait_active() == "primary"
+        deadline = time.monotonic() + 30
+        while (peer_room := admin_call(c.admin_of("primary"), "status")["spool"]["peer_room"]) is None:
+            assert time.monotonic() < deadline, "the active broker never heard its peer's spool room"
+            time.sleep(0.05)
+        assert 40 * MiB < peer_room <= 48 * MiB  # 64 MiB less the 16 of headroom
         with Client(c.frontends, timeout=60, curve=c.client_keys("alice")) as alice, \
                 Client(c.frontends, timeout=60, curve=c.client_keys("bob")) as bob:
             other = bob.submit(["sh", "-c", "sleep 1; echo other"], gpu_milli=100, time_limit=60)

@@ -422,21 +422,34 @@ class Spool:
         (PROTOCOL.md §11.2, "Disk room"): the bytes of it that go to files, against ``room()``
         and, when given, ``elsewhere`` (the passive peer's room, its last STATE's). Kept files are
         removed when that makes the room."""
-        need = sum(size for size, on_disk in zip(sizes, self._on_disk(sizes), strict=True) if on_disk)
+        need = self._disk_need(sizes)
         if not need:
             return None
         if elsewhere is not None and need > elsewhere:
             return (f"the standby broker's spool disk has room for {max(0, elsewhere)} more bytes now, and the "
                     f"upload's files need {need}; try later")
-        room = self._disk_room()
+        room = self.make_room(sizes)
         if room is None or need <= room:
-            return None
-        if self._kept and need <= room + self._kept_blocks():
-            log.info("spool: the files kept for reuse are removed to make room for an upload of %d bytes", need)
-            self._drop_kept()
             return None
         return (f"the broker's spool disk has room for {max(0, room)} more bytes now, and the upload's files "
                 f"need {need}; try later")
+
+    def make_room(self, sizes: tuple[int, ...]) -> int | None:
+        """Remove the kept files when a new upload of ``sizes`` needs their room (and that makes
+        it); the room there is then, as ``_disk_room`` counts it (None: it cannot tell)."""
+        need = self._disk_need(sizes)
+        room = self._disk_room()
+        if room is not None and need > room and self._kept:
+            kept = self._kept_blocks()
+            if need <= room + kept:
+                log.info("spool: the files kept for reuse are removed to make room for an upload of %d bytes", need)
+                self._drop_kept()
+                room += kept
+        return room
+
+    def _disk_need(self, sizes: tuple[int, ...]) -> int:
+        """Bytes of a new upload of ``sizes`` that would go to files."""
+        return sum(size for size, on_disk in zip(sizes, self._on_disk(sizes), strict=True) if on_disk)
 
     def room(self) -> int | None:
         """Bytes of new files the spool's disk can take now, the kept files' counted (they are

@@ -174,7 +174,7 @@ class Staging:
 
     def _new(self, core: BrokerCore, job: bytes, tenant: str, owner: str | None, sizes: tuple[int, ...]) -> Upload:
         if not core.active:  # a passive broker takes what its peer took; its kept files go if that needs their room
-            self.spool.no_room(sizes)
+            self.spool.make_room(sizes)
         up = self.spool.open(job, tenant, owner, sizes, core.now)
         core.accounts.reserve_spool(tenant, up.total)
         core.journal.stage(job, tenant, owner, sizes)

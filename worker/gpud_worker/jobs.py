@@ -1108,19 +1108,10 @@ class JobRunner:
                         "job %s: output %s is not a regular file of the job: skipped", hexid, name
                     )
                     continue
-                if st.st_size > self.max_output_file:
-                    log.warning(
-                        "job %s: output %s has %d bytes, over the cap: skipped",
-                        hexid,
-                        name,
-                        st.st_size,
-                    )
-                    oversize.append(name)
-                    continue
                 cap = self.max_output_file if left is None else min(self.max_output_file, left)
-                if st.st_size > cap:
-                    log.warning("job %s: output %s (%d bytes) would take the outputs together over max_outputs: "
-                                "skipped", hexid, name, st.st_size)
+                if st.st_size > cap:  # over the cap alone, or with the files read before it
+                    log.warning("job %s: output %s has %d bytes, over the cap (%d): skipped", hexid, name,
+                                st.st_size, cap)
                     oversize.append(name)
                     continue
                 data = self._read_capped(fd, cap)

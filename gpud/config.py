@@ -249,6 +249,7 @@ class WorkerSection:
     data_advertise: str = _key("", _optional_endpoint)  # the endpoint clients are told (empty: from data_bind)
     data_ports: str = _key("", _port_range)  # "LOW-HIGH": the ports of direct sessions' own sockets (empty: any free)
     max_job_output_bytes: int = _key(1 << 30, _at_least(0))  # a job's output files together (PROTOCOL.md §11.5)
+    max_held_output_bytes: int = _key(16 << 30, _at_least(0))  # finished jobs' staged outputs held on disk, together
     probation_s: float = _key(300.0, _at_least(0))  # a failed GPU's checks pass this long before it serves
     fault_file: str = _key("")  # SIMULATED GPU faults, read on SIGUSR2; empty: none
     instance_id: str = _key("", _instance_id)  # its Nova server id; "auto": the metadata service

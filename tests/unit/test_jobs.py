@@ -45,6 +45,7 @@ from gpud_worker.cgroups import (
 )
 from gpud_worker.device import SimulatedDevice
 from gpud_worker.gpu import SimulatedProbe, simulated_gpus
+from gpud_worker.held_outputs import OutputHold
 from gpud_worker.jobs import (
     JobGrant,
     JobLimits,
@@ -250,6 +251,35 @@ def test_outputs_together_past_max_outputs_are_omitted_not_read(make_runner: Cal
     assert out.oversize == ("b",)
     unbounded = run(make_runner(max_output_file=1000), job("sh", "-c", script, outputs=["a", "b", "c"]))
     assert [name for name, _ in unbounded.files] == ["a", "b", "c"] and unbounded.oversize == ()
+
+
+def test_outputs_over_the_stage_threshold_are_held_on_disk_not_read(make_runner: Callable[..., JobRunner],
+                                                                     tmp_path: pathlib.Path) -> None:
+    """Outputs over the hold's ``stage_above`` together come back as ``held``: copied into a
+    private unlinked file on the hold's disk (none of it in ``files``, the worker's memory), their
+    bytes right; under it they are read as before. Limits apply as to read outputs."""
+    holdroot = tmp_path / "hold"
+    holdroot.mkdir()
+    hold = OutputHold(holdroot, limit=64 << 20, stage_above=1 << 20)
+    runner = make_runner(max_output_file=8 << 20, max_outputs=12 << 20, held=hold)
+    script = ("head -c 3000000 /dev/urandom > a; cp a b; printf tail >> b; head -c 9000000 /dev/zero > c; "
+              "echo small > s")
+    out = run(runner, job("sh", "-c", script + "; cat a | md5sum", outputs=["a", "b", "c", "s"]))
+    assert out.exit_code == 0, out.stderr
+    held = out.held
+    assert held is not None and out.files == []
+    try:
+        assert held.names == ["a", "b", "s"] and held.sizes == [3000000, 3000004, 6]
+        assert out.oversize == ("c",)  # over max_output_file: never copied either
+        a = b"".join(held.read(0, off, 1 << 20) or b"" for off in range(0, 3000000, 1 << 20))
+        assert hashlib.md5(a).hexdigest() == out.stdout.split()[0].decode()
+        assert held.read(1, 3000000, 100) == b"tail" and held.read(2, 0, 100) == b"small\n"
+        assert hold.held == held.total and os.listdir(holdroot) == []
+    finally:
+        held.close()
+    assert hold.held == 0
+    small = run(runner, job("sh", "-c", "head -c 1000000 /dev/zero > a", outputs=["a"]))
+    assert small.held is None and small.files == [("a", bytes(1000000))]
 
 
 def test_files_in_and_out(make_runner: Callable[..., JobRunner], workroot: pathlib.Path) -> None:

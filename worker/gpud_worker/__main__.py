@@ -23,7 +23,7 @@ FLAGS = {"brokers": "broker", **{key: key for key in (
     "name", "simulate", "gpu_model", "gpu_mem", "slots", "heartbeat_ms", "liveness", "workdir",
     "job_user_prefix", "job_uids", "session_idle", "session_processes", "session_staging", "compile_user", "drain_timeout", "reconnect_max", "fault_file", "instance_id", "replica_of", "data_bind", "data_advertise", "data_ports",
     "cgroups", "cgroup_parent", "job_memory", "mps", "mps_pipe_dir", "mps_log_dir", "job_network", "job_tmp_size",
-    "job_dir_size", "max_job_output_bytes")}, "probation_s": "probation"}
+    "job_dir_size", "max_job_output_bytes", "max_held_output_bytes")}, "probation_s": "probation"}
 """[worker] key -> its flag's argparse dest (--broker, repeated, gives brokers)."""
 LOG_FLAGS = {"level": "log_level", "file": "log_file"}
 """[logging] key -> its flag's argparse dest (a flag that this parser lacks counts as not given)."""
@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-staging", type=int, metavar="BYTES", help=f"shared copy buffer of a session process (default {_D.session_staging})")
     p.add_argument("--max-job-output-bytes", type=int, metavar="BYTES",
                    help=f"a job's output files together (default {_D.max_job_output_bytes})")
+    p.add_argument("--max-held-output-bytes", type=int, metavar="BYTES",
+                   help="finished jobs' staged outputs held on the job root's disk until the broker has them, "
+                        f"together (default {_D.max_held_output_bytes})")
     p.add_argument("--compile-user", default=None, metavar="USER", help=f"as root, compile CUDA C as this unprivileged user (default {_D.compile_user})")
     p.add_argument("--drain-timeout", type=float, help=f"seconds running work may take to finish on SIGTERM (default {_D.drain_timeout:g})")
     p.add_argument("--reconnect-max", type=float, metavar="SECONDS",
@@ -123,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from gpud_worker.cgroups import setup_job_cgroups
     from gpud_worker.device import Device, SimulatedDevice
     from gpud_worker.gpu import GpuProbe, NvmlProbe, SimulatedProbe, simulated_gpus
+    from gpud_worker.held_outputs import OutputHold
     from gpud_worker.instance import resolve as resolve_instance_id
     from gpud_worker.jobs import JobLimits, JobRunner, MpsSettings, UserPool, mps_settings
     from gpud_worker.sandbox import Sandbox, private_mounts
@@ -232,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     minors = probe.minor_numbers() if isinstance(probe, NvmlProbe) else {g.uuid: g.index for g in probe.inventory()}
     runner = JobRunner(workroot, pool, limits=limits, cgroups=cgroups, mps=mps, sandbox=sandbox, gpu_minors=minors,
                        dir_size=w.job_dir_size, max_output_file=w.max_job_output_bytes,
-                       max_outputs=w.max_job_output_bytes)
+                       max_outputs=w.max_job_output_bytes, held=OutputHold(workroot, w.max_held_output_bytes))
     if w.session_processes == "on" or (w.session_processes == "auto" and not w.simulate and devices):
         from gpud_worker.session_host import HostedDevice, SessionHosts
 

@@ -23,7 +23,8 @@ Isolation model (DESIGN.md §5):
   regular files owned by the job's user are returned (so a hard link to someone else's file is not),
   and a file bigger than ``max_output_file`` is omitted (logged), never truncated, so a client never
   receives a silently cut file; so is one that would take the files read before it past
-  ``max_outputs`` together, so that a job's outputs never take the worker more memory than that.
+  ``max_outputs`` together. Outputs over ``held.stage_above`` together are not read at all: they
+  are copied into the worker's hold on disk (``gpud_worker.held_outputs``), out of its memory.
 
 - With a ``sandbox`` (``gpud_worker.sandbox``, as root where namespaces can be made), the job runs
   in mount, PID, IPC, UTS and network namespaces of its own, entered by the forked child before it
@@ -93,6 +94,7 @@ from gpud.protocol import JobSpec, check_file_name
 from gpud.transfer import pwrite_all
 from gpud_worker.cgroups import JOB_PREFIX, JobCgroup, JobCgroups, JobCgroupsV1, enter, job_limits
 from gpud_worker.device_program import job_rules
+from gpud_worker.held_outputs import HeldOutputs, OutputHold
 from gpud_worker.sandbox import (
     CGROUP_FAILED,
     SETUP_FAILED,
@@ -176,6 +178,7 @@ class JobOutcome:
     files: list[tuple[str, bytes]]  # (name, content) in spec.outputs order; missing ones omitted
     user: str  # Unix user name it ran as
     oversize: tuple[str, ...] = ()  # outputs omitted for being over max_output_file
+    held: HeldOutputs | None = None  # staged outputs (then ``files`` is empty): the caller closes it
 
 
 @dataclass(frozen=True, slots=True)
@@ -534,6 +537,8 @@ class JobRunner:
         gpu_minors: GPU uuid -> minor number of its ``/dev/nvidiaN`` (default: its index).
         dir_size: as root, each job directory is a tmpfs of this many bytes (its size limit);
             0: a plain directory, not limited.
+        held: where outputs over its ``stage_above`` together are held (``JobOutcome.held``)
+            instead of read; default: in ``workroot``, 16 GiB at most.
     """
 
     def __init__(
@@ -549,6 +554,7 @@ class JobRunner:
         gpu_minors: Mapping[str, int] | None = None,
         dir_size: int = 0,
         max_outputs: int | None = None,
+        held: OutputHold | None = None,
     ) -> None:
         self.workroot = pathlib.Path(workroot).absolute()
         self.sandbox = sandbox if sandbox is not None and sandbox.active else None
@@ -566,6 +572,7 @@ class JobRunner:
         self._lock = threading.Lock()
         self._dir_options = ""  # what else a job directory's tmpfs is mounted with (_check_dir_size)
         self._prepare_workroot()
+        self.held = held if held is not None else OutputHold(self.workroot)
         if self.dir_size:
             self._check_dir_size()
         if self._root:
@@ -1067,7 +1074,7 @@ class JobRunner:
             note = f"gpud: the job directory is full: it is limited to {self.dir_size} bytes (job_dir_size)\n".encode()
             stderr = stderr[: max(0, spec.output_cap - len(note))] + note
         oversize: list[str] = []
-        files = self._collect_outputs(hexid, spec, dfd, user, oversize)
+        files, held = self._collect_outputs(hexid, spec, dfd, user, oversize)
         log.info(
             "job %s finished: exit %d%s after %.2f s",
             hexid,
@@ -1085,48 +1092,66 @@ class JobRunner:
             files=files,
             user=user.pw_name,
             oversize=tuple(oversize),
+            held=held,
         )
 
     def _collect_outputs(
         self, hexid: str, spec: JobSpec, dfd: int, user: pwd.struct_passwd, oversize: list[str]
-    ) -> list[tuple[str, bytes]]:
-        files: list[tuple[str, bytes]] = []
-        left = self.max_outputs  # of the bound on the files together, what those read so far leave
+    ) -> tuple[list[tuple[str, bytes]], HeldOutputs | None]:
+        """The job's output files: read (inline), or, over ``held.stage_above`` together, copied
+        into the worker's hold (``gpud_worker.held_outputs``) without passing through its memory."""
+        found: list[tuple[str, int, int]] = []  # (name, fd, size) of the files to return
+        left = self.max_outputs  # of the bound on the files together, what those taken so far leave
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-        for name in dict.fromkeys(spec.outputs):
-            try:
-                fd = os.open(name, flags, dir_fd=dfd)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:  # ELOOP: a symlink
-                log.info("job %s: output %s not returned: %s", hexid, name, exc.strerror)
-                continue
-            try:
-                st = os.fstat(fd)
+        try:
+            for name in dict.fromkeys(spec.outputs):
+                try:
+                    fd = os.open(name, flags, dir_fd=dfd)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:  # ELOOP: a symlink
+                    log.info("job %s: output %s not returned: %s", hexid, name, exc.strerror)
+                    continue
+                try:
+                    st = os.fstat(fd)
+                except OSError as exc:
+                    log.warning("job %s: cannot read output %s: %s", hexid, name, exc)
+                    os.close(fd)
+                    continue
                 if not stat.S_ISREG(st.st_mode) or st.st_uid != user.pw_uid:
-                    log.info(
-                        "job %s: output %s is not a regular file of the job: skipped", hexid, name
-                    )
+                    log.info("job %s: output %s is not a regular file of the job: skipped", hexid, name)
+                    os.close(fd)
                     continue
                 cap = self.max_output_file if left is None else min(self.max_output_file, left)
-                if st.st_size > cap:  # over the cap alone, or with the files read before it
+                if st.st_size > cap:  # over the cap alone, or with the files taken before it
                     log.warning("job %s: output %s has %d bytes, over the cap (%d): skipped", hexid, name,
                                 st.st_size, cap)
                     oversize.append(name)
-                    continue
-                data = self._read_capped(fd, cap)
-                if data is None:
-                    log.warning("job %s: output %s grew over the cap: skipped", hexid, name)
-                    oversize.append(name)
+                    os.close(fd)
                     continue
                 if left is not None:
-                    left -= len(data)
+                    left -= st.st_size
+                found.append((name, fd, st.st_size))
+            # The job's processes are all gone: its files keep the sizes they have now.
+            if sum(size for _, _, size in found) > self.held.stage_above:
+                return [], self.held.take(hexid, [name for name, _, _ in found],
+                                          [(fd, size) for _, fd, size in found])
+            files: list[tuple[str, bytes]] = []
+            for name, fd, size in found:
+                try:
+                    data = self._read_capped(fd, size)
+                except OSError as exc:
+                    log.warning("job %s: cannot read output %s: %s", hexid, name, exc)
+                    continue
+                if data is None:
+                    log.warning("job %s: output %s grew while it was read: skipped", hexid, name)
+                    oversize.append(name)
+                    continue
                 files.append((name, data))
-            except OSError as exc:
-                log.warning("job %s: cannot read output %s: %s", hexid, name, exc)
-            finally:
+            return files, None
+        finally:
+            for _, fd, _ in found:
                 os.close(fd)
-        return files
 
     @staticmethod
     def _read_capped(fd: int, cap: int) -> bytes | None:

@@ -47,6 +47,7 @@ from gpud_worker.data import DataSocket, SessionSocket
 from gpud_worker.device import Device, DeviceSession
 from gpud_worker.fetch import Fetch, FetchAbandoned, StagedFile, data_context
 from gpud_worker.gpu import GpuProbe
+from gpud_worker.held_outputs import HeldOutputs
 from gpud_worker.jobs import JobGrant, JobRunner
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 HOUSEKEEPING_S = 0.02  # how often liveness, heartbeats and idle sessions are looked at
 UNACKED_TTL_S = 600.0  # seconds a RESULT is kept for a broker that never ACKs it
 GOODBYE_LINGER_MS = 1000  # how long a stopping worker's DISCONNECT may wait for its connection
-STAGE_OUTPUTS_ABOVE = 8 << 20  # output files larger together are staged: fetched by the broker (PROTOCOL.md §11.5)
+MAX_OUTPUT_FETCH = 16 << 20  # the most one broker FETCH of staged outputs is answered (gpud's ask 1 MiB)
 DATA_DRAIN = 64  # messages of a data connection handled per loop turn at most (each a chunk, 1 MiB)
 POLL_EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
@@ -306,7 +307,7 @@ class Worker:
         self._fetch_room = False  # a job thread wrote a fetched chunk: the loop may ask for more
         self._polling = False  # the loop is about to poll, or polls: what a job thread tells it must wake it
         # Staged outputs of finished jobs, held until their RESULT is ACKed: id -> (files, when made).
-        self.staged_out: dict[bytes, tuple[list[bytes], float]] = {}
+        self.staged_out: dict[bytes, tuple[HeldOutputs, float]] = {}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -380,7 +381,7 @@ class Worker:
             if type(rid) is not bytes:
                 continue
             self.unacked.pop(rid, None)
-            self.staged_out.pop(rid, None)
+            self._drop_outputs(rid)
             entry = self.running.get(rid)
             if entry is None or entry[0] != "job":
                 continue
@@ -632,7 +633,7 @@ class Worker:
                 for rid in ids:
                     if type(rid) is bytes:
                         self.unacked.pop(rid, None)
-                        self.staged_out.pop(rid, None)
+                        self._drop_outputs(rid)
         elif cmd is Command.GO:
             self._on_go(idx, link, header)
         elif cmd is Command.WELCOME:
@@ -789,7 +790,7 @@ class Worker:
             log.warning("%d result(s) never acknowledged in %.0fs; dropped", len(old), UNACKED_TTL_S)
         outputs = [rid for rid, (_, made) in self.staged_out.items() if made < limit]
         for rid in outputs:
-            del self.staged_out[rid]
+            self._drop_outputs(rid)
         if outputs:
             log.warning("staged outputs of %d job(s) never fetched in %.0fs; dropped", len(outputs), UNACKED_TTL_S)
 
@@ -936,20 +937,25 @@ class Worker:
                 "gpus": uuids,
                 "user": out.user,
             }
-            files = [data for _, data in out.files]
-            total = sum([len(d) for d in files])
-            if total > self.config.max_job_output_bytes or out.oversize:
-                what = (f"outputs are, from {out.oversize[0]} on," if out.oversize
-                        else f"output files are {total} bytes,")
-                raise TooLarge(f"the job's {what} over the worker's max_job_output_bytes "
-                               f"({self.config.max_job_output_bytes})")
-            staged = total > STAGE_OUTPUTS_ABOVE  # the broker fetches them in chunks (PROTOCOL.md §11.5)
-            if staged:
-                header["staged"] = [len(d) for d in files]
-            result = [out.stdout, out.stderr] if staged else [out.stdout, out.stderr, *files]
-            check_result_size(header, result, self.links[idx].max_message_bytes)
-            if staged:
-                self.staged_out[rid] = (files, time.monotonic())
+            held = out.held  # staged: the broker fetches them in chunks (PROTOCOL.md §11.5)
+            try:
+                files = [data for _, data in out.files]
+                total = held.total if held is not None else sum([len(d) for d in files])
+                if total > self.config.max_job_output_bytes or out.oversize:
+                    what = (f"outputs are, from {out.oversize[0]} on," if out.oversize
+                            else f"output files are {total} bytes,")
+                    raise TooLarge(f"the job's {what} over the worker's max_job_output_bytes "
+                                   f"({self.config.max_job_output_bytes})")
+                if held is not None:
+                    header["files"], header["staged"] = held.names, held.sizes
+                result = [out.stdout, out.stderr] if held is not None else [out.stdout, out.stderr, *files]
+                check_result_size(header, result, self.links[idx].max_message_bytes)
+            except BaseException:
+                if held is not None:
+                    held.close()
+                raise
+            if held is not None:
+                self.staged_out[rid] = (held, time.monotonic())
             self._result(idx, rid, header, result)
         except (JobNotStarted, FetchAbandoned):
             why = ("stopped by the broker" if rid in self._stopped else
@@ -1039,12 +1045,23 @@ class Worker:
         """The broker asks for a chunk of a finished job's staged outputs: CHUNK with the bytes."""
         rid, index, offset, nbytes = header.get("id"), header.get("file"), header.get("offset"), header.get("nbytes")
         held = self.staged_out.get(rid) if type(rid) is bytes else None
-        if (held is None or type(index) is not int or type(offset) is not int or type(nbytes) is not int
-                or not 0 <= index < len(held[0]) or offset < 0 or nbytes <= 0):
+        data = None
+        if held is not None and type(index) is int and type(offset) is int and type(nbytes) is int:
+            try:
+                data = held[0].read(index, offset, min(nbytes, MAX_OUTPUT_FETCH))
+            except OSError as exc:  # the disk under the hold: the broker asks again, then fails the job
+                log.error("cannot read the held outputs %s: %s", ", ".join(held[0].names), exc)
+                return
+        if data is None:
             log.info("broker %s asked for outputs this worker does not hold; ignored", link.endpoint)
             return
-        data = memoryview(held[0][index])[offset : offset + nbytes]
         self._send(link, Command.CHUNK, {"id": rid, "file": index, "offset": offset}, [data])
+
+    def _drop_outputs(self, rid: bytes) -> None:
+        """Let a job's held staged outputs go (their RESULT is ACKed, or will never be)."""
+        held = self.staged_out.pop(rid, None)
+        if held is not None:
+            held[0].close()
 
     def _end_fetch(self, rid: bytes) -> None:
         """Stop fetching (the job ended, was dropped, or the worker stops): its job thread, if

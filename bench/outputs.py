@@ -55,20 +55,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     nbytes = args.mib * MiB
 
-    def batch(client: Any, keep: bool) -> float:
-        script = f"head -c {nbytes} /dev/zero > out" + ("" if keep else "; rm out")
+    def batch(client: Any, keep: bool, size: int = nbytes, jobs: int = args.jobs) -> float:
+        script = f"head -c {size} /dev/zero > out" + ("" if keep else "; rm out")
         t0 = time.perf_counter()
-        jobs = [client.submit(["sh", "-c", script], outputs=["out"], gpu_milli=10, time_limit=120)
-                for _ in range(args.jobs)]
-        for job in jobs:
+        pending = [client.submit(["sh", "-c", script], outputs=["out"], gpu_milli=10, time_limit=120)
+                   for _ in range(jobs)]
+        for job in pending:
             res = job.wait(timeout=300)
-            assert res.exit_code == 0 and len(res.files.get("out", b"")) == (nbytes if keep else 0), res.stderr
+            assert res.exit_code == 0 and len(res.files.get("out", b"")) == (size if keep else 0), res.stderr
         return time.perf_counter() - t0
 
     with LocalCluster(workers=1, gpus_per_worker=2, log_level="WARNING") as c:
         worker = c.worker_procs["w0"].pid
         with Client(c.frontend, timeout=300) as client:
-            batch(client, True)  # warm up: pool users, the spool's and the job root's first pages
+            batch(client, True, 16 * MiB, 1)  # warm up: pool users, the first staged outputs
             cpu0 = _cpu(worker)
             empty = batch(client, False)
             cpu_empty = _cpu(worker) - cpu0

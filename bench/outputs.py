@@ -9,7 +9,9 @@ file (``head -c N /dev/zero``), from their submit until the client holds every b
 is those bytes over that time less the time of the same jobs writing the file and returning
 nothing; ``worker_cpu_s_per_gib`` is the worker's CPU over the outputs' bytes, less that of the
 jobs returning nothing; ``worker_rss_growth_mib`` is how far its peak resident memory (VmHWM) rose
-over the measured jobs. With ``--against REV`` the same runs, in alternating rounds, on the commit
+over the measured jobs; ``echo_p99_ratio`` is another client's 64-byte echoes' p99 (through the
+same worker, from a process of its own) while the outputs travel, against its p99 idle just
+before. With ``--against REV`` the same runs, in alternating rounds, on the commit
 ``REV`` (a temporary ``git worktree``; this script, that tree's code) and on the working tree; the
 summary gives after/before ratios of the means. The last line is one JSON object.
 
@@ -31,7 +33,12 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent.parent
-KEYS = ("rate_gb_s", "worker_cpu_s_per_gib", "worker_rss_growth_mib")
+sys.path.insert(0, str(HERE / "bench"))
+
+from staging import Echoes  # noqa: E402  (the staged-upload benchmark's echo client)
+
+KEYS = ("rate_gb_s", "worker_cpu_s_per_gib", "worker_rss_growth_mib", "echo_p99_idle_ms", "echo_p99_ms",
+        "echo_p99_ratio")
 MiB = 1 << 20
 
 
@@ -72,15 +79,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             cpu0 = _cpu(worker)
             empty = batch(client, False)
             cpu_empty = _cpu(worker) - cpu0
-            rss0 = _peak_rss(worker)
-            cpu0 = _cpu(worker)
-            full = batch(client, True)
-            cpu_full = _cpu(worker) - cpu0
-            rss1 = _peak_rss(worker)
+            echoes = Echoes([c.frontend])  # another client's echoes, through the same worker
+            try:
+                time.sleep(1.0)
+                idle0 = time.perf_counter()
+                time.sleep(args.idle)
+                rss0 = _peak_rss(worker)
+                cpu0 = _cpu(worker)
+                t0 = time.perf_counter()
+                full = batch(client, True)
+                t1 = time.perf_counter()
+                cpu_full = _cpu(worker) - cpu0
+                rss1 = _peak_rss(worker)
+            finally:
+                echoes.stop()
     gib = args.jobs * nbytes / (1 << 30)
+    idle, busy = echoes.p99(idle0, t0) * 1000, echoes.p99(t0, t1) * 1000
     return {"rate_gb_s": round(args.jobs * nbytes / max(1e-6, full - empty) / 1e9, 3),
             "worker_cpu_s_per_gib": round((cpu_full - cpu_empty) / gib, 3),
-            "worker_rss_growth_mib": round((rss1 - rss0) / MiB, 1)}
+            "worker_rss_growth_mib": round((rss1 - rss0) / MiB, 1),
+            "echo_p99_idle_ms": round(idle, 2), "echo_p99_ms": round(busy, 2), "echo_p99_ratio": round(busy / idle, 2)}
 
 
 def run_in(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -88,7 +106,7 @@ def run_in(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     path = os.pathsep.join(str(tree / d) for d in (".", "cli", "broker", "worker", "standby", "libclient"))
     env = dict(os.environ, PYTHONPATH=path)
     argv = [sys.executable, str(HERE / "bench" / "outputs.py"), "--role", "measure", "--mib", str(args.mib),
-            "--jobs", str(args.jobs)]
+            "--jobs", str(args.jobs), "--idle", str(args.idle)]
     out = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"the measurement in {tree} failed:\n{out.stderr[-3000:]}")
@@ -100,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=300, help="MiB of outputs per job (default %(default)s)")
     p.add_argument("--jobs", type=int, default=2, help="jobs at once (default %(default)s)")
+    p.add_argument("--idle", type=float, default=2.0, help="seconds of idle echoes first (default %(default)s)")
     p.add_argument("--against", metavar="REV", help="the commit to compare the working tree against")
     p.add_argument("--pairs", type=int, default=3, help="alternating before/after rounds (default %(default)s)")
     p.add_argument("--role", choices=["bench", "measure"], default="bench", help=argparse.SUPPRESS)
@@ -107,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "measure" or args.against is None:
         print(json.dumps(measure(args)))
         return 0
-    sys.path.insert(0, str(HERE / "bench"))
     from before_after import alternate
 
     sides = alternate(args.against, args.pairs, lambda tree: run_in(tree, args), KEYS)

@@ -85,9 +85,9 @@ SIDE_BATCH = 64  # ZAP requests, and events of each monitor, handled per tick at
 SIDE_STEP = 8  # the same, per round of the loop that polled them readable (then the sockets' turn, and a poll again)
 WAITING_SHARES = 16  # a sender's messages waiting behind its echoes in flight: this many shares of bytes at most
 _NEW_WORK = (protocol.CMD_BYTES[Command.REQUEST], protocol.CMD_BYTES[Command.CALL], protocol.CMD_BYTES[Command.PUT])
-# Worker messages read with their key's name: READY, and a FETCH (or a BATCH of them) on a data
-# connection, which the broker binds to a worker by that name (PROTOCOL.md §11.3).
-_WHO_WORKER = frozenset(protocol.CMD_BYTES[c] for c in (Command.READY, Command.BATCH, Command.FETCH))
+# Worker messages read with their key's name: READY, and a FETCH or CHUNK (or a BATCH of them) on a
+# data connection, which the broker binds to a worker by that name (PROTOCOL.md §11.3, §11.5).
+_WHO_WORKER = frozenset(protocol.CMD_BYTES[c] for c in (Command.READY, Command.BATCH, Command.FETCH, Command.CHUNK))
 Decoded = protocol.Message | GpudError | None  # a client message as the handlers get it: decoded, why it could not be, or not yet
 
 

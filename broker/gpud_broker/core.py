@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 COUNTERS = ("requests", "retries", "errors", "bad_messages", "bad_routes", "worker_losses", "takeovers",
             "job_timeouts", "session_replays", "refused_workers", "fd_pauses", "refused_connections",
             "bad_unanswered", "cut_connections", "worker_suspensions", "worker_resumes", "fetches_on_control",
-            "fetches_on_data")
+            "fetches_on_data", "output_chunks_on_control", "output_chunks_on_data")
 MAX_OWNERS = 1 << 18  # routing ids whose authenticated sender is remembered (oldest forgotten first)
 MAX_USERS = 4096  # ZAP User-Ids whose parse is remembered
 
@@ -482,6 +482,9 @@ class BrokerCore:
             if cmd is Command.FETCH and "worker" in msg.header:
                 self._on_data_fetch(identity, msg.header, user)
                 return
+            if cmd is Command.CHUNK and "worker" in msg.header:
+                self._on_data_chunk(msg, user)
+                return
             # Dropped: a RESULT among them is kept by its worker until ACKed and sent again after
             # its WELCOME (PROTOCOL.md §4.2, §9.4).
             log.info("%s from an unknown worker connection; asking it to reconnect", cmd.name)
@@ -499,6 +502,7 @@ class BrokerCore:
             if self.active:
                 self.staging.on_fetch(self, worker, msg.header)
         elif cmd is Command.CHUNK:
+            self.counters["output_chunks_on_control"] += 1
             if self.active:
                 self.staging.on_output_chunk(self, worker, msg)
         elif cmd is Command.START:
@@ -511,21 +515,34 @@ class BrokerCore:
         else:
             raise UnknownCommand(f"command {cmd.name} is not valid from a worker")
 
-    def _on_data_fetch(self, identity: bytes, header: dict[str, Any], user: str | None) -> None:
-        """A FETCH on a worker's data connection (PROTOCOL.md §11.3), served on that connection
-        only for the worker it names, when that worker is registered, the incarnation is the
-        one its READY said and, under CURVE, the connection's key is that worker's. Anything
-        else is a bad message (raised: the shell counts and answers it); it touches nothing of
-        the worker named, whose liveness is its control connection's alone."""
+    def _data_worker(self, what: str, header: dict[str, Any], user: str | None) -> WorkerRecord:
+        """The worker a message on a data connection (PROTOCOL.md §11.3) is bound to: the one it
+        names, when that worker is registered, the incarnation is the one its READY said and,
+        under CURVE, the connection's key is that worker's. Anything else is a bad message
+        (raised: the shell counts and answers it); it touches nothing of the worker named, whose
+        liveness is its control connection's alone."""
         name = header.get("worker")
         worker = self.registry.by_name.get(name) if type(name) is str else None
         if (worker is None or not worker.incarnation or header.get("incarnation") != worker.incarnation
                 or (self.worker_names_bound and user != worker.name)):
-            raise InvalidRequest("a FETCH on a data connection must name a connected worker and its incarnation, "
+            raise InvalidRequest(f"a {what} on a data connection must name a connected worker and its incarnation, "
                                  "and come with that worker's key")
+        return worker
+
+    def _on_data_fetch(self, identity: bytes, header: dict[str, Any], user: str | None) -> None:
+        """A FETCH of staged inputs on a worker's data connection, served on that connection."""
+        worker = self._data_worker("FETCH", header, user)
         self.counters["fetches_on_data"] += 1
         if self.active:
             self.staging.on_fetch(self, worker, header, identity)
+
+    def _on_data_chunk(self, msg: Message, user: str | None) -> None:
+        """A CHUNK of a job's staged outputs on its worker's data connection (§11.5), taken as
+        one from that worker's control connection."""
+        worker = self._data_worker("CHUNK", msg.header, user)
+        self.counters["output_chunks_on_data"] += 1
+        if self.active:
+            self.staging.on_output_chunk(self, worker, msg)
 
     def worker_gone(self, name: str) -> None:
         """Worker ``name`` left the registry: the settling and the output pulls stop waiting for it."""

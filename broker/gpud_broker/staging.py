@@ -519,7 +519,7 @@ class Staging:
     def _ask(self, core: BrokerCore, pull: Pull, ask: tuple[int, int, int]) -> None:
         index, offset, nbytes = ask
         core.send_worker(pull.identity, protocol.encode(Peer.WORKER, Command.FETCH, {
-            "id": pull.task.id, "file": index, "offset": offset, "nbytes": nbytes}))
+            "id": pull.task.id, "file": index, "offset": offset, "nbytes": nbytes, "data": True}))
 
     def on_output_chunk(self, core: BrokerCore, worker: WorkerRecord, msg: Message) -> None:
         rid = protocol.get_id(msg.header)

@@ -181,6 +181,8 @@ def test_300mb_and_1gib_inputs_and_300mb_outputs_while_another_client_works_on_t
     status = admin_call(pair.admin_of("primary"), "status")
     # Every staged byte went to the worker on its data connection, none ahead of the control dialog.
     assert status["counters"]["fetches_on_data"] >= 1324 and status["counters"]["fetches_on_control"] == 0
+    # And every output byte came back on it too (under CURVE: bound by the worker's own key).
+    assert status["counters"]["output_chunks_on_data"] >= 300 and status["counters"]["output_chunks_on_control"] == 0
     spool = status["spool"]
     # The inputs went with their jobs; the outputs stay stage_ttl after their last read (a retry's).
     assert (spool["uploads"], spool["reserved"], spool["stored"]) == (1, 300 * MiB, 300 * MiB)

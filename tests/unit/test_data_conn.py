@@ -13,12 +13,14 @@ import zmq
 from gpud import protocol as P
 from gpud.errors import GpudError
 from gpud.heartbeat import HeartbeatPolicy
-from gpud.protocol import Command, Peer
+from gpud.protocol import Command, Message, Peer
+from gpud.transfer import CHUNK_BYTES
 from gpud_worker.fetch import IO_NICE, _io_threads, data_context
-from tests.unit.test_broker_core import W1, W2, Harness
+from tests.unit.test_broker_core import C1, W1, W2, Harness, rid
 from tests.unit.test_staging import (
     DATA,
     JOB,
+    loop_turn,
     placed_with_its_first_chunk,
     put,
     replies,
@@ -175,3 +177,77 @@ def test_the_data_connections_io_thread_runs_io_nice_nicer_and_the_other_context
     finally:
         ctx.destroy(0)
         control.destroy(0)
+
+
+# -- staged outputs: the worker's CHUNKs on its data connection (PROTOCOL.md §11.5) ----------------
+
+OUT_JOB = rid(90)
+OUTPUT = b"q" * (2 * CHUNK_BYTES + 7)
+
+
+def pulling(h: Harness) -> tuple[str, bytes, bytes, bytes, list[Message]]:
+    """OUT_JOB ran with staged outputs (OUTPUT) and the broker asks for them: its worker's name,
+    incarnation, control and data routing ids, and the FETCHes it got."""
+    h.request(C1, OUT_JOB, kind="job", argv=["x"], outputs=["o"], need={"gpu_milli": 100, "tenant": "acme"})
+    (ident, msg, _), = h.take_worker()
+    assert msg.command is Command.DISPATCH
+    name, inc, control, data = ("w1", INC1, W1, D1) if ident == W1 else ("w2", INC2, W2, D2)
+    h.result(control, OUT_JOB, exit_code=0, files=["o"], staged=[len(OUTPUT)], frames=[b"", b""])
+    asks = [m for to, m, _ in h.take_worker() if to == control and m.command is Command.FETCH]
+    return name, inc, control, data, asks
+
+
+def data_chunk(h: Harness, ident: bytes, ask: Message, user: str | None = None, **fields: Any) -> None:
+    h.core.now = h.clock.monotonic()
+    i, off, n = ask.header["file"], ask.header["offset"], ask.header["nbytes"]
+    enc = P.encode(Peer.WORKER, Command.CHUNK, {"id": OUT_JOB, "file": i, "offset": off, **fields},
+                   [OUTPUT[off : off + n]])
+    h.core.on_worker(ident, P.decode(enc, Peer.WORKER), enc[2], user)
+
+
+def test_the_workers_output_chunks_on_its_data_connection_are_taken_and_are_not_its_liveness() -> None:
+    h = two_workers()
+    name, inc, control, data, asks = pulling(h)
+    assert len(asks) == 3 and all(a.header["data"] is True for a in asks)  # "answer on your data connection"
+    record = h.core.registry.by_name[name]
+    h.advance(2.5)
+    heard = record.liveness.last_heard
+    for ask in asks:
+        data_chunk(h, data, ask, worker=name, incarnation=inc)
+    assert record.liveness.last_heard == heard
+    assert h.core.counters["output_chunks_on_data"] == 3 and h.core.counters["output_chunks_on_control"] == 0
+    loop_turn(h)
+    (_, reply, _), = [o for o in h.take_client() if o[1].command is Command.REPLY]
+    assert reply.header["staged"] == [len(OUTPUT)]
+    h.client(C1, Command.FETCH, {"id": rid(91), "job": OUT_JOB, "file": 0, "offset": 0, "nbytes": len(OUTPUT),
+                                 "tenant": "acme"})
+    loop_turn(h)
+    assert P.as_bytes(h.one_reply(C1).frames[0]) == OUTPUT
+
+
+@pytest.mark.parametrize("fields, user, why", [
+    ({"worker": "nobody", "incarnation": INC1}, None, "an unknown worker name"),
+    ({"worker": "w1", "incarnation": INC2}, None, "another process's incarnation"),
+    ({"worker": "w1"}, None, "no incarnation"),
+    ({"worker": "w1", "incarnation": INC1}, "w2", "another worker's key under CURVE"),
+])
+def test_an_output_chunk_naming_a_worker_untruly_is_a_bad_message_and_writes_nothing(
+        fields: dict[str, Any], user: str | None, why: str) -> None:
+    h = two_workers()
+    h.core.worker_names_bound = user is not None
+    _, _, _, _, asks = pulling(h)
+    with pytest.raises(GpudError) as exc:
+        data_chunk(h, b"\x00someone", asks[0], user, **fields)
+    assert exc.value.code == "INVALID_REQUEST", why
+    assert h.core.counters["output_chunks_on_data"] == 0
+    pull = h.core.staging.pulls[OUT_JOB]
+    assert pull.window.got == 0 and len(pull.window.asked) == 3, why
+
+
+def test_another_workers_true_chunk_does_not_write_the_outputs_of_a_job_it_did_not_run() -> None:
+    h = two_workers()
+    name, _, _, _, asks = pulling(h)
+    other, inc, data = ("w2", INC2, D2) if name == "w1" else ("w1", INC1, D1)
+    data_chunk(h, data, asks[0], worker=other, incarnation=inc)  # bound to ``other``: true, but not its job
+    pull = h.core.staging.pulls[OUT_JOB]
+    assert h.core.counters["output_chunks_on_data"] == 1 and pull.window.got == 0

@@ -1055,7 +1055,12 @@ class Worker:
         if data is None:
             log.info("broker %s asked for outputs this worker does not hold; ignored", link.endpoint)
             return
-        self._send(link, Command.CHUNK, {"id": rid, "file": index, "offset": offset}, [data])
+        chunk = {"id": rid, "file": index, "offset": offset}
+        if header.get("data") is True and link.data_sock is not None:  # bound by the broker as our FETCHes are
+            chunk["worker"], chunk["incarnation"] = self.config.name, self.incarnation
+            link.send_data(protocol.encode(Peer.WORKER, Command.CHUNK, chunk, [data]))
+        else:
+            self._send(link, Command.CHUNK, chunk, [data])
 
     def _drop_outputs(self, rid: bytes) -> None:
         """Let a job's held staged outputs go (their RESULT is ACKed, or will never be)."""

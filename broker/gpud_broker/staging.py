@@ -12,6 +12,7 @@ a worker's FETCH of bytes not here yet waits on the upload until a PUT brings th
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from gpud import protocol
 from gpud.errors import (
     Busy,
     GpudError,
+    InternalError,
     InvalidRequest,
     ProtocolError,
     TooLarge,
@@ -64,6 +66,15 @@ class Pull:
         self.upload = upload
         self.unsettled: deque[int] = deque()  # journal seqs of chunks taken, not yet durable at the peer
         self.held_back = False  # nothing more asked for: the spool's disk queue was too long
+
+
+def spool_fault(message: str, exc: OSError) -> GpudError:
+    """What a job gets when the spool failed it (PROTOCOL.md §11.1): the broker's fault, never the
+    request's. BUSY where the disk is full (it may have room later: try again), INTERNAL for any
+    other disk error."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return Busy(f"{message}; the broker's spool disk is full, try again later")
+    return InternalError(message)
 
 
 class Staging:
@@ -261,7 +272,7 @@ class Staging:
 
     def _read_failed(self, core: BrokerCore, task: Task, exc: OSError) -> None:
         log.error("spool: cannot read a staged file of %s: %s", protocol.id_text(task.id), exc)
-        core.abort_staged(task, InvalidRequest(f"the broker lost the job's staged inputs ({exc.strerror})"))
+        core.abort_staged(task, spool_fault(f"the broker lost the job's staged inputs ({exc.strerror})", exc))
 
     @staticmethod
     def _send_chunk(core: BrokerCore, identity: bytes, job: bytes, index: int, offset: int, data: Any) -> None:
@@ -303,7 +314,7 @@ class Staging:
                 self.release(core, job)  # its bytes and its budget
                 self.unheld.add(job)
             else:
-                self._lost(core, up, f"the broker could not spool them ({exc.strerror})")
+                self._lost(core, up, f"the broker could not spool them ({exc.strerror})", exc)
 
     def peer_unheld(self, core: BrokerCore, jobs: Any) -> None:
         """(Active) The passive peer's STATE says it could not hold the bytes of ``jobs``: those
@@ -328,7 +339,7 @@ class Staging:
                 core.abort_staged(task, Busy("the job's staged inputs were lost in a broker failover (the standby "
                                              "broker could not hold them); try again"))
 
-    def _lost(self, core: BrokerCore, up: Upload, why: str) -> None:
+    def _lost(self, core: BrokerCore, up: Upload, why: str, exc: OSError) -> None:
         job = up.job[: len(up.job) - len(OUTPUTS)] if up.job.endswith(OUTPUTS) and len(up.job) == 17 else up.job
         if job != up.job:  # outputs being pulled: the job ran
             pull = self.pulls.pop(job, None)
@@ -337,7 +348,7 @@ class Staging:
         else:
             task = core.tasks.tasks.get(job)
             if up.claimed and task is not None and not task.started:
-                core.abort_staged(task, InvalidRequest(f"the job's staged inputs were lost: {why}"))
+                core.abort_staged(task, spool_fault(f"the job's staged inputs were lost: {why}", exc))
         self.release(core, up.job)
         core.journal.unstage(up.job)
 

@@ -24,7 +24,7 @@ import pytest
 import zmq
 
 from gpud import protocol as P
-from gpud.errors import Busy, InvalidRequest, TooLarge
+from gpud.errors import Busy, InternalError, TooLarge
 from gpud.protocol import Command, Peer
 from gpud_cli.cluster import LocalCluster
 from gpud_client import Client
@@ -150,7 +150,7 @@ def test_a_spool_that_lost_a_jobs_bytes_fails_it_saying_so(cluster: LocalCluster
         (name,) = [n for n in os.listdir(spool) if n.startswith(job.id.hex())]
         os.truncate(spool / name, 0)  # the spool lost it (a disk fault, an operator)
         assert blocker.wait().exit_code == 0
-        with pytest.raises(InvalidRequest, match="the broker lost the job's staged inputs"):  # not WorkerLost
+        with pytest.raises(InternalError, match="the broker lost the job's staged inputs"):  # not WorkerLost
             job.wait()
         assert c.run(["echo", "fine"], gpu_milli=100).stdout == b"fine\n"
 

@@ -4,6 +4,7 @@ the replication of the spool to a passive peer (real Pair shells over inproc, a 
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterator
 from typing import Any
 
@@ -700,6 +701,31 @@ def test_outputs_are_pulled_no_faster_than_the_spool_disk_writes_them(monkeypatc
     h.core.staging.settle_pulls(h.core, h.core.journal.durable)  # the disk caught up: the loop's next turn
     asked = [m.header["offset"] for _, m, _ in h.take_worker() if m.command is Command.FETCH]
     assert asked == [i * CHUNK_BYTES for i in range(WINDOW)]
+
+
+def test_a_disk_filled_by_something_else_mid_upload_fails_the_job_busy_not_invalid(small_fs: Any) -> None:
+    """The opening PUT found room; then another program filled the spool's disk. The write that
+    fails ends the upload, and its job gets BUSY saying so (not the client's fault: try later);
+    the spool and the tenant's budget hold nothing of it after."""
+    h = Harness(spool_dir=str(small_fs), spool_ram_bytes=0, heartbeat=HeartbeatPolicy(30.0, 3))
+    size = 8 * MiB
+    put(h, 0, sizes=[size])
+    h.request(C1, JOB, kind="job", argv=["cat"], files=["a"], staged=[size], need={"gpu_milli": 100, "tenant": "acme"})
+    assert [m.header["ok"] for m in replies(h)] == [True]
+    with open(small_fs / "filler", "wb") as f:  # the other program
+        try:
+            while True:
+                f.write(bytes(MiB))
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    for n in range(8):
+        put(h, 1 + n, file=0, offset=n * MiB, frames=(bytes(MiB),))
+    loop_turn(h)
+    errors = [m for m in replies(h) if m.header.get("id") == JOB]
+    assert len(errors) == 1 and errors[0].header["code"] == "BUSY", errors
+    assert "spool disk is full, try again later" in errors[0].header["message"]
+    assert JOB not in h.core.staging.spool.uploads and h.core.accounts.spooled_bytes == 0
 
 
 def test_an_upload_the_spool_disk_cannot_take_is_answered_busy_at_its_opening(small_fs: Any) -> None:

@@ -48,7 +48,7 @@ from gpud_worker.device import Device, DeviceSession
 from gpud_worker.fetch import Fetch, FetchAbandoned, StagedFile, data_context
 from gpud_worker.gpu import GpuProbe
 from gpud_worker.held_outputs import HeldOutputs
-from gpud_worker.jobs import JobGrant, JobRunner
+from gpud_worker.jobs import JobGrant, JobOutcome, JobRunner
 
 log = logging.getLogger(__name__)
 
@@ -922,41 +922,12 @@ class Worker:
             out = self.runner.run(rid, spec, inputs, visible, tenant, cancel,
                                   JobGrant.from_wire(dispatch.get("grant")), lambda: self._await_go(rid, cancel),
                                   gpus=uuids)
-            if rid in self._stopped:
-                raise JobNotStarted(protocol.id_text(rid))
-            if cancel.is_set():
-                failed = next((u for u in uuids if u in self.gpu_faults), uuids[0])
-                raise GpuFault(f"GPU {failed} failed ({self.gpu_faults.get(failed, 'health check')}) while the job ran; the job was killed")
-            header = {
-                "ok": True,
-                "exit_code": out.exit_code,
-                "timed_out": out.timed_out,
-                "stdout_truncated": out.stdout_truncated,
-                "stderr_truncated": out.stderr_truncated,
-                "files": [name for name, _ in out.files],
-                "gpus": uuids,
-                "user": out.user,
-            }
-            held = out.held  # staged: the broker fetches them in chunks (PROTOCOL.md §11.5)
             try:
-                files = [data for _, data in out.files]
-                total = held.total if held is not None else sum([len(d) for d in files])
-                if total > self.config.max_job_output_bytes or out.oversize:
-                    what = (f"outputs are, from {out.oversize[0]} on," if out.oversize
-                            else f"output files are {total} bytes,")
-                    raise TooLarge(f"the job's {what} over the worker's max_job_output_bytes "
-                                   f"({self.config.max_job_output_bytes})")
-                if held is not None:
-                    header["files"], header["staged"] = held.names, held.sizes
-                result = [out.stdout, out.stderr] if held is not None else [out.stdout, out.stderr, *files]
-                check_result_size(header, result, self.links[idx].max_message_bytes)
+                self._job_result(idx, rid, out, uuids, cancel)
             except BaseException:
-                if held is not None:
-                    held.close()
+                if out.held is not None:  # no RESULT names them: they go now, not at UNACKED_TTL
+                    out.held.close()
                 raise
-            if held is not None:
-                self.staged_out[rid] = (held, time.monotonic())
-            self._result(idx, rid, header, result)
         except (JobNotStarted, FetchAbandoned):
             why = ("stopped by the broker" if rid in self._stopped else
                    "the worker is stopping" if self._stop.is_set() else "START refused")
@@ -971,6 +942,39 @@ class Worker:
         finally:
             self._job_cancels.pop(rid, None)
             self._stopped.discard(rid)
+
+    def _job_result(self, idx: int, rid: bytes, out: JobOutcome, uuids: list[str], cancel: threading.Event) -> None:
+        """(Job thread) The RESULT of a job that ran: its outcome, or why it is not one (raised)."""
+        if rid in self._stopped:
+            raise JobNotStarted(protocol.id_text(rid))
+        if cancel.is_set():
+            failed = next((u for u in uuids if u in self.gpu_faults), uuids[0])
+            raise GpuFault(f"GPU {failed} failed ({self.gpu_faults.get(failed, 'health check')}) while the job ran; the job was killed")
+        header = {
+            "ok": True,
+            "exit_code": out.exit_code,
+            "timed_out": out.timed_out,
+            "stdout_truncated": out.stdout_truncated,
+            "stderr_truncated": out.stderr_truncated,
+            "files": [name for name, _ in out.files],
+            "gpus": uuids,
+            "user": out.user,
+        }
+        held = out.held  # staged: the broker fetches them in chunks (PROTOCOL.md §11.5)
+        files = [data for _, data in out.files]
+        total = held.total if held is not None else sum([len(d) for d in files])
+        if total > self.config.max_job_output_bytes or out.oversize:
+            what = (f"outputs are, from {out.oversize[0]} on," if out.oversize
+                    else f"output files are {total} bytes,")
+            raise TooLarge(f"the job's {what} over the worker's max_job_output_bytes "
+                           f"({self.config.max_job_output_bytes})")
+        if held is not None:
+            header["files"], header["staged"] = held.names, held.sizes
+        result = [out.stdout, out.stderr] if held is not None else [out.stdout, out.stderr, *files]
+        check_result_size(header, result, self.links[idx].max_message_bytes)
+        if held is not None:
+            self.staged_out[rid] = (held, time.monotonic())
+        self._result(idx, rid, header, result)
 
     # ---------------------------------------------------------------- staged inputs (PROTOCOL.md §11.3)
 

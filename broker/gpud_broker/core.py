@@ -566,6 +566,9 @@ class BrokerCore:
     def outputs_here(self, task: Task, reply: list[Any], identity: bytes) -> None:
         self.results.outputs_here(task, reply, identity)
 
+    def outputs_lost(self, task: Task, exc: GpudError, identity: bytes) -> None:
+        self.results.outputs_lost(task, exc, identity)
+
     def abort_staged(self, task: Task, exc: GpudError) -> None:
         self.results.abort_staged(task, exc)
 

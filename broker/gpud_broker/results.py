@@ -333,6 +333,14 @@ class Results:
         core.finish(task, reply)
         self.unacked.append((core.journal.seq, identity, task.id))
 
+    def outputs_lost(self, task: Task, exc: GpudError, identity: bytes) -> None:
+        """A job's staged outputs could not all be pulled into the spool (``exc`` says why; the
+        job ran): answer its client so, and owe the ACK of its RESULT as ``outputs_here`` does, so
+        that its worker lets go of the outputs it holds for it now, not at its UNACKED_TTL."""
+        core = self.core
+        core.fail(task, exc)
+        self.unacked.append((core.journal.seq, identity, task.id))
+
     def release(self, worker: WorkerRecord, task: Task) -> None:
         """Refund ``task``'s grant on ``worker``."""
         grant = task.grant

@@ -344,7 +344,7 @@ class Staging:
         if job != up.job:  # outputs being pulled: the job ran
             pull = self.pulls.pop(job, None)
             if pull is not None:
-                core.fail(pull.task, Busy(f"the job ran, but its outputs were lost: {why}"))
+                core.outputs_lost(pull.task, Busy(f"the job ran, but its outputs were lost: {why}"), pull.identity)
         else:
             task = core.tasks.tasks.get(job)
             if up.claimed and task is not None and not task.started:
@@ -547,7 +547,8 @@ class Staging:
             wrote = self.spool.write(pull.upload, index, offset, data, core.now, ordered=False)
         except (GpudError, OSError) as exc:
             del self.pulls[rid]
-            core.fail(pull.task, Busy(f"the job ran, but the broker could not spool its outputs: {exc}"))
+            core.outputs_lost(pull.task, Busy(f"the job ran, but the broker could not spool its outputs: {exc}"),
+                              pull.identity)
             return
         if wrote:
             if not pull.upload.peer_lacks:

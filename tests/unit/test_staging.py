@@ -728,6 +728,36 @@ def test_a_disk_filled_by_something_else_mid_upload_fails_the_job_busy_not_inval
     assert JOB not in h.core.staging.spool.uploads and h.core.accounts.spooled_bytes == 0
 
 
+def test_outputs_the_spool_loses_mid_pull_fail_the_job_and_are_acked_so_the_worker_lets_them_go(
+        small_fs: Any) -> None:
+    """The pull's opening found room; then another program filled the spool's disk. The job (it
+    ran) ends BUSY saying its outputs were lost, and its RESULT is ACKed at once: its worker
+    stops holding the outputs now, not at its UNACKED_TTL (a held output takes room in the
+    worker's hold that other tenants' finished jobs wait for)."""
+    h = Harness(spool_dir=str(small_fs), spool_ram_bytes=0, heartbeat=HeartbeatPolicy(30.0, 3))
+    h.ready(W1, "w1")
+    h.take_worker()
+    job = rid(64)
+    h.request(C1, job, kind="job", argv=["x"], outputs=["o"], need={"gpu_milli": 100, "tenant": "acme"})
+    h.one_dispatch(W1)
+    h.result(W1, job, exit_code=0, files=["o"], staged=[8 * MiB], frames=[b"", b""])
+    assert h.core.take_acks() == {}  # owed once the outputs are here
+    with open(small_fs / "filler", "wb") as f:  # the other program
+        try:
+            while True:
+                f.write(bytes(MiB))
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    pull_all(h, job, [bytes(8 * MiB)])
+    loop_turn(h)
+    errors = [m for _, m, _ in h.take_client() if m.header.get("id") == job]
+    assert len(errors) == 1 and errors[0].header["code"] == "BUSY", errors
+    assert "the job ran, but its outputs were lost" in errors[0].header["message"]
+    assert h.core.take_acks() == {W1: [job]}
+    assert h.core.accounts.spooled_bytes == 0 and job not in h.core.staging.pulls
+
+
 def test_an_upload_the_spool_disk_cannot_take_is_answered_busy_at_its_opening(small_fs: Any) -> None:
     h = Harness(spool_dir=str(small_fs), spool_ram_bytes=0, heartbeat=HeartbeatPolicy(30.0, 3))
     put(h, 0, sizes=[30 * MiB])

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
 MiB = 1 << 20
 JOBS = 3  # at once, each with OUT bytes of outputs
 OUT = 150 * MiB
-HELD_LIMIT = 200 * MiB  # the worker's max_held_output_bytes: one job's outputs fit, two do not
+HELD_LIMIT = 400 * MiB  # the worker's max_held_output_bytes: one tenant's half holds one job's outputs, not two
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +65,10 @@ def make_outputs(c: Client, seed: int, nbytes: int = OUT) -> bytes:
 
 
 def test_concurrent_jobs_large_outputs_stay_out_of_the_workers_memory(cluster: LocalCluster) -> None:
-    """Three jobs finish together with 150 MiB of outputs each; the worker's limit holds one at a
-    time, so two wait until the broker has fetched the one before. Each comes back right, and the
-    worker's peak RSS grows by far less than one job's outputs (read into memory, as they were,
-    they take 450 MiB of it at once)."""
+    """Three jobs finish together with 150 MiB of outputs each; their tenant's half of the
+    worker's limit holds one at a time, so two wait until the broker has fetched the one before.
+    Each comes back right, and the worker's peak RSS grows by far less than one job's outputs
+    (read into memory, as they were, they take 450 MiB of it at once)."""
     worker = cluster.worker_procs["w0"].pid
     with Client(cluster.frontend, timeout=180) as c:
         make_outputs(c, 0, 10 * MiB)  # the worker's own warm-up (first job, first staged outputs)
@@ -83,8 +83,8 @@ def test_concurrent_jobs_large_outputs_stay_out_of_the_workers_memory(cluster: L
     assert "wait for room" in log  # the limit held: two of the three waited for the one before
 
 
-def test_outputs_over_max_held_output_bytes_alone_are_too_large_naming_it(cluster: LocalCluster) -> None:
+def test_outputs_over_a_tenants_half_of_max_held_output_bytes_are_too_large_naming_it(cluster: LocalCluster) -> None:
     with Client(cluster.frontend, timeout=180) as c:
         with pytest.raises(TooLarge, match="max_held_output_bytes"):
-            make_outputs(c, 9, HELD_LIMIT + MiB)
+            make_outputs(c, 9, HELD_LIMIT // 2 + MiB)
         assert make_outputs(c, 10, 20 * MiB) == expected(10, 20 * MiB)  # and the hold is empty again

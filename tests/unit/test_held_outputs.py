@@ -40,7 +40,7 @@ def test_outputs_are_copied_into_a_private_unlinked_file_and_read_back_by_range(
     root = tmp_path / "root"
     root.mkdir()
     hold = OutputHold(root, limit=64 * MiB)
-    held = hold.take("job1", ["a", "b"], sources)
+    held = hold.take("job1", "acme", ["a", "b"], sources)
     assert held.names == ["a", "b"] and held.sizes == [3 * MiB + 8, 2 * MiB] and held.total == 5 * MiB + 8
     assert hold.held == held.total
     assert os.listdir(root) == []  # nothing a job user (or anyone) could open by a name
@@ -59,23 +59,23 @@ def test_outputs_are_copied_into_a_private_unlinked_file_and_read_back_by_range(
 
 
 def test_outputs_over_the_limit_alone_are_too_large_at_once(tmp_path: Path, sources: list[tuple[int, int]]) -> None:
-    hold = OutputHold(tmp_path, limit=4 * MiB, wait_s=30)
+    hold = OutputHold(tmp_path, limit=8 * MiB, wait_s=30)
     began = time.monotonic()
-    with pytest.raises(TooLarge, match=r"max_held_output_bytes \(4194304\)"):
-        hold.take("job1", ["a", "b"], sources)
+    with pytest.raises(TooLarge, match=r"max_held_output_bytes \(8388608\): 4194304"):
+        hold.take("job1", "acme", ["a", "b"], sources)
     assert time.monotonic() - began < 5  # no wait for room that can never come
     assert hold.held == 0
 
 
 def test_outputs_wait_for_room_and_take_it_when_other_outputs_go(tmp_path: Path,
                                                                   sources: list[tuple[int, int]]) -> None:
-    hold = OutputHold(tmp_path, limit=8 * MiB, wait_s=30)
-    first = hold.take("job1", ["a", "b"], sources)
+    hold = OutputHold(tmp_path, limit=16 * MiB, wait_s=30)
+    first = hold.take("job1", "acme", ["a", "b"], sources)
     got: list[HeldOutputs] = []
-    waiter = threading.Thread(target=lambda: got.append(hold.take("job2", ["a", "b"], sources)))
+    waiter = threading.Thread(target=lambda: got.append(hold.take("job2", "acme", ["a", "b"], sources)))
     waiter.start()
     time.sleep(0.3)
-    assert got == [] and hold.held == first.total  # 10 MiB do not fit 8: it waits
+    assert got == [] and hold.held == first.total  # 10 MiB do not fit the tenant's 8: it waits
     first.close()
     waiter.join(10)
     assert len(got) == 1 and got[0].read(0, 3 * MiB, 8) == b"end-of-a"
@@ -85,10 +85,10 @@ def test_outputs_wait_for_room_and_take_it_when_other_outputs_go(tmp_path: Path,
 
 def test_outputs_without_room_in_time_end_busy_and_hold_nothing(tmp_path: Path,
                                                                  sources: list[tuple[int, int]]) -> None:
-    hold = OutputHold(tmp_path, limit=8 * MiB, wait_s=0.5)
-    first = hold.take("job1", ["a", "b"], sources)
+    hold = OutputHold(tmp_path, limit=16 * MiB, wait_s=0.5)
+    first = hold.take("job1", "acme", ["a", "b"], sources)
     with pytest.raises(Busy, match="waited 0.5s for the broker to fetch other jobs' outputs"):
-        hold.take("job2", ["a", "b"], sources)
+        hold.take("job2", "acme", ["a", "b"], sources)
     assert hold.held == first.total
     first.close()
 
@@ -102,11 +102,33 @@ def test_the_disk_bounds_the_hold_whatever_its_limit(small_fs: Path, tmp_path: P
     try:
         hold = OutputHold(small_fs, wait_s=0.2)
         assert hold.room() <= 64 * MiB - HEADROOM
-        held = hold.take("job1", ["big"], [(fd, 40 * MiB)])
+        held = hold.take("job1", "acme", ["big"], [(fd, 40 * MiB)])
         with pytest.raises(Busy, match=r"room for \d+ more bytes"):
-            hold.take("job2", ["big"], [(fd, 40 * MiB)])
+            hold.take("job2", "bob", ["big"], [(fd, 40 * MiB)])
         held.close()
         assert hold.room() > 40 * MiB  # the file's blocks went with its last descriptor
-        hold.take("job3", ["big"], [(fd, 40 * MiB)]).close()
+        hold.take("job3", "bob", ["big"], [(fd, 40 * MiB)]).close()
     finally:
         os.close(fd)
+
+
+def test_one_tenants_outputs_take_at_most_half_the_hold_and_others_get_theirs_at_once(
+        tmp_path: Path, sources: list[tuple[int, int]]) -> None:
+    """A tenant whose jobs finish with large outputs together: at half the hold its next job's
+    outputs wait, and another tenant's are taken at once beside them."""
+    hold = OutputHold(tmp_path, limit=24 * MiB, wait_s=30)
+    mine = [hold.take(f"a{i}", "mallory", ["a", "b"], sources) for i in range(2)]  # 10 of its 12 MiB
+    got: list[HeldOutputs] = []
+    waiter = threading.Thread(target=lambda: got.append(hold.take("a3", "mallory", ["a", "b"], sources)))
+    waiter.start()
+    time.sleep(0.3)
+    assert got == []  # 15 MiB would pass its share
+    began = time.monotonic()
+    honest = hold.take("b1", "alice", ["a", "b"], sources)
+    assert time.monotonic() - began < 1 and hold.by_tenant == {"mallory": 10 * MiB + 16, "alice": 5 * MiB + 8}
+    mine[0].close()
+    waiter.join(10)
+    assert len(got) == 1 and hold.by_tenant["mallory"] == 10 * MiB + 16
+    for held in (mine[1], got[0], honest):
+        held.close()
+    assert hold.held == 0 and hold.by_tenant == {}

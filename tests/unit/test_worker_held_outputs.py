@@ -45,7 +45,7 @@ def ran(w: Worker, hold: OutputHold, out: Path, rid: bytes) -> None:
     """``rid`` ran, and its outputs were taken into the hold; the worker now reports it."""
     fd = os.open(out, os.O_RDONLY)
     try:
-        held = hold.take(rid.hex(), ["out"], [(fd, out.stat().st_size)])
+        held = hold.take(rid.hex(), "acme", ["out"], [(fd, out.stat().st_size)])
     finally:
         os.close(fd)
     outcome = JobOutcome(exit_code=0, timed_out=False, stdout=b"", stderr=b"", stdout_truncated=False,

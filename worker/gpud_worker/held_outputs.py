@@ -13,7 +13,9 @@ job's user cannot reach that file (so nothing can truncate it under a reader; th
 ``UNACKED_TTL``, when the broker takes the job away, or when the worker exits.
 
 Together the held outputs take at most ``limit`` bytes and leave ``HEADROOM`` free on that file
-system. A job whose outputs never fit (over ``limit`` alone) ends TOO_LARGE at once; one whose
+system; one tenant's at most half of ``limit`` (``TENANT_SHARE``), so that a tenant whose many
+jobs finish with large outputs at once never takes all the room other tenants' finished jobs need.
+A job whose outputs never fit (over its tenant's share alone) ends TOO_LARGE at once; one whose
 outputs do not fit now waits up to ``wait_s`` for the broker to fetch others, then ends BUSY (it
 ran: it is not run again).
 """
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 STAGE_ABOVE = 8 << 20  # output files larger together are staged: fetched by the broker (PROTOCOL.md §11.5)
 HEADROOM = 16 << 20  # bytes the held outputs leave free on their file system
 WAIT_S = 60.0  # how long a finished job's outputs wait for room before the job ends BUSY
+TENANT_SHARE = 0.5  # of the hold's limit, what one tenant's held outputs may take
 
 
 class HeldOutputs:
@@ -44,7 +47,8 @@ class HeldOutputs:
     broker's FETCHes, ``close`` lets them go (and their room in the hold). Reads come from the
     worker's loop; ``close`` may come twice."""
 
-    def __init__(self, fd: int, names: Sequence[str], sizes: Sequence[int], release: OutputHold) -> None:
+    def __init__(self, fd: int, tenant: str, names: Sequence[str], sizes: Sequence[int], release: OutputHold) -> None:
+        self.tenant = tenant
         self.names = list(names)
         self.sizes = list(sizes)
         self.total = sum(self.sizes)
@@ -65,7 +69,7 @@ class HeldOutputs:
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
-            self._hold.release(self.total)
+            self._hold.release(self.tenant, self.total)
 
 
 class OutputHold:
@@ -80,62 +84,73 @@ class OutputHold:
         self.stage_above = stage_above
         self.wait_s = wait_s
         self.held = 0  # bytes reserved or held, all jobs together
+        self.by_tenant: dict[str, int] = {}  # the same, by tenant (none listed with 0)
         self._writing = 0  # of those, reserved and not written yet (statvfs does not count them)
         self._changed = threading.Condition()
 
-    def take(self, job: str, names: Sequence[str], sources: Sequence[tuple[int, int]]) -> HeldOutputs:
-        """Copy the files ``sources`` ((fd, size) each, named ``names``) into a private file and
-        hold them. Waits for room (module docstring); raises TooLarge or Busy when there is none."""
+    @property
+    def tenant_limit(self) -> int:
+        return int(self.limit * TENANT_SHARE)
+
+    def take(self, job: str, tenant: str, names: Sequence[str], sources: Sequence[tuple[int, int]]) -> HeldOutputs:
+        """Copy the files ``sources`` ((fd, size) each, named ``names``) of a job of ``tenant``
+        into a private file and hold them. Waits for room (module docstring); raises TooLarge or
+        Busy when there is none."""
         sizes = [size for _, size in sources]
         total = sum(sizes)
-        self._reserve(job, total)
+        self._reserve(job, tenant, total)
         try:
             fd = self._private_file()
         except OSError as exc:
-            self.release(total, written=False)
+            self.release(tenant, total, written=False)
             raise Busy(f"the worker cannot hold the job's {total} bytes of staged outputs: {exc.strerror}") from None
         try:
             for src, size in sources:
                 _copy(src, fd, size)
         except OSError as exc:
             os.close(fd)
-            self.release(total, written=False)
+            self.release(tenant, total, written=False)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise Busy(f"the worker's disk filled while it held the job's {total} bytes of staged "
                            f"outputs ({self.directory}); they are lost") from None
             raise
         with self._changed:
             self._writing -= total
-        return HeldOutputs(fd, names, sizes, self)
+        return HeldOutputs(fd, tenant, names, sizes, self)
 
-    def release(self, nbytes: int, written: bool = True) -> None:
+    def release(self, tenant: str, nbytes: int, written: bool = True) -> None:
         with self._changed:
             self.held -= nbytes
+            left = self.by_tenant.pop(tenant, 0) - nbytes
+            if left > 0:
+                self.by_tenant[tenant] = left
             if not written:
                 self._writing -= nbytes
             self._changed.notify_all()
 
-    def room(self) -> int:
-        """Bytes more the hold may take now: under ``limit``, and on its file system less what
-        is reserved and not written yet and ``HEADROOM``."""
+    def room(self, tenant: str | None = None) -> int:
+        """Bytes more the hold may take now (for ``tenant``: under its share too): under
+        ``limit``, and on its file system less what is reserved and not written yet and
+        ``HEADROOM``."""
         try:
             st = os.statvfs(self.directory)
             disk = st.f_bavail * st.f_frsize - self._writing - HEADROOM
         except OSError:
             disk = 0
-        return max(0, min(self.limit - self.held, disk))
+        share = self.tenant_limit - self.by_tenant.get(tenant, 0) if tenant is not None else disk
+        return max(0, min(self.limit - self.held, disk, share))
 
-    def _reserve(self, job: str, nbytes: int) -> None:
-        if nbytes > self.limit:
-            raise TooLarge(f"the job's staged outputs are {nbytes} bytes, over the worker's max_held_output_bytes "
-                           f"({self.limit})")
+    def _reserve(self, job: str, tenant: str, nbytes: int) -> None:
+        if nbytes > self.tenant_limit:
+            raise TooLarge(f"the job's staged outputs are {nbytes} bytes, over what one tenant's may take of the "
+                           f"worker's max_held_output_bytes ({self.limit}): {self.tenant_limit}")
         deadline = time.monotonic() + self.wait_s
         with self._changed:
             waited = False
-            while (room := self.room()) < nbytes:
+            while (room := self.room(tenant)) < nbytes:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise Busy(f"the worker has room for {room} more bytes of staged outputs now, not the job's "
+                    raise Busy(f"the worker has room for {room} more bytes of this tenant's staged outputs now, not the job's "
                                f"{nbytes}: it waited {self.wait_s:g}s for the broker to fetch other jobs' "
                                "outputs; the job ran, its outputs are lost")
                 if not waited:
@@ -143,6 +158,7 @@ class OutputHold:
                     waited = True
                 self._changed.wait(min(left, 1.0))  # the disk's room changes without a release too
             self.held += nbytes
+            self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + nbytes
             self._writing += nbytes
 
     def _private_file(self) -> int:

@@ -692,7 +692,7 @@ class JobRunner:
                         with self._cgroup(hexid, job_grant, granted) as cgroup, self._status_pipe(plan, cgroup) as status:
                             return self._execute(
                                 hexid, spec, workdir, dfd, user, visible_devices, cancel,
-                                job_grant, cgroup, begin, plan, status,
+                                job_grant, cgroup, begin, plan, status, tenant,
                             )
                     finally:
                         os.close(dfd)
@@ -994,6 +994,7 @@ class JobRunner:
         begin: Callable[[], None] | None = None,
         plan: Plan | None = None,
         status: tuple[int, int] | None = None,
+        tenant: str = "",
     ) -> JobOutcome:
         started = time.monotonic()
         try:
@@ -1074,7 +1075,7 @@ class JobRunner:
             note = f"gpud: the job directory is full: it is limited to {self.dir_size} bytes (job_dir_size)\n".encode()
             stderr = stderr[: max(0, spec.output_cap - len(note))] + note
         oversize: list[str] = []
-        files, held = self._collect_outputs(hexid, spec, dfd, user, oversize)
+        files, held = self._collect_outputs(hexid, spec, dfd, user, oversize, tenant)
         log.info(
             "job %s finished: exit %d%s after %.2f s",
             hexid,
@@ -1096,7 +1097,7 @@ class JobRunner:
         )
 
     def _collect_outputs(
-        self, hexid: str, spec: JobSpec, dfd: int, user: pwd.struct_passwd, oversize: list[str]
+        self, hexid: str, spec: JobSpec, dfd: int, user: pwd.struct_passwd, oversize: list[str], tenant: str = ""
     ) -> tuple[list[tuple[str, bytes]], HeldOutputs | None]:
         """The job's output files: read (inline), or, over ``held.stage_above`` together, copied
         into the worker's hold (``gpud_worker.held_outputs``) without passing through its memory."""
@@ -1134,7 +1135,7 @@ class JobRunner:
                 found.append((name, fd, st.st_size))
             # The job's processes are all gone: its files keep the sizes they have now.
             if sum(size for _, _, size in found) > self.held.stage_above:
-                return [], self.held.take(hexid, [name for name, _, _ in found],
+                return [], self.held.take(hexid, tenant, [name for name, _, _ in found],
                                           [(fd, size) for _, fd, size in found])
             files: list[tuple[str, bytes]] = []
             for name, fd, size in found:

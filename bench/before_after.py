@@ -43,6 +43,19 @@ def run(tree: Path, dispatch_args: list[str]) -> dict[str, Any]:
     return result
 
 
+def measure_in(tree: Path, script: Path, argv: list[str]) -> dict[str, Any]:
+    """``script`` (a benchmark of this tree, its ``--role measure``) run with ``argv`` in a child
+    interpreter whose imports (and daemons) come from ``tree``: its last line, as JSON."""
+    path = os.pathsep.join(str(tree / d) for d in (".", "cli", "broker", "worker", "standby", "libclient"))
+    env = dict(os.environ, PYTHONPATH=path)
+    out = subprocess.run([sys.executable, str(script), "--role", "measure", *argv], cwd=tree, env=env,
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"the measurement in {tree} failed:\n{out.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
 def alternate(rev: str, pairs: int, measure: Callable[[Path], dict[str, Any]], keys: tuple[str, ...],
               after: str | None = None) -> dict[str, list[dict[str, Any]]]:
     """``measure`` of the commit ``rev`` (a temporary ``git worktree``), then of the working tree

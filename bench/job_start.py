@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,15 +54,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_in(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     """``measure`` in a child interpreter whose imports (and daemons) come from ``tree``."""
-    path = os.pathsep.join(str(tree / d) for d in (".", "cli", "broker", "worker", "standby", "libclient"))
-    env = dict(os.environ, PYTHONPATH=path)
-    argv = [sys.executable, str(HERE / "bench" / "job_start.py"), "--role", "measure", "--jobs", str(args.jobs),
-            "--latency-jobs", str(args.latency_jobs), *(["--pair"] if args.pair else [])]
-    out = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        raise RuntimeError(f"the measurement in {tree} failed:\n{out.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+    sys.path.insert(0, str(HERE / "bench"))
+    from before_after import measure_in
+
+    return measure_in(tree, HERE / "bench" / "job_start.py", ["--jobs", str(args.jobs), "--latency-jobs",
+                      str(args.latency_jobs), *(["--pair"] if args.pair else [])])
 
 
 def main(argv: list[str] | None = None) -> int:

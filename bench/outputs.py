@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -103,15 +102,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_in(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     """``measure`` in a child interpreter whose imports (and daemons) come from ``tree``."""
-    path = os.pathsep.join(str(tree / d) for d in (".", "cli", "broker", "worker", "standby", "libclient"))
-    env = dict(os.environ, PYTHONPATH=path)
-    argv = [sys.executable, str(HERE / "bench" / "outputs.py"), "--role", "measure", "--mib", str(args.mib),
-            "--jobs", str(args.jobs), "--idle", str(args.idle)]
-    out = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        raise RuntimeError(f"the measurement in {tree} failed:\n{out.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+    from before_after import measure_in
+
+    return measure_in(tree, HERE / "bench" / "outputs.py",
+                      ["--mib", str(args.mib), "--jobs", str(args.jobs), "--idle", str(args.idle)])
 
 
 def main(argv: list[str] | None = None) -> int:

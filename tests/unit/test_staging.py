@@ -703,6 +703,17 @@ def test_outputs_are_pulled_no_faster_than_the_spool_disk_writes_them(monkeypatc
     assert asked == [i * CHUNK_BYTES for i in range(WINDOW)]
 
 
+def fill(directory: Any) -> None:
+    """Fill ``directory``'s file system, as another program would, until ENOSPC."""
+    with open(directory / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(bytes(MiB))
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+
+
 def test_a_disk_filled_by_something_else_mid_upload_fails_the_job_busy_not_invalid(small_fs: Any) -> None:
     """The opening PUT found room; then another program filled the spool's disk. The write that
     fails ends the upload, and its job gets BUSY saying so (not the client's fault: try later);
@@ -712,13 +723,7 @@ def test_a_disk_filled_by_something_else_mid_upload_fails_the_job_busy_not_inval
     put(h, 0, sizes=[size])
     h.request(C1, JOB, kind="job", argv=["cat"], files=["a"], staged=[size], need={"gpu_milli": 100, "tenant": "acme"})
     assert [m.header["ok"] for m in replies(h)] == [True]
-    with open(small_fs / "filler", "wb") as f:  # the other program
-        try:
-            while True:
-                f.write(bytes(MiB))
-                f.flush()
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
+    fill(small_fs)  # another program
     for n in range(8):
         put(h, 1 + n, file=0, offset=n * MiB, frames=(bytes(MiB),))
     loop_turn(h)
@@ -742,13 +747,7 @@ def test_outputs_the_spool_loses_mid_pull_fail_the_job_and_are_acked_so_the_work
     h.one_dispatch(W1)
     h.result(W1, job, exit_code=0, files=["o"], staged=[8 * MiB], frames=[b"", b""])
     assert h.core.take_acks() == {}  # owed once the outputs are here
-    with open(small_fs / "filler", "wb") as f:  # the other program
-        try:
-            while True:
-                f.write(bytes(MiB))
-                f.flush()
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
+    fill(small_fs)  # another program
     pull_all(h, job, [bytes(8 * MiB)])
     loop_turn(h)
     errors = [m for _, m, _ in h.take_client() if m.header.get("id") == job]

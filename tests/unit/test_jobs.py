@@ -261,7 +261,7 @@ def test_outputs_over_the_stage_threshold_are_held_on_disk_not_read(make_runner:
     holdroot = tmp_path / "hold"
     holdroot.mkdir()
     hold = OutputHold(holdroot, limit=64 << 20, stage_above=1 << 20)
-    runner = make_runner(max_output_file=8 << 20, max_outputs=12 << 20, held=hold)
+    runner = make_runner(max_output_file=8 << 20, max_outputs=12 << 20, hold=hold)
     script = ("head -c 3000000 /dev/urandom > a; cp a b; printf tail >> b; head -c 9000000 /dev/zero > c; "
               "echo small > s")
     out = run(runner, job("sh", "-c", script + "; cat a | md5sum", outputs=["a", "b", "c", "s"]))

@@ -30,7 +30,7 @@ def worker(tmp_path: Path) -> Iterator[tuple[Worker, OutputHold, Path]]:
     ctx: zmq.Context[Any] = zmq.Context()
     hold = OutputHold(tmp_path, limit=64 * MiB)
     w = Worker(WorkerConfig(name="wh", brokers=("tcp://127.0.0.1:9",)), SimulatedProbe([device]),
-               {device.gpu.uuid: device}, JobRunner(tmp_path / "jobs", held=hold), ctx)
+               {device.gpu.uuid: device}, JobRunner(tmp_path / "jobs", hold=hold), ctx)
     out = tmp_path / "out"
     out.write_bytes(b"o" * (12 * MiB))
     try:

@@ -236,11 +236,11 @@ def run(args: argparse.Namespace) -> int:
     minors = probe.minor_numbers() if isinstance(probe, NvmlProbe) else {g.uuid: g.index for g in probe.inventory()}
     runner = JobRunner(workroot, pool, limits=limits, cgroups=cgroups, mps=mps, sandbox=sandbox, gpu_minors=minors,
                        dir_size=w.job_dir_size, max_output_file=w.max_job_output_bytes,
-                       max_outputs=w.max_job_output_bytes, held=OutputHold(workroot, w.max_held_output_bytes))
-    if runner.held.tenant_limit < w.max_job_output_bytes:
+                       max_outputs=w.max_job_output_bytes, hold=OutputHold(workroot, w.max_held_output_bytes))
+    if runner.hold.tenant_limit < w.max_job_output_bytes:
         log.warning("max_held_output_bytes (%d) holds less than max_job_output_bytes (%d) per tenant (half of it): "
                     "jobs with staged outputs over %d bytes end TOO_LARGE", w.max_held_output_bytes,
-                    w.max_job_output_bytes, runner.held.tenant_limit)
+                    w.max_job_output_bytes, runner.hold.tenant_limit)
     if w.session_processes == "on" or (w.session_processes == "auto" and not w.simulate and devices):
         from gpud_worker.session_host import HostedDevice, SessionHosts
 

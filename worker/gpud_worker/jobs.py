@@ -23,7 +23,7 @@ Isolation model (DESIGN.md §5):
   regular files owned by the job's user are returned (so a hard link to someone else's file is not),
   and a file bigger than ``max_output_file`` is omitted (logged), never truncated, so a client never
   receives a silently cut file; so is one that would take the files read before it past
-  ``max_outputs`` together. Outputs over ``held.stage_above`` together are not read at all: they
+  ``max_outputs`` together. Outputs over ``hold.stage_above`` together are not read at all: they
   are copied into the worker's hold on disk (``gpud_worker.held_outputs``), out of its memory.
 
 - With a ``sandbox`` (``gpud_worker.sandbox``, as root where namespaces can be made), the job runs
@@ -537,7 +537,7 @@ class JobRunner:
         gpu_minors: GPU uuid -> minor number of its ``/dev/nvidiaN`` (default: its index).
         dir_size: as root, each job directory is a tmpfs of this many bytes (its size limit);
             0: a plain directory, not limited.
-        held: where outputs over its ``stage_above`` together are held (``JobOutcome.held``)
+        hold: where outputs over its ``stage_above`` together are held (``JobOutcome.held``)
             instead of read; default: in ``workroot``, 16 GiB at most.
     """
 
@@ -554,7 +554,7 @@ class JobRunner:
         gpu_minors: Mapping[str, int] | None = None,
         dir_size: int = 0,
         max_outputs: int | None = None,
-        held: OutputHold | None = None,
+        hold: OutputHold | None = None,
     ) -> None:
         self.workroot = pathlib.Path(workroot).absolute()
         self.sandbox = sandbox if sandbox is not None and sandbox.active else None
@@ -572,7 +572,7 @@ class JobRunner:
         self._lock = threading.Lock()
         self._dir_options = ""  # what else a job directory's tmpfs is mounted with (_check_dir_size)
         self._prepare_workroot()
-        self.held = held if held is not None else OutputHold(self.workroot)
+        self.hold = hold if hold is not None else OutputHold(self.workroot)
         if self.dir_size:
             self._check_dir_size()
         if self._root:
@@ -1099,7 +1099,7 @@ class JobRunner:
     def _collect_outputs(
         self, hexid: str, spec: JobSpec, dfd: int, user: pwd.struct_passwd, oversize: list[str], tenant: str = ""
     ) -> tuple[list[tuple[str, bytes]], HeldOutputs | None]:
-        """The job's output files: read (inline), or, over ``held.stage_above`` together, copied
+        """The job's output files: read (inline), or, over ``hold.stage_above`` together, copied
         into the worker's hold (``gpud_worker.held_outputs``) without passing through its memory."""
         found: list[tuple[str, int, int]] = []  # (name, fd, size) of the files to return
         left = self.max_outputs  # of the bound on the files together, what those taken so far leave
@@ -1134,8 +1134,8 @@ class JobRunner:
                     left -= st.st_size
                 found.append((name, fd, st.st_size))
             # The job's processes are all gone: its files keep the sizes they have now.
-            if sum(size for _, _, size in found) > self.held.stage_above:
-                return [], self.held.take(hexid, tenant, [name for name, _, _ in found],
+            if sum(size for _, _, size in found) > self.hold.stage_above:
+                return [], self.hold.take(hexid, tenant, [name for name, _, _ in found],
                                           [(fd, size) for _, fd, size in found])
             files: list[tuple[str, bytes]] = []
             for name, fd, size in found:

@@ -1,7 +1,7 @@
 """Large job inputs and outputs staged through a real broker pair (PROTOCOL.md §11) while another
 client works on the same worker: nothing stalls (no worker, session or peer is taken for silent),
 the broker's memory stays bounded, and a SIGKILL of the active broker mid-upload runs the job
-exactly once. And a passive broker whose spool disk cannot hold an upload fails that one job at
+exactly once, as does one mid-pull of its outputs. And a passive broker whose spool disk cannot hold an upload fails that one job at
 once, not the pair (its own pair: the backup's spool on a 64 MiB file system).
 
 Real daemons (a CURVE Binary Star pair and one worker with two simulated GPUs, labelled
@@ -275,3 +275,53 @@ def test_a_passive_with_a_small_spool_disk_bounds_the_uploads_and_the_pair_serve
         assert c.wait_active() == "backup"
         backup_log = (tmp_path / "backup.log").read_text()
         assert "re-syncing" not in backup_log and "cannot write a staged file" not in backup_log
+
+
+def test_sigkill_of_the_active_broker_mid_pull_of_outputs_gives_them_whole_from_one_run(pair: LocalCluster) -> None:
+    """The worker holds a finished job's outputs until a broker ACKs its RESULT (PROTOCOL.md
+    §11.5): the active broker SIGKILLed while it pulls them, the new active one pulls them again
+    from the worker's hold, and the client gets every byte of the one run (not a second run)."""
+    active = pair.wait_active()
+    for role in pair.roles:  # an earlier test may have killed one: the pair whole again, in sync
+        if pair.brokers[role].poll() is not None:
+            pair.restart_broker(role)
+    deadline = time.monotonic() + 60
+    while not pair.pair_state(next(r for r in pair.roles if r != active)).get("synced"):
+        assert time.monotonic() < deadline, "the passive broker never got in sync"
+        time.sleep(0.05)
+    size = 400 * MiB
+    expected = hashlib.sha256((b"abcdefgh\n" * (size // 9 + 1))[:size]).hexdigest()
+    worker_logs = [Path(str(pair.rundir)) / f"{w}.log" for w in pair.worker_procs]
+    _, jobs_before = executions(worker_logs)
+    admin = pair.admin_of(active)
+    pulled_before = admin_call(admin, "status")["counters"]["output_chunks_on_data"]
+    result: dict[str, Any] = {}
+
+    def pull() -> None:
+        try:
+            with Client(pair.frontends, timeout=60, curve=pair.client_keys("alice")) as c:
+                out = c.run(["sh", "-c", f"yes abcdefgh | head -c {size} > out; echo made"], outputs=["out"],
+                            gpu_milli=100, time_limit=180, timeout=180)
+                result.update(code=out.exit_code, stdout=out.stdout, n=len(out.files["out"]),
+                              sum=hashlib.sha256(out.files["out"]).hexdigest())
+        except Exception as exc:
+            result["error"] = f"{type(exc).__name__}: {exc}"
+
+    thread = threading.Thread(target=pull)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while (pulled := admin_call(admin, "status")["counters"]["output_chunks_on_data"] - pulled_before) < 30:
+        assert time.monotonic() < deadline and thread.is_alive(), result
+        time.sleep(0.005)
+    pair.kill_broker(active)
+    assert pulled < size // MiB, "the pull was over before the kill"
+    thread.join(timeout=240)
+    assert not thread.is_alive()
+    assert result == {"code": 0, "stdout": b"made\n", "n": size, "sum": expected}
+    started = executions(worker_logs)[1] - jobs_before
+    assert sum(started.values()) == 1, f"the job started {dict(started)}"
+    now_active = pair.wait_active()
+    assert now_active != active
+    # The new active broker pulled the outputs itself, from the worker's hold, on its data connection.
+    assert admin_call(pair.admin_of(now_active), "status")["counters"]["output_chunks_on_data"] > 0
+    pair.restart_broker(active)

@@ -13,8 +13,12 @@ pairs such as ``("f32", 2.0)`` give a kernel its scalars without numpy.
 from __future__ import annotations
 
 import math
+import mmap
+import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpud import protocol
@@ -112,7 +116,9 @@ class JobResult:
     timed_out:
         Whether the job was killed at its ``time_limit``.
     files:
-        Requested output files that existed after exit, by name.
+        Requested output files that existed after exit, by name (empty with ``outputs_to``).
+    paths:
+        With ``outputs_to``: where each of those files was written, by name.
     worker:
         Name of the worker that ran it.
     gpus:
@@ -131,6 +137,7 @@ class JobResult:
     worker: str = ""
     gpus: list[str] = field(default_factory=list)
     user: str = ""
+    paths: dict[str, Path] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- buffers
@@ -149,6 +156,35 @@ def as_view(obj: BytesLike, what: str = "buffer") -> memoryview:
     if view.format == "B" and view.ndim == 1:
         return view
     return view.cast("B")
+
+
+def input_view(obj: BytesLike | os.PathLike[str], what: str) -> memoryview:
+    """A job input's bytes: a buffer as ``as_view``, or a file on disk (``os.PathLike``, e.g.
+    ``pathlib.Path``) mapped read-only: sent from the page cache, never read into the client's
+    own memory. The file must not change until the job is done (a file cut shorter meanwhile
+    ends the client with SIGBUS, as any mapping of it would)."""
+    if isinstance(obj, str):
+        raise InvalidRequest(f"{what}: give its content as bytes, or a path as pathlib.Path, not a str")
+    if not isinstance(obj, os.PathLike):
+        return as_view(obj, what)
+    path = os.fspath(obj)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise InvalidRequest(f"{what}: cannot open {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidRequest(f"{what}: {path} is not a regular file")
+        if st.st_size == 0:
+            return memoryview(b"")
+        mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+    except OSError as exc:
+        raise InvalidRequest(f"{what}: cannot read {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    mapped.madvise(mmap.MADV_SEQUENTIAL)  # read once, in order: read ahead, and let go behind
+    return memoryview(mapped)  # keeps the mapping; unmapped once the last view of it goes
 
 
 def as_bytes(frame: Any) -> bytes:
@@ -263,7 +299,7 @@ def timeout_ms(seconds: float) -> int:
 
 def job_body(
     argv: Sequence[str],
-    files: Mapping[str, BytesLike] | None,
+    files: Mapping[str, BytesLike | os.PathLike[str]] | None,
     outputs: Sequence[str],
     env: Mapping[str, str] | None,
     time_limit: float,
@@ -279,7 +315,7 @@ def job_body(
     if isinstance(outputs, (str, bytes)):
         raise InvalidRequest("'outputs' must be a list of file names, not one string")
     names = list(files or {})
-    frames = [as_view(files[n], f"file {n!r}") for n in names] if files else []
+    frames = [input_view(files[n], f"file {n!r}") for n in names] if files else []
     body: dict[str, Any] = {
         "argv": list(argv),
         "env": dict(env or {}),

@@ -12,7 +12,9 @@ GpudError (and the other call goes on unharmed). Use one Client per thread.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import zmq
@@ -283,7 +285,7 @@ class Client:
     def submit(
         self,
         argv: Sequence[str],
-        files: Mapping[str, BytesLike] | None = None,
+        files: Mapping[str, BytesLike | os.PathLike[str]] | None = None,
         outputs: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         gpu_milli: int | None = None,
@@ -301,6 +303,7 @@ class Client:
         cpu_milli: int = 0,
         host_mem: int = 0,
         need: Need | None = None,
+        outputs_to: str | os.PathLike[str] | None = None,
     ) -> Job:
         """Submit a job without waiting for it.
 
@@ -309,13 +312,20 @@ class Client:
         argv:
             Program and arguments, run in the job's private working directory.
         files:
-            Input files to place in that directory, name -> bytes-like content. The buffers are
-            sent without copying: do not change them until the job is done. Files larger
+            Input files to place in that directory, name -> bytes-like content, or a
+            ``pathlib.Path`` of a file on disk (mapped, not read into memory: a dataset or a model
+            of any size up to the limit). Buffers and files are sent without copying: do not
+            change them until the job is done. Files larger
             together than the client's ``chunk_bytes`` are staged first (PROTOCOL.md §11): sent
             in chunks, a few at a time, before this call returns; past the broker's
             ``max_job_input_bytes`` (default 4 GiB) TooLarge is raised before any byte is sent.
         outputs:
             Names of files to bring back after the program exits.
+        outputs_to:
+            A directory to write those files into (as they come, never whole in memory; each
+            appears under its name once all are written) instead of :attr:`JobResult.files`;
+            :attr:`JobResult.paths` then says where they are. An existing file of the same name
+            is replaced.
         env:
             Extra environment variables (names ``[A-Z_][A-Z0-9_]*``).
         gpu_milli, gpus, mem, models, min_cc, exclusive, priority, cpu_milli, host_mem:
@@ -341,6 +351,9 @@ class Client:
             ``Job.wait()`` returns the :class:`JobResult`.
         """
         body, payload = _request.job_body(argv, files, outputs, env, time_limit, output_cap, idempotent)
+        into = None if outputs_to is None else Path(outputs_to)
+        if into is not None and not into.is_dir():
+            raise InvalidRequest(f"outputs_to: {into} is not a directory")
         given = Need(gpu_milli, gpus, mem, models, min_cc, exclusive, priority, cpu_milli, host_mem)
         wire_need = need_of(need, given).wire("job", self.tenant)
         if timeout is None:
@@ -359,7 +372,7 @@ class Client:
         else:
             self._conn.submit(rid, _request.request_frames(rid, "job", wire_need, _request.timeout_ms(queue_wait), body, payload),
                               what)
-        convert = job_result(self._conn, self.tenant, settings.timeout)
+        convert = job_result(self._conn, self.tenant, settings.timeout, outputs_to=into, requested=body["outputs"])
         return Job(self._conn, rid, convert, overall, what, cancellable=True)
 
     @_parameters_of(submit)

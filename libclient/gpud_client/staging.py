@@ -16,13 +16,16 @@ fetching them from the worker again) is asked again, at most ``RESUMES`` times, 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from gpud.errors import Busy, InvalidRequest, ProtocolError
 from gpud.protocol import Command, Message, Peer, check_sizes, encode, id_text, new_id
-from gpud.transfer import CHUNK_BYTES, WINDOW
+from gpud.transfer import CHUNK_BYTES, WINDOW, pwrite_all
 from gpud_client import _request
 from gpud_client._request import JobResult
 from gpud_client.chunks import plan, run_windowed
@@ -111,13 +114,24 @@ def _have(msg: Message) -> list[int]:
 
 
 def job_result(conn: Connection, tenant: str, timeout: float, chunk_bytes: int = CHUNK_BYTES,
-               window: int = WINDOW) -> Callable[[Message], JobResult]:
-    """The converter of a job's REPLY: its staged outputs, if any, are read from the broker first."""
+               window: int = WINDOW, outputs_to: Path | None = None,
+               requested: Sequence[str] = ()) -> Callable[[Message], JobResult]:
+    """The converter of a job's REPLY: its staged outputs, if any, are read from the broker first.
+    ``outputs_to``: a directory the output files (of names in ``requested`` only) are written
+    into, chunk by chunk, instead of the client's memory."""
 
     def convert(msg: Message) -> JobResult:
         header = _request.check_reply(msg)
         if "staged" not in header:
-            return _request.parse_job_result(msg)
+            if outputs_to is None:
+                return _request.parse_job_result(msg)
+            names = _names(header.get("files"), requested)
+            result = _request.parse_job_result(msg)
+            files = OutputFiles(outputs_to, names, [len(result.files[n]) for n in names])
+            with files:
+                for i, name in enumerate(names):
+                    files.write(i, 0, memoryview(result.files[name]))
+            return replace(result, files={}, paths=files.paths)
         try:
             sizes = check_sizes(header["staged"], "staged")
         except InvalidRequest as exc:
@@ -125,16 +139,87 @@ def job_result(conn: Connection, tenant: str, timeout: float, chunk_bytes: int =
         job = header.get("id")
         if type(job) is not bytes or len(msg.frames) != 2:
             raise ProtocolError("a job reply with staged outputs carries its id, stdout and stderr")
-        files = _read(conn, job, sizes, tenant, chunk_bytes, window, timeout)
-        return _request.parse_job_result(Message(msg.peer, msg.command, header, [*msg.frames, *files]))
+        if outputs_to is None:
+            out = [bytearray(n) for n in sizes]
+
+            def into_memory(index: int, start: int, data: memoryview) -> None:
+                out[index][start : start + len(data)] = data
+
+            _read(conn, job, sizes, tenant, chunk_bytes, window, timeout, into_memory)
+            return _request.parse_job_result(Message(msg.peer, msg.command, header, [*msg.frames, *out]))
+        names = _names(header.get("files"), requested)
+        if len(names) != len(sizes):
+            raise ProtocolError("a job reply with staged outputs names as many files as it has sizes")
+        files = OutputFiles(outputs_to, names, list(sizes))
+        with files:
+            _read(conn, job, sizes, tenant, chunk_bytes, window, timeout, files.write)
+        result = _request.parse_job_result(Message(msg.peer, msg.command, {**header, "files": []}, list(msg.frames)))
+        return replace(result, paths=files.paths)
 
     return convert
 
 
+def _names(names: Any, requested: Sequence[str]) -> list[str]:
+    """The reply's output names, each one the job asked for, once (never a path of the broker's choosing)."""
+    asked = set(requested)
+    if type(names) is not list or not all(type(n) is str and n in asked for n in names) or len(set(names)) != len(names):
+        raise ProtocolError(f"the job reply names output files it did not ask for: {names!r}")
+    return names
+
+
+class NotWritten(InvalidRequest):
+    """An output file could not be written into ``outputs_to`` (the client's own disk): not
+    retried, the bytes are there to be read again while the broker keeps them."""
+
+
+class OutputFiles:
+    """Output files written into a directory as their bytes come: each first as
+    ``.NAME.gpud-partial`` (created, never followed if it is a link, cut to its size), all renamed
+    to ``NAME`` once every byte is written (the ``with`` block ended without an error), removed
+    otherwise: a read that fails leaves no file that looks whole."""
+
+    def __init__(self, directory: Path, names: list[str], sizes: list[int]) -> None:
+        self.paths = {n: directory / n for n in names}
+        self._partial = [directory / f".{n}.gpud-partial" for n in names]
+        self._fds: list[int] = []
+        try:
+            for path, size in zip(self._partial, sizes, strict=True):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+                self._fds.append(fd)
+                os.ftruncate(fd, size)
+        except OSError as exc:
+            self._close(remove=True)
+            raise NotWritten(f"outputs_to: cannot write {exc.filename}: {exc.strerror}") from None
+
+    def write(self, index: int, start: int, data: memoryview) -> None:
+        try:
+            pwrite_all(self._fds[index], data, start)
+        except OSError as exc:
+            raise NotWritten(f"outputs_to: cannot write {self._partial[index]}: {exc.strerror}") from None
+
+    def _close(self, remove: bool) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        if remove:  # the ones this created, not whatever else bears such a name
+            for path in self._partial[: len(self._fds)]:
+                path.unlink(missing_ok=True)
+        self._fds = []
+
+    def __enter__(self) -> OutputFiles:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        self._close(remove=kind is not None)
+        if kind is None:
+            for partial, path in zip(self._partial, self.paths.values(), strict=True):
+                os.replace(partial, path)
+
+
 def _read(conn: Connection, job: bytes, sizes: Sequence[int], tenant: str, chunk_bytes: int, window: int,
-          timeout: float) -> list[bytearray]:
+          timeout: float, write: Callable[[int, int, memoryview], None]) -> None:
+    """Read a job's staged outputs of ``sizes`` from the broker, ``write``-ing each chunk (file
+    index, offset, bytes) as it comes."""
     what = f"outputs of job {id_text(job)}"
-    out = [bytearray(n) for n in sizes]
     done = [0] * len(sizes)
     for attempt in range(RESUMES + 1):
         items = [(i, start, n) for i, size in enumerate(sizes) for start, n in plan(size, chunk_bytes)
@@ -152,17 +237,17 @@ def _read(conn: Connection, job: bytes, sizes: Sequence[int], tenant: str, chunk
             data = pending.wait()
             if len(data) != n:
                 raise ProtocolError(f"{what}: {len(data)} bytes came for {n} asked")
-            out[index][start : start + n] = data
+            write(index, start, data)
             done[index] = start + n
 
         try:
             run_windowed(items, window, submit, collect, lambda entry: entry[1]._abandon())
-        except InvalidRequest:
-            if attempt == RESUMES:
+        except InvalidRequest as exc:
+            if attempt == RESUMES or isinstance(exc, NotWritten):
                 raise
             time.sleep(RETRY_S)  # a broker that took over fetches them from the worker again
             continue
-        return out
+        return
     raise InvalidRequest(f"{what}: not read")  # unreachable: the loop returns or raises
 
 

@@ -11,6 +11,8 @@ on loopback, the real client, real jobs under restricted users.
 from __future__ import annotations
 
 import hashlib
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -88,3 +90,32 @@ def test_outputs_over_a_tenants_half_of_max_held_output_bytes_are_too_large_nami
         with pytest.raises(TooLarge, match="max_held_output_bytes"):
             make_outputs(c, 9, HELD_LIMIT // 2 + MiB)
         assert make_outputs(c, 10, 20 * MiB) == expected(10, 20 * MiB)  # and the hold is empty again
+
+
+def test_a_worker_stopped_while_outputs_wait_for_room_still_delivers_both_as_it_drains(
+        cluster: LocalCluster) -> None:
+    """SIGTERM while a job's outputs wait for room in the hold: the worker drains, the broker
+    fetches the held outputs, and the waiting ones take the room that frees and come back too
+    (the wait ends BUSY only by the drain's deadline, ``OutputHold.stop``). The broker is
+    paused (SIGSTOP) while the jobs finish, so that nothing is fetched and the second must wait."""
+    broker = cluster.brokers["broker"]
+    worker = cluster.worker_procs["w0"]
+    with Client(cluster.frontend, timeout=180) as c:
+        script = f"sleep 1; yes output-of-job-{{}} | head -c {OUT} > out; echo done"
+        jobs = [c.submit(["sh", "-c", script.format(i)], outputs=["out"], gpu_milli=100, time_limit=60)
+                for i in (21, 22)]
+        time.sleep(0.5)  # both running (placed at once: two GPUs), each a second from its outputs
+        waits_before = cluster.log_tail("w0", 2000).count("wait for room")
+        broker.send_signal(signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 10
+            while cluster.log_tail("w0", 2000).count("wait for room") == waits_before:
+                assert time.monotonic() < deadline, "no job's outputs waited for room"
+                time.sleep(0.02)
+            worker.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+        finally:
+            broker.send_signal(signal.SIGCONT)
+        outs = [outputs(job) for job in jobs]
+    assert worker.wait(timeout=60) == 0
+    assert outs == [expected(21, OUT), expected(22, OUT)]

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,6 +92,49 @@ def test_outputs_without_room_in_time_end_busy_and_hold_nothing(tmp_path: Path,
         hold.take("job2", "acme", ["a", "b"], sources)
     assert hold.held == first.total
     first.close()
+
+
+def test_a_stopping_worker_cuts_the_wait_for_room_to_its_drain_and_answers_busy_by_then(
+        tmp_path: Path, sources: list[tuple[int, int]]) -> None:
+    """At SIGTERM the worker drains for drain_timeout (30 s), shorter than the wait for room
+    (60 s): a job still waiting at the deadline would be cut off without its RESULT. The wait
+    now ends by the time ``stop`` names, BUSY saying why; room that comes before still takes
+    the outputs; outputs that fit are held as before."""
+    hold = OutputHold(tmp_path, limit=16 * MiB, wait_s=30)
+    first = hold.take("job1", "acme", ["a", "b"], sources)
+    got: list[Any] = []
+
+    def wait() -> None:
+        try:
+            got.append(hold.take("job2", "acme", ["a", "b"], sources))
+        except Busy as exc:
+            got.append(exc)
+
+    # Room comes before the stop's deadline: the waiting outputs take it.
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.2)
+    hold.stop("the worker is stopping", time.monotonic() + 20)
+    time.sleep(0.2)
+    assert got == []  # still waiting: its deadline is the stop's now, not yet come
+    first.close()
+    waiter.join(10)
+    assert len(got) == 1 and isinstance(got[0], HeldOutputs), got
+    # No room by the stop's deadline: BUSY then, long before the 30 s wait, holding nothing.
+    first, got[:] = got[0], []
+    waiter = threading.Thread(target=wait)
+    began = time.monotonic()
+    hold.stop("the worker is stopping", began + 0.5)
+    waiter.start()
+    waiter.join(10)
+    assert 0.4 < time.monotonic() - began < 5
+    assert len(got) == 1 and isinstance(got[0], Busy) and "the worker is stopping" in got[0].message, got
+    assert hold.held == first.total
+    other = hold.take("job3", "beta", ["a", "b"], sources)  # another tenant's fit: held as before
+    assert other.read(0, 3 * MiB, 8) == b"end-of-a"
+    other.close()
+    first.close()
+    assert hold.held == 0
 
 
 def test_the_disk_bounds_the_hold_whatever_its_limit(small_fs: Path, tmp_path: Path) -> None:

@@ -87,6 +87,7 @@ class OutputHold:
         self.by_tenant: dict[str, int] = {}  # the same, by tenant (none listed with 0)
         self._writing = 0  # of those, reserved and not written yet (statvfs does not count them)
         self._changed = threading.Condition()
+        self._stopping: tuple[str, float] | None = None  # why, and until when, outputs still wait for room (``stop``)
 
     @property
     def tenant_limit(self) -> int:
@@ -128,6 +129,14 @@ class OutputHold:
                 self._writing -= nbytes
             self._changed.notify_all()
 
+    def stop(self, why: str, by: float) -> None:
+        """Outputs waiting for room, and any that will, wait until ``by`` (``time.monotonic``)
+        at most, then end their job BUSY saying ``why``: the worker stops, and would cut a longer
+        wait off unanswered at its drain deadline. Room that comes before still takes them."""
+        with self._changed:
+            self._stopping = (why, by)
+            self._changed.notify_all()
+
     def room(self, tenant: str | None = None) -> int:
         """Bytes more the hold may take now (for ``tenant``: under its share too): under
         ``limit``, and on its file system less what is reserved and not written yet and
@@ -148,7 +157,13 @@ class OutputHold:
         with self._changed:
             waited = False
             while (room := self.room(tenant)) < nbytes:
+                stopping = self._stopping
                 left = deadline - time.monotonic()
+                if stopping is not None and stopping[1] < deadline:
+                    left = stopping[1] - time.monotonic()
+                    if left <= 0:
+                        raise Busy(f"the worker has no room for the job's {nbytes} bytes of staged outputs now, and "
+                                   f"{stopping[0]}: the job ran, its outputs are lost")
                 if left <= 0:
                     raise Busy(f"the worker has room for {room} more bytes of this tenant's staged outputs now, not the job's "
                                f"{nbytes}: it waited {self.wait_s:g}s for the broker to fetch other jobs' "

@@ -439,6 +439,8 @@ class Worker:
                     log.info("stopping: draining %d running task(s), %d session(s)", len(self.running), len(self.sessions))
                     self.draining = True
                     drain_deadline = now + self.config.drain_timeout
+                    # Outputs waiting for room are answered before the deadline, not cut off at it.
+                    self.runner.hold.stop("the worker is stopping", drain_deadline - min(2.0, self.config.drain_timeout / 4))
                     self._beat_all(now)
                 if (not self.running and (not self.unacked or self.active_idx is None)) or now >= drain_deadline:
                     return  # done, and what it answered is ACKed (or no broker is there to ACK it)

@@ -277,18 +277,24 @@ def test_a_passive_with_a_small_spool_disk_bounds_the_uploads_and_the_pair_serve
         assert "re-syncing" not in backup_log and "cannot write a staged file" not in backup_log
 
 
-def test_sigkill_of_the_active_broker_mid_pull_of_outputs_gives_them_whole_from_one_run(pair: LocalCluster) -> None:
-    """The worker holds a finished job's outputs until a broker ACKs its RESULT (PROTOCOL.md
-    §11.5): the active broker SIGKILLed while it pulls them, the new active one pulls them again
-    from the worker's hold, and the client gets every byte of the one run (not a second run)."""
+def whole_pair(pair: LocalCluster) -> str:
+    """The pair whole again (an earlier test may have killed one) and its passive in sync; the active's role."""
     active = pair.wait_active()
-    for role in pair.roles:  # an earlier test may have killed one: the pair whole again, in sync
+    for role in pair.roles:
         if pair.brokers[role].poll() is not None:
             pair.restart_broker(role)
     deadline = time.monotonic() + 60
     while not pair.pair_state(next(r for r in pair.roles if r != active)).get("synced"):
         assert time.monotonic() < deadline, "the passive broker never got in sync"
         time.sleep(0.05)
+    return active
+
+
+def test_sigkill_of_the_active_broker_mid_pull_of_outputs_gives_them_whole_from_one_run(pair: LocalCluster) -> None:
+    """The worker holds a finished job's outputs until a broker ACKs its RESULT (PROTOCOL.md
+    §11.5): the active broker SIGKILLed while it pulls them, the new active one pulls them again
+    from the worker's hold, and the client gets every byte of the one run (not a second run)."""
+    active = whole_pair(pair)
     size = 400 * MiB
     expected = hashlib.sha256((b"abcdefgh\n" * (size // 9 + 1))[:size]).hexdigest()
     worker_logs = [Path(str(pair.rundir)) / f"{w}.log" for w in pair.worker_procs]
@@ -324,4 +330,57 @@ def test_sigkill_of_the_active_broker_mid_pull_of_outputs_gives_them_whole_from_
     assert now_active != active
     # The new active broker pulled the outputs itself, from the worker's hold, on its data connection.
     assert admin_call(pair.admin_of(now_active), "status")["counters"]["output_chunks_on_data"] > 0
+    pair.restart_broker(active)
+
+
+def test_the_passive_killed_and_restarted_mid_upload_then_the_active_killed_runs_the_job_once(pair: LocalCluster) -> None:
+    """Two failures one after the other during one upload: the passive broker is SIGKILLed (the
+    active goes on alone), started again (a SNAPSHOT without the bytes, then the active backfills
+    them chunk by chunk, PROTOCOL.md §11.4) and, while the upload still runs, the active one is
+    SIGKILLed. The new active broker may lack chunks the old one took alone: the client re-opens
+    the upload and sends them again. The job runs once, on the right bytes. (A client sending
+    64 KiB chunks one at a time, so that the upload outlasts a broker's restart.)"""
+    active = whole_pair(pair)
+    passive = next(r for r in pair.roles if r != active)
+    data = payload(200 * MiB, 4)
+    worker_logs = [Path(str(pair.rundir)) / f"{w}.log" for w in pair.worker_procs]
+    _, jobs_before = executions(worker_logs)
+    result: dict[str, Any] = {}
+    keys = pair.client_keys("alice")
+
+    def upload() -> None:
+        try:
+            with Client(pair.frontends, timeout=60, curve=keys, chunk_bytes=64 << 10, chunk_window=1) as c:
+                result["sum"] = checksum_job(c, data, timeout=240)
+        except Exception as exc:
+            result["error"] = f"{type(exc).__name__}: {exc}"
+
+    admin = pair.admin_of(active)
+    held = admin_call(admin, "status")["spool"]["stored"]
+
+    def stored() -> int:
+        return int(admin_call(admin, "status")["spool"]["stored"]) - held
+
+    def wait_stored(nbytes: int) -> int:
+        deadline = time.monotonic() + 120
+        while (got := stored()) < nbytes:
+            assert time.monotonic() < deadline and thread.is_alive(), result
+            time.sleep(0.01)
+        return got
+
+    thread = threading.Thread(target=upload)
+    thread.start()
+    wait_stored(10 * MiB)
+    pair.kill_broker(passive)
+    at_restart = wait_stored(20 * MiB)
+    pair.restart_broker(passive)
+    deadline = time.monotonic() + 60
+    while not pair.pair_state(passive).get("synced"):
+        assert time.monotonic() < deadline and thread.is_alive(), f"the passive never got in sync: {result}"
+        time.sleep(0.02)
+    at_kill = stored()
+    pair.kill_broker(active)
+    assert at_restart < at_kill < len(data), f"the upload was over before the kill ({at_kill} bytes stored)"
+    ran_once(thread, result, data, worker_logs, jobs_before)
+    assert pair.wait_active() == passive
     pair.restart_broker(active)

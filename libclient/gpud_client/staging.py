@@ -168,8 +168,8 @@ def _names(names: Any, requested: Sequence[str]) -> list[str]:
 
 
 class NotWritten(InvalidRequest):
-    """An output file could not be written into ``outputs_to`` (the client's own disk): not
-    retried, the bytes are there to be read again while the broker keeps them."""
+    """An output file could not be written into ``outputs_to``: the client's own disk is at
+    fault, not the broker, so the read is not tried again."""
 
 
 class OutputFiles:

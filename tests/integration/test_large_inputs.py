@@ -338,11 +338,11 @@ def test_the_passive_killed_and_restarted_mid_upload_then_the_active_killed_runs
     active goes on alone), started again (a SNAPSHOT without the bytes, then the active backfills
     them chunk by chunk, PROTOCOL.md §11.4) and, while the upload still runs, the active one is
     SIGKILLed. The new active broker may lack chunks the old one took alone: the client re-opens
-    the upload and sends them again. The job runs once, on the right bytes. (A client sending
-    64 KiB chunks one at a time, so that the upload outlasts a broker's restart.)"""
+    the upload and sends them again. The job runs once, on the right bytes. (512 MiB: the upload
+    outlasts a broker's restart.)"""
     active = whole_pair(pair)
     passive = next(r for r in pair.roles if r != active)
-    data = payload(200 * MiB, 4)
+    data = payload(512 * MiB, 4)
     worker_logs = [Path(str(pair.rundir)) / f"{w}.log" for w in pair.worker_procs]
     _, jobs_before = executions(worker_logs)
     result: dict[str, Any] = {}
@@ -350,7 +350,7 @@ def test_the_passive_killed_and_restarted_mid_upload_then_the_active_killed_runs
 
     def upload() -> None:
         try:
-            with Client(pair.frontends, timeout=60, curve=keys, chunk_bytes=64 << 10, chunk_window=1) as c:
+            with Client(pair.frontends, timeout=60, curve=keys) as c:
                 result["sum"] = checksum_job(c, data, timeout=240)
         except Exception as exc:
             result["error"] = f"{type(exc).__name__}: {exc}"

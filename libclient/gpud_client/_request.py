@@ -176,8 +176,8 @@ def input_view(obj: BytesLike | os.PathLike[str], what: str) -> memoryview:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise InvalidRequest(f"{what}: {path} is not a regular file")
-        if st.st_size == 0:
-            return memoryview(b"")
+        if st.st_size == 0:  # empty, or a file that does not tell its size (/proc, /sys): read it
+            return memoryview(_read_unsized(fd, what, path))
         mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
     except OSError as exc:
         raise InvalidRequest(f"{what}: cannot read {path}: {exc.strerror}") from None
@@ -185,6 +185,21 @@ def input_view(obj: BytesLike | os.PathLike[str], what: str) -> memoryview:
         os.close(fd)
     mapped.madvise(mmap.MADV_SEQUENTIAL)  # read once, in order: read ahead, and let go behind
     return memoryview(mapped)  # keeps the mapping; unmapped once the last view of it goes
+
+
+UNSIZED_MAX = 16 << 20  # bytes read, at most, of a file whose size its file system does not say
+
+
+def _read_unsized(fd: int, what: str, path: str) -> bytes:
+    parts: list[bytes] = []
+    n = 0
+    while chunk := os.read(fd, 1 << 20):
+        parts.append(chunk)
+        n += len(chunk)
+        if n > UNSIZED_MAX:
+            raise InvalidRequest(f"{what}: {path} says it is empty but holds more than {UNSIZED_MAX} bytes; "
+                                 "copy it into a regular file first")
+    return b"".join(parts)
 
 
 def as_bytes(frame: Any) -> bytes:

@@ -71,6 +71,9 @@ def test_path_inputs_and_outputs_to_a_directory_come_out_right(cluster: LocalClu
         res = c.run(["sh", "-c", "echo tiny > little"], outputs=["little"], outputs_to=out, gpu_milli=100)
         assert res.paths == {"little": out / "little"} and (out / "little").read_bytes() == b"tiny\n"
         assert sorted(p.name for p in out.iterdir()) == ["big", "little"]  # no partial file left
+        # A file that does not tell its size (procfs says 0) is read, not sent empty.
+        res = c.run(["cat", "status"], files={"status": Path("/proc/self/status")}, gpu_milli=100)
+        assert res.stdout.startswith(b"Name:"), res.stdout[:100]
         # Bad paths are the caller's error, said before anything is sent.
         with pytest.raises(InvalidRequest, match="cannot open .*nowhere: No such file"):
             c.run(["true"], files={"a": tmp_path / "nowhere"})

@@ -147,6 +147,22 @@ def ran_once(thread: threading.Thread, result: dict[str, Any], data: bytes, logs
     return started
 
 
+def uploader(pair: LocalCluster, data: bytes, timeout: float = 180.0) -> tuple[threading.Thread, dict[str, Any]]:
+    """A thread (not started) that runs ``checksum_job`` on ``data`` as alice, and what it got:
+    ``sum``, or ``error``."""
+    result: dict[str, Any] = {}
+    keys = pair.client_keys("alice")
+
+    def upload() -> None:
+        try:
+            with Client(pair.frontends, timeout=60, curve=keys) as c:
+                result["sum"] = checksum_job(c, data, timeout)
+        except Exception as exc:
+            result["error"] = f"{type(exc).__name__}: {exc}"
+
+    return threading.Thread(target=upload), result
+
+
 def checksum_job(c: Client, data: bytes, timeout: float = 180.0) -> str:
     out = c.run(["md5sum", "a"], files={"a": data}, gpu_milli=100, time_limit=timeout, timeout=timeout)
     assert out.exit_code == 0, out.stderr
@@ -210,19 +226,9 @@ def test_sigkill_of_the_active_broker_mid_upload_runs_the_job_exactly_once(pair:
     data = payload(300 * MiB, 3)
     worker_logs = [Path(str(pair.rundir)) / f"{w}.log" for w in pair.worker_procs]
     _, jobs_before = executions(worker_logs)
-    result: dict[str, Any] = {}
-    keys = pair.client_keys("alice")
-
-    def upload() -> None:
-        try:
-            with Client(pair.frontends, timeout=60, curve=keys) as c:
-                result["sum"] = checksum_job(c, data)
-        except Exception as exc:
-            result["error"] = f"{type(exc).__name__}: {exc}"
-
+    thread, result = uploader(pair, data)
     admin = pair.admin_of(active)
     held = admin_call(admin, "status")["spool"]["stored"]  # what earlier tests left (their outputs)
-    thread = threading.Thread(target=upload)
     thread.start()
     deadline = time.monotonic() + 60
     while (stored := admin_call(admin, "status")["spool"]["stored"] - held) < 30 * MiB:
@@ -345,16 +351,7 @@ def test_the_passive_killed_and_restarted_mid_upload_then_the_active_killed_runs
     data = payload(512 * MiB, 4)
     worker_logs = [Path(str(pair.rundir)) / f"{w}.log" for w in pair.worker_procs]
     _, jobs_before = executions(worker_logs)
-    result: dict[str, Any] = {}
-    keys = pair.client_keys("alice")
-
-    def upload() -> None:
-        try:
-            with Client(pair.frontends, timeout=60, curve=keys) as c:
-                result["sum"] = checksum_job(c, data, timeout=240)
-        except Exception as exc:
-            result["error"] = f"{type(exc).__name__}: {exc}"
-
+    thread, result = uploader(pair, data, timeout=240)
     admin = pair.admin_of(active)
     held = admin_call(admin, "status")["spool"]["stored"]
 
@@ -368,7 +365,6 @@ def test_the_passive_killed_and_restarted_mid_upload_then_the_active_killed_runs
             time.sleep(0.01)
         return got
 
-    thread = threading.Thread(target=upload)
     thread.start()
     wait_stored(10 * MiB)
     pair.kill_broker(passive)

@@ -241,13 +241,13 @@ def test_program_not_found_is_an_outcome(runner: JobRunner) -> None:
 
 def test_outputs_together_past_max_outputs_are_omitted_not_read(make_runner: Callable[..., JobRunner]) -> None:
     """Each file under the per-file cap, the three together over ``max_outputs``: the one that
-    would pass it is left out (and so never held in the worker's memory), the later ones that
-    still fit are kept, in the spec's order."""
+    would pass it is named in ``oversize``, and no output is returned (nor read into the
+    worker's memory): the worker ends such a job TOO_LARGE."""
     runner = make_runner(max_output_file=1000, max_outputs=1500)
     script = "head -c 800 /dev/zero > a; head -c 800 /dev/zero > b; head -c 600 /dev/zero > c; echo x > d"
     out = run(runner, job("sh", "-c", script, outputs=["a", "b", "c", "d"]))
     assert out.exit_code == 0, out.stderr
-    assert out.files == [("a", bytes(800)), ("c", bytes(600)), ("d", b"x\n")]
+    assert out.files == [] and out.held is None
     assert out.oversize == ("b",)
     unbounded = run(make_runner(max_output_file=1000), job("sh", "-c", script, outputs=["a", "b", "c"]))
     assert [name for name, _ in unbounded.files] == ["a", "b", "c"] and unbounded.oversize == ()
@@ -262,15 +262,13 @@ def test_outputs_over_the_stage_threshold_are_held_on_disk_not_read(make_runner:
     holdroot.mkdir()
     hold = OutputHold(holdroot, limit=64 << 20, stage_above=1 << 20)
     runner = make_runner(max_output_file=8 << 20, max_outputs=12 << 20, hold=hold)
-    script = ("head -c 3000000 /dev/urandom > a; cp a b; printf tail >> b; head -c 9000000 /dev/zero > c; "
-              "echo small > s")
+    script = "head -c 3000000 /dev/urandom > a; cp a b; printf tail >> b; echo small > s"
     out = run(runner, job("sh", "-c", script + "; cat a | md5sum", outputs=["a", "b", "c", "s"]))
     assert out.exit_code == 0, out.stderr
     held = out.held
     assert held is not None and out.files == []
     try:
         assert held.names == ["a", "b", "s"] and held.sizes == [3000000, 3000004, 6]
-        assert out.oversize == ("c",)  # over max_output_file: never copied either
         a = b"".join(held.read(0, off, 1 << 20) or b"" for off in range(0, 3000000, 1 << 20))
         assert hashlib.md5(a).hexdigest() == out.stdout.split()[0].decode()
         assert held.read(1, 3000000, 100) == b"tail" and held.read(2, 0, 100) == b"small\n"
@@ -280,6 +278,9 @@ def test_outputs_over_the_stage_threshold_are_held_on_disk_not_read(make_runner:
     assert hold.held == 0
     small = run(runner, job("sh", "-c", "head -c 1000000 /dev/zero > a", outputs=["a"]))
     assert small.held is None and small.files == [("a", bytes(1000000))]
+    # One output over max_output_file: the job ends TOO_LARGE, so the others are not copied either.
+    over = run(runner, job("sh", "-c", script + "; head -c 9000000 /dev/zero > c", outputs=["a", "b", "c", "s"]))
+    assert over.oversize == ("c",) and over.held is None and over.files == [] and hold.held == 0
 
 
 def test_files_in_and_out(make_runner: Callable[..., JobRunner], workroot: pathlib.Path) -> None:
@@ -293,19 +294,23 @@ def test_files_in_and_out(make_runner: Callable[..., JobRunner], workroot: pathl
         "-c",
         script,
         files=["a.txt", "b.bin", "c.frame", "d.ints"],
-        outputs=["joined", "missing", "link", "fifo", "dir", "big", "edge", "a.txt", "joined"],
+        outputs=["joined", "missing", "link", "fifo", "dir", "edge", "a.txt", "joined"],
     )
     ints = array.array("i", [1, 2])
     inputs = (b"one\n", memoryview(bytearray(b"two\n")), zmq.Frame(b"three\n"), ints)
     out = run(runner, spec, inputs)
     assert out.exit_code == 0, out.stderr
-    # Missing, symlink, FIFO, directory and over-cap files are omitted; order is spec order.
+    # Missing, symlink, FIFO and directory files are omitted; order is spec order; at the cap is in.
     assert out.files == [
         ("joined", b"one\ntwo\nthree\n" + ints.tobytes()),
         ("edge", bytes(1000)),
         ("a.txt", b"one\n"),
     ]
+    assert out.oversize == ()
     assert os.listdir(workroot) == []  # the job directory is gone
+    # A file over the cap: named, and then no output at all (the worker ends the job TOO_LARGE).
+    over = run(runner, job("sh", "-c", script, files=list(spec.files), outputs=["joined", "big", "edge"]), inputs)
+    assert over.oversize == ("big",) and over.files == []
 
 
 def test_workdir_is_private(runner: JobRunner, workroot: pathlib.Path) -> None:

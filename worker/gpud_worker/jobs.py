@@ -23,7 +23,9 @@ Isolation model (DESIGN.md §5):
   regular files owned by the job's user are returned (so a hard link to someone else's file is not),
   and a file bigger than ``max_output_file`` is omitted (logged), never truncated, so a client never
   receives a silently cut file; so is one that would take the files read before it past
-  ``max_outputs`` together. Outputs over ``hold.stage_above`` together are not read at all: they
+  ``max_outputs`` together. When one is omitted so (``JobOutcome.oversize``), none is returned:
+  the worker ends such a job TOO_LARGE, and reading or holding the others would be wasted (or,
+  in a full hold, wait for room and end it BUSY). Outputs over ``hold.stage_above`` together are not read at all: they
   are copied into the worker's hold on disk (``gpud_worker.held_outputs``), out of its memory.
 
 - With a ``sandbox`` (``gpud_worker.sandbox``, as root where namespaces can be made), the job runs
@@ -1133,6 +1135,8 @@ class JobRunner:
                 if left is not None:
                     left -= st.st_size
                 found.append((name, fd, st.st_size))
+            if oversize:  # the job ends TOO_LARGE: none of its outputs is read, nor copied into the hold
+                return [], None  # (where it might also wait for room, and end BUSY instead)
             # The job's processes are all gone: its files keep the sizes they have now.
             if sum(size for _, _, size in found) > self.hold.stage_above:
                 return [], self.hold.take(hexid, tenant, [name for name, _, _ in found],

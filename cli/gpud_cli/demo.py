@@ -1,6 +1,7 @@
 """``gpud up --demo``: a mixed workload through the real client library against a local cluster.
 
-Runs echo requests, jobs with input and output files, and device sessions with every built-in
+Runs echo requests, jobs with input and output files (one of them large: staged from a file on
+disk, its output written into a directory), and device sessions with every built-in
 kernel; checks every result (kernels against numpy); prints where each piece of work was placed and
 a per-GPU summary. Returns 0 only when every result was right.
 """
@@ -8,8 +9,11 @@ a per-GPU summary. Returns 0 only when every result was right.
 from __future__ import annotations
 
 import collections
+import hashlib
 import os
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,6 +53,7 @@ def run_demo(cluster: LocalCluster, echoes: int = 500, jobs: int = 8, sessions: 
             if r.exit_code != 0 or r.files.get("out.txt") != text.upper() or not r.stdout.startswith(b"gpu="):
                 failures.append(f"job on {where} returned exit {r.exit_code}, stderr {r.stderr[:200]!r}")
         print(f"jobs     {jobs} run as user(s) {sorted({r.user for _, j in submitted for r in [j.wait()]})}")
+        failures += _large_job(client)
 
         # Sessions: every built-in kernel, checked against numpy.
         rng = np.random.default_rng(7)
@@ -80,6 +85,28 @@ def run_demo(cluster: LocalCluster, echoes: int = 500, jobs: int = 8, sessions: 
         return 1
     print("\ndemo OK: every result checked")
     return 0
+
+
+def _large_job(client: Any, mib: int = 64) -> list[str]:
+    """A job with a dataset from a file on disk (staged in 1 MiB chunks through the broker's
+    spool, never whole in this process's memory) and half of it back as an output written into
+    a directory as it comes; both checked."""
+    with tempfile.TemporaryDirectory(prefix="gpud-demo-") as tmp:
+        data, results = Path(tmp, "data.bin"), Path(tmp, "results")
+        data.write_bytes(os.urandom(mib << 20))
+        results.mkdir()
+        half = mib << 19
+        t0 = time.perf_counter()
+        r = client.run(["sh", "-c", f"md5sum data.bin; head -c {half} data.bin > head.bin"], files={"data.bin": data},
+                       outputs=["head.bin"], outputs_to=results, gpu_milli=250, time_limit=60)
+        dt = time.perf_counter() - t0
+        content = data.read_bytes()
+        print(f"staged   a job with {mib} MiB in from a file and {mib // 2} MiB out into a directory: {dt:.1f}s")
+        if r.exit_code != 0 or r.stdout.split()[:1] != [hashlib.md5(content).hexdigest().encode()]:
+            return [f"the large job saw other bytes: exit {r.exit_code}, {r.stdout[:100]!r}, {r.stderr[:200]!r}"]
+        if r.paths.get("head.bin") != results / "head.bin" or (results / "head.bin").read_bytes() != content[:half]:
+            return ["the large job's output came back wrong"]
+    return []
 
 
 def _failover(cluster: LocalCluster, client: Any) -> list[str]:

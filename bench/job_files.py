@@ -75,7 +75,7 @@ def main() -> int:
     from gpud_cli.cluster import LocalCluster
 
     nbytes, half = args.mib * MiB, args.mib * MiB // 2
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(HERE / d) for d in ("", "libclient", "gpud"))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(HERE / d) for d in ("", "libclient"))}
     got: dict[str, list[dict[str, Any]]] = {"bytes": [], "path": []}
     with tempfile.TemporaryDirectory(prefix="gpud-jobfiles-") as tmp, \
             LocalCluster(workers=1, gpus_per_worker=2) as cluster:

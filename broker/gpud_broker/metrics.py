@@ -177,6 +177,7 @@ class BrokerCollector(Collector):
         for tenant, n in sorted(dict(stats.tenant_errors).items()):
             tenant_errors.add_metric([tenant], n)
         c = dict(core.counters)
+        out += self._spool(core, c)
         out += [
             requests,
             errors,
@@ -206,6 +207,36 @@ class BrokerCollector(Collector):
                               value=core.journal.lag),
         ]
         return out
+
+    @staticmethod
+    def _spool(core: BrokerCore, c: dict[str, int]) -> list[Metric]:
+        """Staged job inputs and outputs (PROTOCOL.md §11): what the spool holds against its quota
+        and each tenant's budget, its disk room, and which connection the bulk bytes took."""
+        spool, accounts = core.staging.spool, core.accounts
+        by_tenant = GaugeMetricFamily("gpud_tenant_spool_bytes", "Staged bytes a tenant's uploads and outputs reserve "
+                                      "in the spool (its budget: tenant_max_spool_bytes).", labels=["tenant"])
+        for tenant, n in sorted(dict(accounts.spooled).items()):
+            by_tenant.add_metric([tenant], n)
+        chunks = CounterMetricFamily("gpud_staged_chunks", "Staged chunks between the broker and its workers, by "
+                                     "direction and by the worker's connection they took (data: apart from its "
+                                     "heartbeats and results).", labels=["direction", "connection"])
+        for direction, key in (("inputs", "fetches"), ("outputs", "output_chunks")):
+            for conn in ("data", "control"):
+                chunks.add_metric([direction, conn], c.get(f"{key}_on_{conn}", 0))
+        room = spool.room()  # None where the file system cannot tell: no sample rather than a false 0
+        out = [] if room is None else [GaugeMetricFamily(
+            "gpud_spool_disk_room_bytes", "Bytes more the spool's disk can take now, less what open uploads still "
+            "owe and its headroom.", value=room)]
+        return out + [
+            GaugeMetricFamily("gpud_spool_uploads", "Staged uploads and pulled outputs the spool holds.", value=len(spool)),
+            GaugeMetricFamily("gpud_spool_reserved_bytes", "Bytes the spool's uploads and outputs reserve, written or not.",
+                              value=spool.reserved),
+            GaugeMetricFamily("gpud_spool_stored_bytes", "Staged bytes the spool holds now.", value=spool.stored),
+            GaugeMetricFamily("gpud_spool_quota_bytes", "The spool's quota, all tenants together (spool_quota_bytes).",
+                              value=accounts.budgets.max_spool_bytes),
+            by_tenant,
+            chunks,
+        ]
 
 
 def _le(bound: float) -> str:

@@ -775,3 +775,34 @@ def test_an_upload_the_spool_disk_cannot_take_is_answered_busy_at_its_opening(sm
     reply = h.one_reply(C1)
     assert reply.header["code"] == "BUSY" and "no room for its outputs" in reply.header["message"]
     assert "spool disk has room for" in reply.header["message"]
+
+
+def test_the_spool_shows_in_the_metrics_against_its_quota_and_each_tenants_budget() -> None:
+    pytest.importorskip("prometheus_client")
+    from gpud_broker.metrics import BrokerCollector
+
+    h = Harness(budgets=Budgets(max_spool_bytes=1 << 30))
+    h.ready(W1, "w1")
+    h.take_worker()
+    stage_all(h)
+    put(h, 50, job=rid(78), tenant="beta", sizes=[5000])
+    put(h, 51, job=rid(78), tenant="beta", file=0, offset=0, frames=(b"x" * 2000,))
+    loop_turn(h)
+    staged_job(h)
+    h.one_dispatch(W1)
+    fetch_all(h)
+    fams = {f.name: f for f in BrokerCollector(h.core).collect()}
+
+    def value(name: str, **labels: str) -> float:
+        (got,) = [s.value for s in fams[name].samples if s.labels == labels and not s.name.endswith("_created")]
+        return got
+
+    assert value("gpud_spool_uploads") == 2
+    assert value("gpud_spool_reserved_bytes") == 10270 + 5000 and value("gpud_spool_stored_bytes") == 10270 + 2000
+    assert value("gpud_spool_quota_bytes") == 1 << 30
+    assert value("gpud_tenant_spool_bytes", tenant="acme") == 10270 and value("gpud_tenant_spool_bytes", tenant="beta") == 5000
+    assert value("gpud_spool_disk_room_bytes") > 0
+    fetches = h.core.counters["fetches_on_data"] + h.core.counters["fetches_on_control"]
+    assert fetches > 0 and value("gpud_staged_chunks", direction="inputs", connection="control") == \
+        h.core.counters["fetches_on_control"]
+    assert value("gpud_staged_chunks", direction="outputs", connection="data") == 0

@@ -111,6 +111,7 @@ def _worker_row(core: BrokerCore, w: WorkerRecord) -> dict[str, Any]:
         "job_network": w.job_network or None,
         "pool_users": w.pool_users,
         "pool_free": max(0, w.pool_users - sum(w.pool_held.values())) if w.pool_users else None,
+        "held_outputs": w.held_outputs,  # staged outputs it holds until fetched (PROTOCOL.md §11.5)
         "connected_s": round(now - w.connected_at, 3),
         "last_heard_s": round(w.liveness.silence(now), 3),
         "running": [

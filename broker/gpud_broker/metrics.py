@@ -85,6 +85,8 @@ class BrokerCollector(Collector):
         heard = GaugeMetricFamily("gpud_worker_last_heard_seconds", "Seconds since a worker was last heard.", labels=["worker"])
         isolation = GaugeMetricFamily("gpud_worker_isolation", "1 for how the worker isolates user work (READY): namespaces "
                                       "(with its job network) or rlimits only.", labels=["worker", "level", "job_network"])
+        held = GaugeMetricFamily("gpud_worker_held_output_bytes", "Finished jobs' staged outputs a worker holds until a "
+                                 "broker fetches them (its max_held_output_bytes bounds them).", labels=["worker"])
         pool_free = GaugeMetricFamily("gpud_worker_pool_users_free", "Pool users of a worker that no placed job or session holds.",
                                       labels=["worker"])
         util = GaugeMetricFamily("gpud_gpu_utilization_ratio", "GPU utilization (0-1) at the last heartbeat.", labels=GPU_LABELS)
@@ -102,6 +104,7 @@ class BrokerCollector(Collector):
             draining.add_metric([w.name], 1.0 if w.draining else 0.0)
             heard.add_metric([w.name], max(0.0, now - w.liveness.last_heard))
             isolation.add_metric([w.name, w.isolation or "unknown", w.job_network or "unknown"], 1.0)
+            held.add_metric([w.name], w.held_outputs)
             if w.pool_users:
                 pool_free.add_metric([w.name], max(0, w.pool_users - sum(list(w.pool_held.values()))))
             for gpu in list(w.gpus):
@@ -118,7 +121,7 @@ class BrokerCollector(Collector):
                 state = "cordoned" if gpu.cordoned else s.health
                 for name in HEALTH_STATES:
                     health.add_metric([*labels, name], 1.0 if name == state else 0.0)
-        out += [inflight, draining, heard, isolation, pool_free, util, used, total, temp, power, granted, granted_mem, grants, health]
+        out += [inflight, draining, heard, isolation, held, pool_free, util, used, total, temp, power, granted, granted_mem, grants, health]
 
         # Queue, sessions and tenants.
         queue = GaugeMetricFamily("gpud_queue_requests", "Requests waiting for a GPU, by tenant and priority.", labels=["tenant", "priority"])

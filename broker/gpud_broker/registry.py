@@ -70,6 +70,7 @@ class WorkerRecord:
     granted_host_mem: int = 0
     inflight: int = 0  # dispatched requests not yet answered (counts against slots)
     draining: bool = False
+    held_outputs: int = 0  # bytes of finished jobs' staged outputs it holds for a broker to fetch (HEARTBEAT)
     running: list[dict[str, Any]] = field(default_factory=list)  # as its last heartbeat said
     running_at: float = 0.0  # when that heartbeat came (0: none yet, or its list was cut short)
     assigned: dict[bytes, Task] = field(default_factory=dict)  # task id -> task dispatched to it

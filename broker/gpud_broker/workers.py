@@ -214,6 +214,9 @@ class WorkerDialog:
         if header.get("draining") is True and not worker.draining:
             log.info("worker %s is draining: no new work goes to it", worker.name)
             self.dispatcher.set_draining(worker, True)
+        held = header.get("held_outputs")
+        if type(held) is int and held >= 0:
+            worker.held_outputs = held
         age = header.get("active_age_ms")
         if type(age) is int and age >= 0:
             worker.other_active_at = self.core.now - age / 1000.0

@@ -249,6 +249,31 @@ def test_collector_families_and_monotonic_gpu_seconds() -> None:
     assert parse_listen("[::1]:9464") == ("::1", 9464) and parse_listen(":0") == ("0.0.0.0", 0)
 
 
+def test_a_workers_held_outputs_from_its_heartbeat_show_in_workers_and_the_metrics() -> None:
+    """``held_outputs`` (PROTOCOL.md §4): what a worker says it holds, shown as it says it; a
+    field of the wrong type or sign changes nothing."""
+    pytest.importorskip("prometheus_client")
+    from gpud_broker.commands import ADMIN
+    from gpud_broker.metrics import BrokerCollector
+
+    c = Core()
+
+    def shown() -> tuple[Any, Any]:
+        (row,) = ADMIN.dispatch(c.core, "workers", {}, who="tester pid 1")
+        fams = {f.name: f for f in BrokerCollector(c.core).collect()}
+        (metric,) = [s.value for s in fams["gpud_worker_held_output_bytes"].samples if s.labels == {"worker": "w1"}]
+        return row["held_outputs"], metric
+
+    assert shown() == (0, 0)
+    c.worker(Command.HEARTBEAT, {"seq": 1, "held_outputs": 300 << 20})
+    assert shown() == (300 << 20, 300 << 20)
+    for bad in (-1, "lots", 2.5, None, [1]):
+        c.worker(Command.HEARTBEAT, {"seq": 2, "held_outputs": bad})
+        assert shown() == (300 << 20, 300 << 20), bad
+    c.worker(Command.HEARTBEAT, {"seq": 3, "held_outputs": 0})
+    assert shown() == (0, 0)
+
+
 def test_collector_retries_when_the_state_changes_under_it() -> None:
     pytest.importorskip("prometheus_client")
     from gpud_broker.metrics import BrokerCollector

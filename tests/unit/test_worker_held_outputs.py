@@ -82,3 +82,26 @@ def test_a_job_that_ran_keeps_its_held_outputs_until_the_ack(worker: tuple[Worke
     assert hold.held == 12 * MiB and rid in w.staged_out
     w._drop_outputs(rid)  # what an ACK does
     assert hold.held == 0
+
+
+def test_the_heartbeat_says_how_many_output_bytes_the_worker_holds(worker: tuple[Worker, OutputHold, Path]) -> None:
+    from gpud import protocol
+    from gpud.protocol import Peer
+
+    w, hold, out = worker
+    link = w.links[0]
+    link.sock = object()  # type: ignore[assignment]  # taken for connected: HEARTBEATs are queued, not sent
+    link.flush = lambda: None  # type: ignore[method-assign]
+
+    def beat() -> Any:
+        w._beat(link, 1.0)
+        return protocol.decode(link.out.pop(), Peer.WORKER).header["held_outputs"]
+
+    try:
+        assert beat() == 0
+        ran(w, hold, out, b"\x04" * 8)
+        assert beat() == 12 * MiB
+        w._drop_outputs(b"\x04" * 8)  # fetched and ACKed
+        assert beat() == 0
+    finally:
+        link.sock = None

@@ -568,7 +568,7 @@ class Worker:
             if tenant is not None:
                 r["tenant"] = tenant
         header: dict[str, Any] = {"seq": seq, "gpus": gpus, "running": running, "simulated": self.probe.simulated,
-                                  "epoch": self.max_epoch}
+                                  "epoch": self.max_epoch, "held_outputs": self.runner.hold.held}
         heard = [other.liveness.last_heard for other in self.links if other is not link and other.active and other.sock is not None]
         if heard:
             header["active_age_ms"] = max(0, int((now - max(heard)) * 1000))

@@ -95,3 +95,18 @@ def pwrite_all(fd: int, data: memoryview, offset: int, piece: int = SYSCALL_BYTE
     end = len(data)
     while done < end:
         done += os.pwrite(fd, data[done:done + piece], offset + done)
+
+
+def read_capped(fd: int, cap: int) -> bytes | None:
+    """What ``fd`` holds from its offset to its end, or None when that is more than ``cap``
+    bytes (read in 1 MiB pieces, never more than ``cap`` + 1 in all)."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        chunk = os.read(fd, min(1 << 20, cap + 1 - size))
+        if not chunk:
+            return b"".join(parts)
+        parts.append(chunk)
+        size += len(chunk)
+        if size > cap:
+            return None

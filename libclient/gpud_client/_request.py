@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from gpud import protocol
 from gpud.errors import GpudError, InvalidRequest, ProtocolError, error_for
 from gpud.protocol import Command, Message, Peer
+from gpud.transfer import read_capped
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -177,7 +178,11 @@ def input_view(obj: BytesLike | os.PathLike[str], what: str) -> memoryview:
         if not stat.S_ISREG(st.st_mode):
             raise InvalidRequest(f"{what}: {path} is not a regular file")
         if st.st_size == 0:  # empty, or a file that does not tell its size (/proc, /sys): read it
-            return memoryview(_read_unsized(fd, what, path))
+            data = read_capped(fd, UNSIZED_MAX)
+            if data is None:
+                raise InvalidRequest(f"{what}: {path} says it is empty but holds more than {UNSIZED_MAX} bytes; "
+                                     "copy it into a regular file first")
+            return memoryview(data)
         mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
     except OSError as exc:
         raise InvalidRequest(f"{what}: cannot read {path}: {exc.strerror}") from None
@@ -188,18 +193,6 @@ def input_view(obj: BytesLike | os.PathLike[str], what: str) -> memoryview:
 
 
 UNSIZED_MAX = 16 << 20  # bytes read, at most, of a file whose size its file system does not say
-
-
-def _read_unsized(fd: int, what: str, path: str) -> bytes:
-    parts: list[bytes] = []
-    n = 0
-    while chunk := os.read(fd, 1 << 20):
-        parts.append(chunk)
-        n += len(chunk)
-        if n > UNSIZED_MAX:
-            raise InvalidRequest(f"{what}: {path} says it is empty but holds more than {UNSIZED_MAX} bytes; "
-                                 "copy it into a regular file first")
-    return b"".join(parts)
 
 
 def as_bytes(frame: Any) -> bytes:

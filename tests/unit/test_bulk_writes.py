@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gpud.transfer import CHUNK_BYTES, SYSCALL_BYTES, pwrite_all
+from gpud.transfer import CHUNK_BYTES, SYSCALL_BYTES, pwrite_all, read_capped
 from gpud_broker.spool import Spool
 from gpud_worker.fetch import Fetch
 
@@ -99,3 +99,20 @@ def test_a_job_thread_writes_a_fetched_chunk_in_pieces(tmp_path: Path, monkeypat
     finally:
         os.close(fd)
     assert sum(watch.sizes) == CHUNK_BYTES and max(watch.sizes) == SYSCALL_BYTES
+
+
+def test_read_capped_reads_to_the_end_or_says_it_is_more_than_the_cap(tmp_path: Path) -> None:
+    """``read_capped``: the worker's outputs read into a RESULT, and the client's inputs from a
+    file that says it is empty (procfs): all of it up to the cap, None past it, never more read."""
+    f = tmp_path / "f"
+    f.write_bytes(b"x" * (3 << 20) + b"end")
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        assert read_capped(fd, (3 << 20) + 3) == b"x" * (3 << 20) + b"end"
+        os.lseek(fd, 0, os.SEEK_SET)
+        assert read_capped(fd, (3 << 20) + 2) is None
+        assert os.lseek(fd, 0, os.SEEK_CUR) == (3 << 20) + 3  # it read one byte past the cap, no more
+        os.lseek(fd, 0, os.SEEK_SET)
+        assert read_capped(fd, 0) is None
+    finally:
+        os.close(fd)

@@ -93,7 +93,7 @@ import psutil
 
 from gpud.errors import ConfigError, InvalidRequest, RemoteError, TooLarge
 from gpud.protocol import JobSpec, check_file_name
-from gpud.transfer import pwrite_all
+from gpud.transfer import pwrite_all, read_capped
 from gpud_worker.cgroups import JOB_PREFIX, JobCgroup, JobCgroups, JobCgroupsV1, enter, job_limits
 from gpud_worker.device_program import job_rules
 from gpud_worker.held_outputs import HeldOutputs, OutputHold
@@ -1144,7 +1144,7 @@ class JobRunner:
             files: list[tuple[str, bytes]] = []
             for name, fd, size in found:
                 try:
-                    data = self._read_capped(fd, size)
+                    data = read_capped(fd, size)
                 except OSError as exc:
                     log.warning("job %s: cannot read output %s: %s", hexid, name, exc)
                     continue
@@ -1157,20 +1157,6 @@ class JobRunner:
         finally:
             for _, fd, _ in found:
                 os.close(fd)
-
-    @staticmethod
-    def _read_capped(fd: int, cap: int) -> bytes | None:
-        """The file's bytes, or None when it holds more than ``cap``."""
-        parts: list[bytes] = []
-        size = 0
-        while True:
-            chunk = os.read(fd, min(1 << 20, cap + 1 - size))
-            if not chunk:
-                return b"".join(parts)
-            parts.append(chunk)
-            size += len(chunk)
-            if size > cap:
-                return None
 
     # -- cleanup ------------------------------------------------------------------------------
 
